@@ -1,0 +1,99 @@
+"""Exception and warning types raised by layerswap.
+
+Every error derives from :class:`LayerswapError` *and*, where one fits, from the
+builtin a caller would already catch (``AttributeError`` for a missing attribute,
+``ImportError`` for a module that cannot be imported, ``TypeError`` for a value of
+the wrong kind), so ``except AttributeError`` keeps working around layerswap.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConversionError",
+    "LayerswapError",
+    "PatchConflictWarning",
+    "PatchError",
+    "PatchStateError",
+    "PatchTargetError",
+    "RequirementError",
+    "SubstitutionError",
+    "SwapWarning",
+    "TargetAttributeError",
+    "TargetImportError",
+    "TargetTypeError",
+    "UnknownSubstitutionError",
+    "UpstreamDriftError",
+    "VerificationError",
+]
+
+
+class LayerswapError(Exception):
+    """Base class of every error raised by layerswap."""
+
+
+# --- patching ---------------------------------------------------------------
+
+
+class PatchError(LayerswapError):
+    """A patch could not be started or stopped."""
+
+
+class PatchTargetError(PatchError):
+    """A patch target could not be resolved (import, attribute or type problem)."""
+
+
+class TargetImportError(PatchTargetError, ImportError):
+    """The module part of a target string cannot be imported."""
+
+
+class TargetAttributeError(PatchTargetError, AttributeError):
+    """The attribute part of a target does not exist (and ``create=True`` was not given)."""
+
+
+class TargetTypeError(PatchTargetError, TypeError):
+    """The target (or the replacement) is of a kind that cannot be patched."""
+
+
+class PatchStateError(PatchError, RuntimeError):
+    """A start/stop call does not fit the patch's state (e.g. ``start()`` twice)."""
+
+
+class PatchConflictWarning(UserWarning):
+    """Something outside layerswap rebound an attribute while a patch of it was live."""
+
+
+# --- substitutions ------------------------------------------------------------
+
+
+class SubstitutionError(LayerswapError):
+    """A substitution cannot be found, applied or undone."""
+
+
+class UnknownSubstitutionError(SubstitutionError, LookupError):
+    """No substitution (or family, or backend) by that name is registered."""
+
+    def __str__(self) -> str:  # LookupError would repr() a lone argument
+        return str(self.args[0]) if self.args else ""
+
+
+class RequirementError(SubstitutionError, RuntimeError):
+    """A substitution cannot run here (a package, a device or a feature is missing)."""
+
+
+class UpstreamDriftError(SubstitutionError, RuntimeError):
+    """The installed transformers no longer has the layer structure a converter assumes."""
+
+
+class ConversionError(SubstitutionError, ValueError):
+    """Weights could not be converted between the original and the replacement layout."""
+
+
+class SwapWarning(UserWarning):
+    """A swap succeeded but needs the user's attention (e.g. a compiled model must recompile)."""
+
+
+# --- verification ---------------------------------------------------------------
+
+
+class VerificationError(LayerswapError, AssertionError):
+    """A swapped model does not compute what the original computes within tolerance."""
