@@ -1,0 +1,81 @@
+"""``scope="context"``: a replacement visible only to the current thread / asyncio task.
+
+The site holds a small dispatcher instead of the replacement. Each call (or
+attribute access, for methods) looks up a :class:`contextvars.ContextVar`: in the
+context that started the patch it finds the replacement; everywhere else it finds
+nothing and falls through to the value that was below it. New threads start with
+an empty context and asyncio tasks copy the context they were created in, so the
+replacement follows the code that asked for it and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from layerswap.patching.sites import NOTSET, Site
+
+__all__ = ["ContextDispatch"]
+
+
+class ContextDispatch:
+    """Calls (or binds) the context's replacement if there is one, else what was below."""
+
+    __slots__ = ("_below", "_site", "_var", "__weakref__")
+
+    def __init__(self, below: Any, site: Site) -> None:
+        self._below = below
+        self._site = site
+        self._var: contextvars.ContextVar[Any] = contextvars.ContextVar(
+            f"layerswap:{site.describe()}", default=NOTSET
+        )
+
+    def activate(self, new: Any) -> contextvars.Token[Any]:
+        return self._var.set(new)
+
+    def deactivate(self, token: contextvars.Token[Any]) -> None:
+        try:
+            self._var.reset(token)
+        except ValueError:  # stopped from another context: clear it here
+            self._var.set(NOTSET)
+
+    def _current(self) -> Any:
+        impl = self._var.get()
+        if impl is not NOTSET:
+            return impl
+        below = self._below
+        if below is NOTSET:  # the original was inherited: look it up past the site
+            return _inherited(self._site)
+        return below
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        impl = self._current()
+        bind = getattr(type(impl), "__get__", None)
+        return impl if bind is None else bind(impl, instance, owner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        impl = self._current()
+        if isinstance(impl, (staticmethod, classmethod)):
+            impl = impl.__func__
+        return impl(*args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Any:
+        return self._current()
+
+    def __repr__(self) -> str:
+        return f"<context-scoped patch of {self._site.describe()}>"
+
+
+def _inherited(site: Site) -> Any:
+    owner = site.owner
+    klass = owner if isinstance(owner, type) else type(owner)
+    mro = klass.__mro__[1:] if isinstance(owner, type) else klass.__mro__
+    for base in mro:
+        if site.name in base.__dict__:
+            raw = base.__dict__[site.name]
+            if not isinstance(owner, type):
+                bind = getattr(type(raw), "__get__", None)
+                return raw if bind is None else bind(raw, owner, klass)
+            return raw
+    raise AttributeError(site.name)

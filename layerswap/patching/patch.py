@@ -1,0 +1,343 @@
+"""``patch``: one reversible replacement of one attribute (and, optionally, its aliases)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any, Literal, overload
+
+from layerswap.errors import TargetTypeError
+from layerswap.patching import stack as _stack
+from layerswap.patching.context import ContextDispatch
+from layerswap.patching.scoped import Scoped
+from layerswap.patching.sites import NOTSET, Site, make_site
+from layerswap.patching.target import ParsedTarget
+
+__all__ = ["Patch", "patch"]
+
+Scope = Literal["process", "context"]
+ValueFactory = Callable[[Site, Any], Any]
+"""Builds a layer's value from the site and the raw value below it (used by ``wrap``)."""
+
+
+class Patch(Scoped):
+    """A reversible replacement of ``owner.attribute``; see :func:`patch`."""
+
+    __slots__ = (
+        "_aliases",
+        "_attribute",
+        "_create",
+        "_factory",
+        "_hook_cancelled",
+        "_layers",
+        "_lazy",
+        "_new",
+        "_owner",
+        "_parsed",
+        "_pending_flag",
+        "_scope",
+        "_sites",
+        "_tokens",
+        "_active",
+        "_manual",
+        "_origin",
+        "_thread",
+        "_seq",
+    )
+
+    def __init__(
+        self,
+        owner: Any,
+        attribute: str | None,
+        new: Any,
+        *,
+        create: bool = False,
+        aliases: bool = False,
+        lazy: bool = False,
+        scope: Scope = "process",
+        factory: ValueFactory | None = None,
+        _parsed: ParsedTarget | None = None,
+    ) -> None:
+        self._active = False
+        self._manual = False
+        self._origin = None
+        self._thread = ""
+        self._seq = 0
+        if scope not in ("process", "context"):
+            raise TargetTypeError(f"scope must be 'process' or 'context', got {scope!r}")
+        self._parsed = _parsed
+        self._owner = owner
+        self._attribute = attribute
+        self._new = new
+        self._create = create
+        self._aliases = aliases
+        self._lazy = lazy
+        self._scope: Scope = scope
+        self._factory = factory
+        self._sites: list[Site] = []
+        self._layers: list[_stack.Layer] = []
+        self._tokens: list[Any] = []
+        self._pending_flag = False
+        self._hook_cancelled: list[bool] | None = None
+        if lazy and _parsed is None:
+            raise TargetTypeError("lazy=True needs a string target ('package.module:Name')")
+        if _parsed is not None and lazy:
+            _parsed.module_name_for_lazy()  # validate the form now: bad input fails early
+
+    # -- settings ------------------------------------------------------------------------
+    @property
+    def target(self) -> str:
+        """The target as the user named it."""
+        return self._label()
+
+    @property
+    def new(self) -> Any:
+        """The replacement value (for ``wrap``: the value shown at the first site)."""
+        if self._factory is not None and self._layers:
+            return self._layers[0].value
+        return self._new
+
+    @property
+    def sites(self) -> list[tuple[Any, str]]:
+        """Every ``(owner, attribute)`` this patch wrote while active."""
+        return [(site.owner, site.name) for site in self._sites]
+
+    def _label(self) -> str:
+        if self._parsed is not None:
+            return self._parsed.text
+        owner = self._owner
+        if isinstance(owner, types.ModuleType):
+            return f"{owner.__name__}.{self._attribute}"
+        if isinstance(owner, type):
+            return f"{owner.__qualname__}.{self._attribute}"
+        return f"<{type(owner).__qualname__} object>.{self._attribute}"
+
+    def _site_texts(self) -> tuple[str, ...]:
+        return tuple(site.describe() for site in self._sites)
+
+    def _new_text(self) -> str:
+        return _stack._short(self.new)
+
+    def _pending(self) -> bool:
+        return self._pending_flag
+
+    def _copy(self) -> Patch:
+        return Patch(
+            self._owner,
+            self._attribute,
+            self._new,
+            create=self._create,
+            aliases=self._aliases,
+            lazy=self._lazy,
+            scope=self._scope,
+            factory=self._factory,
+            _parsed=self._parsed,
+        )
+
+    # -- apply / revert ----------------------------------------------------------------
+    def _apply(self) -> None:
+        parsed = self._parsed
+        if self._lazy and parsed is not None:
+            module = parsed.module_name_for_lazy()
+            if module not in sys.modules:
+                self._register_lazy(module)
+                return
+        if parsed is not None:
+            owner, name = parsed.resolve()
+        else:
+            owner, name = self._owner, self._attribute
+        self._apply_to(owner, name)
+
+    def _apply_to(self, owner: Any, name: Any) -> None:
+        first = make_site(owner, name)
+        sites = [first]
+        if self._aliases:
+            sites.extend(_alias_sites(first))
+        make_value = self._value_maker()
+        layers: list[_stack.Layer] = []
+        try:
+            for site in sites:
+                layers.append(
+                    _stack.push(
+                        site,
+                        (lambda below, s=site: make_value(s, below)),
+                        self,
+                        create=self._create,
+                        describe=self._label,
+                    )
+                )
+                if self._scope == "context":
+                    dispatch = layers[-1].value
+                    self._tokens.append((dispatch, dispatch.activate(self._new)))
+        except BaseException:
+            for dispatch, token in reversed(self._tokens):
+                dispatch.deactivate(token)
+            self._tokens.clear()
+            for layer in reversed(layers):
+                _stack.remove(layer)
+            raise
+        self._sites = [layer.site for layer in layers]
+        self._layers = layers
+
+    def _value_maker(self) -> Callable[[Site, Any], Any]:
+        if self._scope == "context":
+            if not callable(self._new) and self._factory is None:
+                raise TargetTypeError(
+                    f"scope='context' replaces functions and methods; {self._label()} "
+                    f"cannot be replaced by the non-callable {self._new!r}"
+                )
+            factory = self._factory
+
+            def make_dispatch(site: Site, below: Any) -> Any:
+                visible = below if below is not NOTSET else site.visible()
+                if not callable(visible) and not isinstance(visible, (staticmethod, classmethod)):
+                    raise TargetTypeError(
+                        f"scope='context' replaces functions and methods; {self._label()} "
+                        f"is {visible!r}"
+                    )
+                return ContextDispatch(below, site)
+
+            if factory is not None:
+                raise TargetTypeError("scope='context' cannot be combined with wrap()")
+            return make_dispatch
+        if self._factory is not None:
+            return self._factory
+        new = self._new
+        return lambda site, below: new
+
+    def _revert(self) -> None:
+        if self._pending_flag:
+            self._pending_flag = False
+            if self._hook_cancelled is not None:
+                self._hook_cancelled[0] = True
+            return
+        for dispatch, token in reversed(self._tokens):
+            dispatch.deactivate(token)
+        self._tokens.clear()
+        conflicts: list[str] = []
+        try:
+            for layer in reversed(self._layers):
+                message = _stack.remove(layer)
+                if message is not None:
+                    conflicts.append(message)
+        finally:
+            self._layers = []
+        _stack.warn_conflicts(conflicts, stacklevel=4)
+
+    # -- lazy (post-import hook) ---------------------------------------------------------
+    def _register_lazy(self, module: str) -> None:
+        import wrapt
+
+        cancelled = [False]
+        self._hook_cancelled = cancelled
+        self._pending_flag = True
+        parsed = self._parsed
+        assert parsed is not None
+
+        def apply_on_import(_module: Any) -> None:
+            with _stack.LOCK:
+                if cancelled[0] or not self._pending_flag:
+                    return
+                owner, name = parsed.resolve()
+                self._apply_to(owner, name)
+                self._pending_flag = False
+
+        wrapt.register_post_import_hook(apply_on_import, module)
+
+
+def _alias_sites(first: Site) -> list[Site]:
+    """Module globals elsewhere bound to the same object (``from x import Y``)."""
+    value = first.visible()
+    if value is NOTSET or isinstance(value, (int, float, str, bytes, bool, type(None))):
+        return []  # interned/shared literals would match unrelated names
+    found: list[Site] = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, candidate in list(namespace.items()):
+            if candidate is value and not (module is first.owner and name == first.name):
+                found.append(make_site(module, name))
+    return found
+
+
+@overload
+def patch(
+    target: str,
+    new: Any,
+    /,
+    *,
+    create: bool = ...,
+    aliases: bool = ...,
+    lazy: bool = ...,
+    scope: Scope = ...,
+) -> Patch: ...
+
+
+@overload
+def patch(
+    target: object,
+    attribute: str,
+    new: Any,
+    /,
+    *,
+    create: bool = ...,
+    aliases: bool = ...,
+    lazy: bool = ...,
+    scope: Scope = ...,
+) -> Patch: ...
+
+
+def patch(
+    target: Any,
+    *args: Any,
+    create: bool = False,
+    aliases: bool = False,
+    lazy: bool = False,
+    scope: Scope = "process",
+) -> Patch:
+    """Replace an attribute, reversibly: ``patch("pkg.mod:Name", new)`` or ``patch(obj, "attr", new)``.
+
+    The target is resolved when the patch starts. Use it as a context manager, a
+    decorator, or with ``start()``/``stop()``. Several patches of one attribute
+    form a stack that may be stopped in any order; the original comes back, the
+    very same object, when the last one stops — also on any exception.
+
+    Options: ``create=True`` adds a missing attribute (deleted on stop);
+    ``aliases=True`` also rebinds every other module global bound to the same
+    object (``from x import Y`` copies); ``lazy=True`` waits for the module to be
+    imported; ``scope="context"`` (functions and methods) shows the replacement
+    only to the current thread / asyncio task.
+
+    Example::
+
+        with layerswap.patch("transformers.models.llama.modeling_llama:LlamaDecoderLayer", MyLayer):
+            model = LlamaForCausalLM(config)
+
+        with layerswap.patch(torch.nn.functional, "silu", my_silu):
+            ...
+    """
+    __tracebackhide__ = True
+    options = {"create": create, "aliases": aliases, "lazy": lazy, "scope": scope}
+    if isinstance(target, str):
+        if len(args) != 1:
+            raise TargetTypeError(
+                f"patch({target!r}, new) takes the replacement as its second argument"
+                + (
+                    "; for an object and an attribute name use patch(obj, 'attr', new)"
+                    if len(args) == 2
+                    else ""
+                )
+            )
+        return Patch(None, None, args[0], _parsed=ParsedTarget(target), **options)  # type: ignore[arg-type]
+    if len(args) != 2 or not isinstance(args[0], str):
+        raise TargetTypeError(
+            "patch() takes a target string and a replacement, patch('pkg.mod:Name', new), "
+            f"or an object, an attribute name and a replacement, patch(obj, 'attr', new); "
+            f"got patch({_stack._short(target, 40)}, {', '.join(_stack._short(a, 40) for a in args)})"
+        )
+    if not args[0]:
+        raise TargetTypeError("the attribute name must be a non-empty string")
+    return Patch(target, args[0], args[1], **options)  # type: ignore[arg-type]
+

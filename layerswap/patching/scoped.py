@@ -1,0 +1,292 @@
+"""The start/stop contract shared by every patch object, and the registry of live ones.
+
+A scoped object is usable three ways, with one contract:
+
+* ``with p: ...`` — started on entry, stopped on every exit, ``BaseException``
+  included, and the exception is never swallowed;
+* ``p.start()`` / ``p.stop()`` — ``start()`` on a started object raises
+  :class:`PatchStateError`, ``stop()`` twice is a no-op, start → stop → start works;
+* ``@p`` — a decorator for sync, async, generator and async-generator functions. Each
+  call runs under a *fresh copy*, so a decorated function may recurse or run in many
+  threads at once; a generator is patched for as long as it is being iterated.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import sys
+import threading
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from layerswap.errors import PatchStateError, TargetTypeError
+from layerswap.patching.wraps import safe_update_wrapper
+
+__all__ = ["PatchInfo", "Scoped", "active_patches", "restore_all"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+S = TypeVar("S", bound="Scoped")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REGISTRY_LOCK = threading.Lock()
+_ACTIVE: dict[int, Scoped] = {}
+_SEQUENCE = itertools.count(1)
+
+
+def _caller_origin() -> tuple[str, int, str]:
+    """(file, line, function) of the first frame outside the patching engine."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:  # pragma: no cover - only the engine on the stack
+        return ("<unknown>", 0, "<unknown>")
+    code = frame.f_code
+    return (code.co_filename, frame.f_lineno, code.co_name)
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    """One live patch, as :func:`active_patches` reports it."""
+
+    target: str
+    """What is patched, as the user named it."""
+    sites: tuple[str, ...]
+    """Every place written (more than one with ``aliases=True`` or ``patch_dict``)."""
+    new: str
+    """Short repr of the replacement."""
+    origin: str
+    """``file:line in function`` of the code that started the patch."""
+    thread: str
+    """Name of the thread that started it."""
+    started_with_start: bool
+    """True if started by ``start()`` (so :func:`restore_all` stops it)."""
+    pending: bool
+    """True for a ``lazy=True`` patch whose module is not imported yet."""
+    patch: Scoped
+    """The patch object itself."""
+
+    def __str__(self) -> str:
+        state = " (pending import)" if self.pending else ""
+        return f"{self.target} -> {self.new}{state}, started at {self.origin}"
+
+
+class Scoped:
+    """Base of :class:`Patch`, :class:`DictPatch` and :class:`PatchGroup`."""
+
+    _active: bool = False
+    _manual: bool = False
+    _origin: tuple[str, int, str] | None = None
+    _thread: str = ""
+    _seq: int = 0
+
+    # -- subclasses implement ---------------------------------------------------------
+    def _apply(self) -> None:
+        """Make the change; on failure change nothing and raise."""
+        raise NotImplementedError
+
+    def _revert(self) -> None:
+        """Undo the change (always completes; may warn afterwards)."""
+        raise NotImplementedError
+
+    def _copy(self: S) -> S:
+        """A fresh, unstarted object with the same settings (for decorator calls)."""
+        raise NotImplementedError
+
+    def _label(self) -> str:
+        raise NotImplementedError
+
+    def _site_texts(self) -> tuple[str, ...]:
+        return ()
+
+    def _new_text(self) -> str:
+        return ""
+
+    def _pending(self) -> bool:
+        return False
+
+    # -- the contract ----------------------------------------------------------------
+    @property
+    def is_active(self) -> bool:
+        """True between a successful start and the matching stop."""
+        return self._active
+
+    @property
+    def origin(self) -> str | None:
+        """``file:line in function`` that started this object, while it is active."""
+        if self._origin is None:
+            return None
+        file, line, func = self._origin
+        return f"{file}:{line} in {func}"
+
+    def start(self: S) -> S:
+        """Apply the change now. Raises :class:`PatchStateError` if already started."""
+        self._start(manual=True, origin=_caller_origin())
+        return self
+
+    def stop(self) -> None:
+        """Undo the change. A no-op when not started (so calling it twice is safe)."""
+        if not self._active:
+            return
+        self._active = False
+        with _REGISTRY_LOCK:
+            _ACTIVE.pop(id(self), None)
+        self._origin = None
+        self._revert()
+
+    def _start(self, *, manual: bool, origin: tuple[str, int, str]) -> None:
+        if self._active:
+            raise PatchStateError(
+                f"{self._label()} is already started (at {self.origin}); stop() it first, "
+                "or create a new patch to layer another replacement on top"
+            )
+        self._apply()
+        self._active = True
+        self._manual = manual
+        self._origin = origin
+        self._thread = threading.current_thread().name
+        with _REGISTRY_LOCK:
+            self._seq = next(_SEQUENCE)
+            _ACTIVE[id(self)] = self
+
+    def __enter__(self: S) -> S:
+        self._start(manual=False, origin=_caller_origin())
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()  # returns None: the exception, if any, propagates
+
+    # -- decorator ---------------------------------------------------------------------
+    def __call__(self, func: F) -> F:
+        if isinstance(func, type):
+            raise TargetTypeError(
+                f"{self._label()} can decorate functions, not classes; decorate the methods "
+                "or use it as a context manager"
+            )
+        if not callable(func):
+            raise TargetTypeError(f"{self._label()} can only decorate a callable, got {func!r}")
+        make = self._copy
+        wrapper: Callable[..., Any]
+        if inspect.isasyncgenfunction(func):
+            wrapper = _async_generator_wrapper(func, make)
+        elif inspect.isgeneratorfunction(func):
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                scoped = make()
+                scoped._start(manual=False, origin=_origin_of(func))
+                try:
+                    return (yield from func(*args, **kwargs))
+                finally:
+                    scoped.stop()
+
+        elif inspect.iscoroutinefunction(func):
+
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                scoped = make()
+                scoped._start(manual=False, origin=_origin_of(func))
+                try:
+                    return await func(*args, **kwargs)
+                finally:
+                    scoped.stop()
+
+        else:
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                scoped = make()
+                scoped._start(manual=False, origin=_origin_of(func))
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    scoped.stop()
+
+        return safe_update_wrapper(wrapper, func)  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        if self._pending():
+            state = "pending import"
+        else:
+            state = "active" if self._active else "inactive"
+        where = f" started at {self.origin}" if self._origin else ""
+        return f"<{type(self).__name__} {self._label()} {state}{where}>"
+
+    def info(self) -> PatchInfo:
+        return PatchInfo(
+            target=self._label(),
+            sites=self._site_texts(),
+            new=self._new_text(),
+            origin=self.origin or "<unknown>",
+            thread=self._thread,
+            started_with_start=self._manual,
+            pending=self._pending(),
+            patch=self,
+        )
+
+
+def _origin_of(func: Callable[..., Any]) -> tuple[str, int, str]:
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return ("<unknown>", 0, getattr(func, "__qualname__", "<callable>"))
+    return (code.co_filename, code.co_firstlineno, code.co_name)
+
+
+def _async_generator_wrapper(
+    func: Callable[..., AsyncGenerator[Any, Any]], make: Callable[[], Scoped]
+) -> Callable[..., AsyncGenerator[Any, Any]]:
+    async def wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+        scoped = make()
+        scoped._start(manual=False, origin=_origin_of(func))
+        agen = func(*args, **kwargs)
+        try:
+            # Full delegation (what ``yield from`` does for sync generators):
+            # values sent and exceptions thrown in reach the inner generator.
+            sent: Any = None
+            thrown: BaseException | None = None
+            while True:
+                try:
+                    if thrown is not None:
+                        error, thrown = thrown, None
+                        item = await agen.athrow(error)
+                    else:
+                        item = await agen.asend(sent)
+                except StopAsyncIteration:
+                    return
+                try:
+                    sent = yield item
+                except GeneratorExit:
+                    await agen.aclose()
+                    raise
+                except BaseException as exc:
+                    thrown = exc
+        finally:
+            scoped.stop()
+
+    return wrapper
+
+
+def active_patches() -> list[PatchInfo]:
+    """Every live patch, oldest first: what is patched, where, and who started it.
+
+    Example::
+
+        for info in layerswap.active_patches():
+            print(info.target, "started at", info.origin)
+    """
+    with _REGISTRY_LOCK:
+        live = sorted(_ACTIVE.values(), key=lambda s: s._seq)
+    return [s.info() for s in live]
+
+
+def restore_all() -> int:
+    """Stop every patch started with ``start()``, newest first. Returns how many.
+
+    Patches entered with ``with`` or applied by a decorator are left to their own
+    scope, as they will stop when it ends.
+    """
+    with _REGISTRY_LOCK:
+        manual = sorted((s for s in _ACTIVE.values() if s._manual), key=lambda s: -s._seq)
+    for scoped in manual:
+        scoped.stop()
+    return len(manual)
+

@@ -1,0 +1,330 @@
+"""Sites: one attribute (or mapping key) of one object, read and written *raw*.
+
+A site knows where a value really lives, so that restoring is exact:
+
+* classes and modules: the owner's ``__dict__`` (so ``staticmethod``/``classmethod``/
+  ``property`` objects are read and put back as they are, never via ``getattr``);
+* ``nn.Module`` instances: ``_parameters`` / ``_buffers`` / ``_modules`` — values are
+  written into the same dictionary under the same key, so identity *and order*
+  survive; a value of another kind (a function replacing a child module) is kept in
+  the instance ``__dict__`` meanwhile and the child is put back at its position;
+* special attributes backed by a data descriptor of the type (``__defaults__``,
+  ``__doc__`` of a function, ``__slots__`` members): read with ``getattr`` and set
+  back with ``setattr`` — never deleted;
+* mapping keys (for :func:`patch_dict`).
+
+An attribute absent from the owner's own storage (inherited from a class, or
+created by ``create=True``) is *deleted* on restore, not copied down.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Final
+
+__all__ = ["DELETED", "NOTSET", "Original", "Site", "make_site"]
+
+
+class _Sentinel:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+    def __reduce__(self) -> str:
+        return self._name
+
+
+NOTSET: Final[Any] = _Sentinel("NOTSET")
+"""No value: the attribute is absent from the owner's own storage."""
+
+DELETED: Final[Any] = _Sentinel("DELETED")
+"""A layer value meaning "the key is removed while this layer is on top"."""
+
+_NN_CONTAINERS: Final = ("_parameters", "_buffers", "_modules")
+
+
+class Original:
+    """What a site held before the first patch: where, what, and at which position."""
+
+    __slots__ = ("container", "position", "value")
+
+    def __init__(self, container: str | None, value: Any, position: int = -1) -> None:
+        self.container = container  # None: absent (inherited, or missing)
+        self.value = value
+        self.position = position
+
+
+def _is_data_descriptor(obj: Any) -> bool:
+    kind = type(obj)
+    return hasattr(kind, "__set__") or hasattr(kind, "__delete__")
+
+
+def _type_attribute(kind: type, name: str) -> Any:
+    for klass in kind.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return NOTSET
+
+
+class Site:
+    """Base: a place that holds one value. Subclasses implement the raw access."""
+
+    __slots__ = ("name", "owner")
+
+    kind = "attribute"
+
+    def __init__(self, owner: Any, name: Any) -> None:
+        self.owner = owner
+        self.name = name
+
+    @property
+    def key(self) -> tuple[int, Any]:
+        return (id(self.owner), self.name)
+
+    # -- to implement ------------------------------------------------------------
+    def read(self) -> Any:
+        """The raw value now at the site, or NOTSET."""
+        raise NotImplementedError
+
+    def snapshot(self) -> Original:
+        raise NotImplementedError
+
+    def write(self, value: Any, original: Original) -> None:
+        raise NotImplementedError
+
+    def restore(self, original: Original) -> None:
+        raise NotImplementedError
+
+    # -- shared --------------------------------------------------------------
+    def visible(self) -> Any:
+        """The value a user sees (``getattr``), or NOTSET if there is none."""
+        return getattr(self.owner, self.name, NOTSET)
+
+    def same(self, current: Any, written: Any) -> bool:
+        """Whether ``current`` is still what layerswap wrote (no foreign write)."""
+        return current is written
+
+    def describe(self) -> str:
+        owner = self.owner
+        if isinstance(owner, types.ModuleType):
+            return f"{owner.__name__}.{self.name}"
+        if isinstance(owner, type):
+            return f"{owner.__module__}.{owner.__qualname__}.{self.name}"
+        return f"<{type(owner).__qualname__} object at {id(owner):#x}>.{self.name}"
+
+
+class DictSite(Site):
+    """An attribute stored in the owner's ``__dict__`` (classes, modules, instances)."""
+
+    __slots__ = ("_is_class",)
+
+    def __init__(self, owner: Any, name: str) -> None:
+        super().__init__(owner, name)
+        self._is_class = isinstance(owner, type)
+
+    def read(self) -> Any:
+        return self.owner.__dict__.get(self.name, NOTSET)
+
+    def snapshot(self) -> Original:
+        raw = self.owner.__dict__.get(self.name, NOTSET)
+        return Original(None if raw is NOTSET else "__dict__", raw)
+
+    def write(self, value: Any, original: Original) -> None:
+        if value is DELETED:
+            self._delete()
+        elif self._is_class:
+            # type.__setattr__ stores the raw object: a staticmethod stays a staticmethod.
+            type.__setattr__(self.owner, self.name, value)
+        else:
+            self.owner.__dict__[self.name] = value
+
+    def _delete(self) -> None:
+        if self.name not in self.owner.__dict__:
+            return
+        if self._is_class:
+            type.__delattr__(self.owner, self.name)
+        else:
+            del self.owner.__dict__[self.name]
+
+    def restore(self, original: Original) -> None:
+        if original.container is None:
+            self._delete()
+        else:
+            self.write(original.value, original)
+
+
+class DescriptorSite(Site):
+    """A special attribute backed by a data descriptor on the type (``__defaults__``...)."""
+
+    __slots__ = ()
+
+    def read(self) -> Any:
+        return getattr(self.owner, self.name, NOTSET)
+
+    def snapshot(self) -> Original:
+        return Original("descriptor", getattr(self.owner, self.name))
+
+    def write(self, value: Any, original: Original) -> None:
+        if value is DELETED:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, value)
+
+    def restore(self, original: Original) -> None:
+        setattr(self.owner, self.name, original.value)
+
+
+class ModuleSite(Site):
+    """An attribute of a ``torch.nn.Module`` instance: parameters, buffers, children."""
+
+    __slots__ = ()
+
+    def _containers(self) -> list[dict[str, Any]]:
+        d = self.owner.__dict__
+        return [d[c] for c in _NN_CONTAINERS if c in d]
+
+    def read(self) -> Any:
+        d = self.owner.__dict__
+        name = self.name
+        for container in _NN_CONTAINERS:
+            store = d.get(container)
+            if store is not None and name in store:
+                return store[name]
+        return d.get(name, NOTSET)
+
+    def snapshot(self) -> Original:
+        d = self.owner.__dict__
+        for container in _NN_CONTAINERS:
+            store = d.get(container)
+            if store is not None and self.name in store:
+                return Original(container, store[self.name], list(store).index(self.name))
+        raw = d.get(self.name, NOTSET)
+        return Original(None if raw is NOTSET else "__dict__", raw)
+
+    @staticmethod
+    def _fits(container: str, value: Any) -> bool:
+        import torch
+
+        if value is None:
+            return True
+        if container == "_modules":
+            return isinstance(value, torch.nn.Module)
+        if container == "_parameters":
+            return isinstance(value, torch.nn.Parameter)
+        return isinstance(value, torch.Tensor)  # _buffers
+
+    def _discard(self) -> None:
+        d = self.owner.__dict__
+        for container in _NN_CONTAINERS:
+            store = d.get(container)
+            if store is not None:
+                store.pop(self.name, None)
+        d.pop(self.name, None)
+
+    def write(self, value: Any, original: Original) -> None:
+        d = self.owner.__dict__
+        container = original.container
+        if value is not DELETED and container in _NN_CONTAINERS and self._fits(container, value):
+            d.pop(self.name, None)
+            store = d[container]
+            if self.name in store:
+                store[self.name] = value  # same key: position kept
+            else:
+                _insert_at(store, self.name, value, original.position)
+            return
+        self._discard()
+        if value is not DELETED:
+            d[self.name] = value
+
+    def restore(self, original: Original) -> None:
+        if original.container is None:
+            self._discard()
+        elif original.container == "__dict__":
+            self._discard()
+            self.owner.__dict__[self.name] = original.value
+        else:
+            self.write(original.value, original)
+
+
+class ItemSite(Site):
+    """A key of a mutable mapping (``patch_dict``)."""
+
+    __slots__ = ()
+    kind = "item"
+
+    def read(self) -> Any:
+        try:
+            return self.owner[self.name]
+        except KeyError:
+            return NOTSET
+
+    def visible(self) -> Any:
+        return self.read()
+
+    def same(self, current: Any, written: Any) -> bool:
+        if current is written:
+            return True
+        if written is DELETED:
+            return current is NOTSET
+        # Some mappings (os.environ) hand out a new, equal object on each read.
+        if type(current) is type(written) and isinstance(current, (str, bytes, int, float)):
+            return bool(current == written)
+        return False
+
+    def snapshot(self) -> Original:
+        raw = self.read()
+        return Original(None if raw is NOTSET else "item", raw)
+
+    def write(self, value: Any, original: Original) -> None:
+        if value is DELETED:
+            self.owner.pop(self.name, None)
+        else:
+            self.owner[self.name] = value
+
+    def restore(self, original: Original) -> None:
+        if original.container is None:
+            self.owner.pop(self.name, None)
+        else:
+            self.owner[self.name] = original.value
+
+    def describe(self) -> str:
+        return f"<{type(self.owner).__qualname__} at {id(self.owner):#x}>[{self.name!r}]"
+
+
+def _insert_at(store: dict[str, Any], key: str, value: Any, position: int) -> None:
+    items = list(store.items())
+    position = len(items) if position < 0 else min(position, len(items))
+    items.insert(position, (key, value))
+    store.clear()
+    store.update(items)
+
+
+def _is_nn_module(owner: Any) -> bool:
+    torch = __import__("sys").modules.get("torch")
+    return torch is not None and isinstance(owner, torch.nn.Module)
+
+
+def make_site(owner: Any, name: str) -> Site:
+    """Pick the site kind for ``owner.name`` (see the module docstring)."""
+    if isinstance(owner, (type, types.ModuleType)):
+        if name not in owner.__dict__ and _is_data_descriptor(_type_attribute(type(owner), name)):
+            return DescriptorSite(owner, name)
+        return DictSite(owner, name)
+    on_type = _type_attribute(type(owner), name)
+    if on_type is not NOTSET and _is_data_descriptor(on_type):
+        # A property/slot on the type wins over the instance dict: set through it.
+        return DescriptorSite(owner, name)
+    if _is_nn_module(owner):
+        return ModuleSite(owner, name)
+    if not isinstance(getattr(owner, "__dict__", None), dict):
+        from layerswap.errors import TargetTypeError
+
+        raise TargetTypeError(
+            f"cannot patch attribute {name!r} of {type(owner).__qualname__} object: it has no "
+            "__dict__ and no settable descriptor for that name"
+        )
+    return DictSite(owner, name)

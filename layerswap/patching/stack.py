@@ -1,0 +1,177 @@
+"""Layered stacks: every patched site has one stack of live layers.
+
+``unittest.mock`` and most hand-written patching save "the old value" per patch and
+put it back on exit. That is only right when patches exit in LIFO order: stop an
+outer patch first and it writes back the original while the inner patch is still
+live; stop the inner one next and it writes back the *outer* replacement, which
+then leaks forever. Here each site keeps the value it had before the first patch
+(``Original``) and a list of live layers. The visible value is always the top live
+layer; removing any layer, in any order, re-exposes the new top, and removing the
+last one restores the original exactly.
+
+One re-entrant lock guards all stacks: starts and stops from many threads are
+serialised, and a value is fully built before the single write that exposes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from layerswap.errors import PatchConflictWarning, TargetAttributeError, TargetTypeError
+from layerswap.patching.sites import NOTSET, Original, Site
+
+__all__ = ["LOCK", "Layer", "push", "remove", "stack_depth"]
+
+LOCK = threading.RLock()
+
+
+class Layer:
+    """One live patch of one site: the value it shows while it is the top."""
+
+    __slots__ = ("owner", "site", "value")
+
+    def __init__(self, site: Site, value: Any, owner: object) -> None:
+        self.site = site
+        self.value = value
+        self.owner = owner  # the Patch (or dict patch) that holds this layer
+
+
+class _Stack:
+    __slots__ = ("layers", "original", "site", "written")
+
+    def __init__(self, site: Site, original: Original) -> None:
+        self.site = site  # keeps the owner alive while patched
+        self.original = original
+        self.layers: list[Layer] = []
+        self.written: Any = NOTSET
+
+
+_STACKS: dict[tuple[int, Any], _Stack] = {}
+
+
+def push(
+    site: Site,
+    make_value: Callable[[Any], Any],
+    owner: object,
+    *,
+    create: bool,
+    describe: Callable[[], str],
+) -> Layer:
+    """Put a new top layer on ``site``; ``make_value(raw_below)`` builds its value.
+
+    Raises (changing nothing) when the attribute is missing and ``create`` is
+    false, or when the owner refuses the write.
+    """
+    key = site.key
+    with LOCK:
+        stack = _STACKS.get(key)
+        if stack is not None:
+            site = stack.site  # one Site object per place
+            below = site.read()
+        else:
+            original = site.snapshot()
+            if original.container is None and not create and site.visible() is NOTSET:
+                owner_desc = _owner_text(site.owner)
+                from layerswap.patching.target import suggest
+
+                raise TargetAttributeError(
+                    f"cannot patch {describe()}: {owner_desc} has no attribute {site.name!r}"
+                    f"{suggest(str(site.name), _names(site.owner))}; pass create=True to add it "
+                    "for the duration of the patch",
+                    name=str(site.name),
+                    obj=site.owner,
+                )
+            stack = _Stack(site, original)
+            below = original.value
+        value = make_value(below)
+        try:
+            site.write(value, stack.original)
+        except (AttributeError, TypeError) as exc:
+            if not stack.layers:
+                try:
+                    site.restore(stack.original)
+                except Exception:  # the write never happened; nothing to undo
+                    pass
+            raise TargetTypeError(f"cannot patch {describe()}: {exc}") from exc
+        layer = Layer(site, value, owner)
+        stack.layers.append(layer)
+        stack.written = value
+        _STACKS[key] = stack
+        return layer
+
+
+def remove(layer: Layer) -> str | None:
+    """Take ``layer`` off its stack. Returns a conflict message if a foreign write was seen.
+
+    The caller warns (outside the lock, after every layer of the patch is removed),
+    so that a ``warnings`` filter set to "error" cannot leave a patch half-undone.
+    """
+    site = layer.site
+    with LOCK:
+        stack = _STACKS.get(site.key)
+        if stack is None:
+            return None
+        layers = stack.layers
+        for index, candidate in enumerate(layers):
+            if candidate is layer:
+                break
+        else:
+            return None
+        current = site.read()
+        conflict = None
+        foreign = not site.same(current, stack.written)
+        if foreign:
+            conflict = (
+                f"{site.describe()} was rebound outside layerswap while patched: expected "
+                f"{_short(stack.written)}, found {_short(current)}; restoring the value it had "
+                f"before {'the patches' if len(layers) > 1 else 'the patch'}"
+            )
+        was_top = index == len(layers) - 1
+        del layers[index]
+        if not layers:
+            del _STACKS[site.key]
+            site.restore(stack.original)
+        elif was_top or foreign:
+            top = layers[-1]
+            site.write(top.value, stack.original)
+            stack.written = top.value
+        return conflict
+
+
+def stack_depth(site: Site) -> int:
+    """How many live layers ``site`` has (0 when unpatched)."""
+    with LOCK:
+        stack = _STACKS.get(site.key)
+        return 0 if stack is None else len(stack.layers)
+
+
+def warn_conflicts(messages: list[str], stacklevel: int) -> None:
+    for message in messages:
+        warnings.warn(message, PatchConflictWarning, stacklevel=stacklevel + 1)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__qualname__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _owner_text(owner: Any) -> str:
+    if isinstance(owner, type):
+        return f"class {owner.__module__}.{owner.__qualname__}"
+    name = getattr(owner, "__name__", None)
+    if isinstance(name, str) and type(owner).__name__ == "module":
+        return f"module {name!r}"
+    return f"{type(owner).__qualname__} object"
+
+
+def _names(owner: Any) -> list[str]:
+    try:
+        return [n for n in dir(owner) if isinstance(n, str)]
+    except Exception:
+        return []

@@ -1,0 +1,170 @@
+"""Resolving patch targets: ``"pkg.mod:Qual.name"``, ``"pkg.mod.Qual.name"`` or ``(obj, "attr")``.
+
+Resolution happens when a patch starts, not when it is created, so a patch can be
+declared at import time for a module that is imported later. Failures raise the
+specific error types from :mod:`layerswap.errors`, say which part of the target
+failed, and suggest the closest existing names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from typing import Any
+
+from layerswap.errors import TargetAttributeError, TargetImportError, TargetTypeError
+
+__all__ = ["ParsedTarget", "import_module", "parse_target", "suggest"]
+
+
+def suggest(name: str, candidates: Any) -> str:
+    """Return ``" (did you mean `X`?)"`` for the closest candidates, or ``""``."""
+    try:
+        pool = [c for c in candidates if isinstance(c, str)]
+    except TypeError:
+        return ""
+    close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
+    if not close:
+        lowered = {c.lower(): c for c in pool}
+        close = [lowered[name.lower()]] if name.lower() in lowered else []
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(f"`{c}`" for c in close) + "?)"
+
+
+def import_module(name: str, *, target: str) -> Any:
+    """Import ``name``; on failure raise TargetImportError naming the missing part."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or name
+        parent, _, leaf = missing.rpartition(".")
+        hint = ""
+        try:
+            if parent:
+                pkg = importlib.import_module(parent)
+                hint = suggest(leaf, _submodule_names(pkg) + list(vars(pkg)))
+            else:
+                import pkgutil
+
+                hint = suggest(leaf, [info.name for info in pkgutil.iter_modules()])
+        except Exception:  # the parent itself is broken: no suggestion
+            hint = ""
+        raise TargetImportError(
+            f"cannot patch {target!r}: module {missing!r} cannot be imported{hint}",
+            name=missing,
+        ) from exc
+
+
+def _submodule_names(pkg: Any) -> list[str]:
+    import pkgutil
+
+    paths = getattr(pkg, "__path__", None)
+    if paths is None:
+        return []
+    try:
+        return [info.name for info in pkgutil.iter_modules(paths)]
+    except Exception:
+        return []
+
+
+class ParsedTarget:
+    """A target string split into its module and its attribute path.
+
+    ``module`` is None for the dotted form until resolution finds the longest
+    importable prefix.
+    """
+
+    __slots__ = ("attribute", "module", "owner_path", "text")
+
+    def __init__(self, text: str) -> None:
+        if not isinstance(text, str) or not text.strip():
+            raise TargetTypeError(f"a patch target must be a non-empty string, got {text!r}")
+        text = text.strip()
+        self.text = text
+        if ":" in text:
+            module, _, qualname = text.partition(":")
+            parts = qualname.split(".")
+            if not module or not qualname or not all(parts) or ":" in qualname:
+                raise TargetTypeError(
+                    f"malformed target {text!r}: expected 'package.module:Name' or "
+                    "'package.module:Class.attribute'"
+                )
+            self.module: str | None = module
+            self.owner_path: tuple[str, ...] = tuple(parts[:-1])
+            self.attribute: str = parts[-1]
+        else:
+            parts = text.split(".")
+            if len(parts) < 2 or not all(parts):
+                raise TargetTypeError(
+                    f"malformed target {text!r}: expected 'package.module.Name' or "
+                    "'package.module:Name' (the attribute must be named)"
+                )
+            self.module = None
+            self.owner_path = tuple(parts[:-1])
+            self.attribute = parts[-1]
+
+    def module_name_for_lazy(self) -> str:
+        """The module whose import a lazy patch waits for (colon form only)."""
+        if self.module is None:
+            raise TargetTypeError(
+                f"lazy=True needs the colon form for {self.text!r} "
+                "('package.module:Name'), so that the module is known without importing it"
+            )
+        return self.module
+
+    def resolve(self) -> tuple[Any, str]:
+        """Import what is needed and return ``(owner, attribute_name)``."""
+        if self.module is not None:
+            owner = import_module(self.module, target=self.text)
+            walked = self.module
+            path = self.owner_path
+        else:
+            owner, walked, path = self._longest_module_prefix()
+        for part in path:
+            try:
+                owner = getattr(owner, part)
+            except AttributeError:
+                raise TargetAttributeError(
+                    f"cannot patch {self.text!r}: {walked!r} has no attribute {part!r}"
+                    f"{suggest(part, dir(owner))}",
+                    name=part,
+                    obj=owner,
+                ) from None
+            walked = f"{walked}.{part}"
+        return owner, self.attribute
+
+    def _longest_module_prefix(self) -> tuple[Any, str, tuple[str, ...]]:
+        parts = (*self.owner_path,)
+        # Longest importable prefix: "a.b.C.meth" -> try a.b.C, then a.b, then a.
+        first_error: ImportError | None = None
+        for cut in range(len(parts), 0, -1):
+            name = ".".join(parts[:cut])
+            module = sys.modules.get(name)
+            if module is None:
+                try:
+                    module = importlib.import_module(name)
+                except ModuleNotFoundError as exc:
+                    # Only "this very name is not a module" means: try a shorter prefix.
+                    if exc.name is not None and not name.startswith(exc.name) and exc.name != name:
+                        raise TargetImportError(
+                            f"cannot patch {self.text!r}: importing {name!r} failed: {exc}",
+                            name=exc.name,
+                        ) from exc
+                    first_error = first_error or exc
+                    continue
+            return module, name, parts[cut:]
+        try:
+            import_module(parts[0], target=self.text)
+        except TargetImportError:
+            raise
+        raise TargetImportError(  # pragma: no cover - import_module raised above
+            f"cannot patch {self.text!r}: no importable module prefix", name=parts[0]
+        ) from first_error
+
+    def __repr__(self) -> str:
+        return f"ParsedTarget({self.text!r})"
