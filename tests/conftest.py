@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def make_module(tmp_path: Path) -> Iterator[Callable[[str, str], str]]:
+    """Write a uniquely named module into tmp_path; return its import name.
+
+    The module is not imported: tests decide when (lazy resolution, lazy hooks).
+    """
+    sys.path.insert(0, str(tmp_path))
+    created: list[str] = []
+
+    def make(stem: str, source: str) -> str:
+        name = f"ls_{stem}_{next(_counter)}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        created.append(name)
+        return name
+
+    yield make
+    sys.path.remove(str(tmp_path))
+    for name in created:
+        sys.modules.pop(name, None)

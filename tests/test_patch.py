@@ -1,0 +1,511 @@
+"""The behaviours of ``layerswap.patch`` that users rely on (SPEC 1.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+import layerswap
+from layerswap.errors import (
+    LayerswapError,
+    PatchConflictWarning,
+    PatchStateError,
+    PatchTargetError,
+    TargetAttributeError,
+    TargetImportError,
+    TargetTypeError,
+)
+
+MODULE_SOURCE = """
+VALUE = "original"
+
+def greet():
+    return "hello"
+
+class Base:
+    attr = "base"
+
+    def method(self):
+        return "base-method"
+
+    @staticmethod
+    def static():
+        return "static"
+
+    @classmethod
+    def klass(cls):
+        return cls.__name__
+
+    @property
+    def prop(self):
+        return "prop"
+
+class Child(Base):
+    pass
+"""
+
+
+@pytest.fixture
+def mod(make_module):
+    name = make_module("target", MODULE_SOURCE)
+    __import__(name)
+    return sys.modules[name]
+
+
+# --- targets -------------------------------------------------------------------------
+
+
+def test_colon_and_dotted_targets_patch_the_same_attribute(mod):
+    with layerswap.patch(f"{mod.__name__}:VALUE", "colon"):
+        assert mod.VALUE == "colon"
+    with layerswap.patch(f"{mod.__name__}.VALUE", "dotted"):
+        assert mod.VALUE == "dotted"
+    with layerswap.patch(f"{mod.__name__}:Base.attr", "nested"):
+        assert mod.Base.attr == "nested"
+    with layerswap.patch(f"{mod.__name__}.Base.attr", "nested-dotted"):
+        assert mod.Base.attr == "nested-dotted"
+    assert mod.VALUE == "original" and mod.Base.attr == "base"
+
+
+def test_target_is_resolved_at_start_not_at_creation(make_module):
+    name = make_module("late", "X = 1\n")
+    p = layerswap.patch(f"{name}:X", 2)
+    assert name not in sys.modules  # creating the patch imported nothing
+    with p:
+        assert sys.modules[name].X == 2
+    assert sys.modules[name].X == 1
+
+
+def test_missing_attribute_error_suggests_the_closest_name():
+    target = "transformers.models.llama.modeling_llama:LlamaDecoderLayr"
+    with pytest.raises(TargetAttributeError, match="did you mean `LlamaDecoderLayer`") as info:
+        layerswap.patch(target, object()).start()
+    assert isinstance(info.value, AttributeError)
+    assert isinstance(info.value, LayerswapError)
+    assert isinstance(info.value, PatchTargetError)
+    assert "create=True" in str(info.value)
+
+
+def test_missing_intermediate_attribute_names_where_resolution_failed(mod):
+    with pytest.raises(AttributeError, match=r"has no attribute 'Bsae'.*did you mean `Base`"):
+        layerswap.patch(f"{mod.__name__}:Bsae.attr", 1).start()
+
+
+def test_missing_module_is_an_import_error_with_suggestion():
+    with pytest.raises(TargetImportError, match="did you mean `transformers`") as info:
+        layerswap.patch("transformrs.models:LlamaModel", 1).start()
+    assert isinstance(info.value, ImportError)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param((123,), id="number-only"),
+        pytest.param((123, "x"), id="object-without-new"),
+        pytest.param(("json:dumps",), id="string-without-new"),
+        pytest.param(("json:dumps", "x", "y"), id="string-with-two-values"),
+        pytest.param((json, 5, "new"), id="attribute-not-a-string"),
+        pytest.param(("json:",), id="malformed"),
+    ],
+)
+def test_bad_call_is_a_type_error_and_changes_nothing(args):
+    before = json.dumps
+    with pytest.raises(TypeError) as info:
+        layerswap.patch(*args).start()
+    assert isinstance(info.value, TargetTypeError)
+    assert json.dumps is before
+    assert layerswap.active_patches() == []
+
+
+def test_malformed_target_strings_are_rejected_early():
+    for text in ["", "nodots", "pkg.mod:", ":Name", "a..b", "pkg:a..b"]:
+        with pytest.raises(TargetTypeError):
+            layerswap.patch(text, 1)
+
+
+# --- create, exact restore ----------------------------------------------------------------
+
+
+def test_missing_attribute_created_with_create_and_deleted_on_stop(mod):
+    with layerswap.patch(mod, "NEW_NAME", 5, create=True):
+        assert mod.NEW_NAME == 5
+    assert not hasattr(mod, "NEW_NAME")
+
+
+def test_restore_gives_back_the_very_same_object(mod):
+    original = mod.greet
+    with layerswap.patch(mod, "greet", lambda: "patched"):
+        assert mod.greet() == "patched"
+    assert mod.greet is original
+
+
+@pytest.mark.parametrize("name", ["static", "klass", "prop"])
+def test_undo_keeps_raw_descriptors(mod, name):
+    raw = mod.Base.__dict__[name]
+    with layerswap.patch(mod.Base, name, "replaced"):
+        assert mod.Base.__dict__[name] == "replaced"
+    assert mod.Base.__dict__[name] is raw  # the staticmethod/classmethod/property object itself
+    assert type(mod.Base.__dict__[name]) is type(raw)
+
+
+@pytest.mark.parametrize("owner", ["Base", "Child"], ids=["class", "subclass"])
+def test_undo_inherited_attribute_is_deleted_not_copied_down(mod, owner):
+    klass = getattr(mod, owner)
+    had_own = "method" in klass.__dict__
+    with layerswap.patch(klass, "method", lambda self: "patched"):
+        assert klass().method() == "patched"
+    assert ("method" in klass.__dict__) == had_own
+    assert mod.Child().method() == "base-method"
+
+
+def test_instance_patch_removed_so_class_method_shows_again(mod):
+    obj = mod.Base()
+    with layerswap.patch(obj, "method", lambda: "instance"):
+        assert obj.method() == "instance"
+        assert mod.Base().method() == "base-method"
+    assert "method" not in vars(obj)
+    assert obj.method() == "base-method"
+
+
+def test_special_function_attributes_are_set_back_not_deleted():
+    def f(a, b=1):
+        """doc"""
+        return a + b
+
+    defaults, doc = f.__defaults__, f.__doc__
+    with layerswap.patch(f, "__defaults__", (10,)), layerswap.patch(f, "__doc__", "patched"):
+        assert f(1) == 11 and f.__doc__ == "patched"
+    assert f.__defaults__ is defaults and f.__doc__ is doc
+    assert f(1) == 2
+
+
+def _module_with_children() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1), torch.nn.Tanh()
+    )
+
+
+@pytest.mark.parametrize("replacement", ["module", "function", "none"])
+def test_nn_module_children_keep_identity_and_order(replacement):
+    model = _module_with_children()
+    children = list(model._modules.items())
+    keys_before = list(model.state_dict())
+    new = {"module": torch.nn.Identity(), "function": lambda x: x, "none": None}[replacement]
+    with layerswap.patch(model, "1", new):
+        assert getattr(model, "1") is new
+    assert list(model._modules.items()) == children
+    assert all(a is b for (_, a), (_, b) in zip(model._modules.items(), children))
+    assert "1" not in vars(model)
+    assert list(model.state_dict()) == keys_before
+
+
+def test_nn_module_parameters_keep_identity_and_order():
+    layer = torch.nn.Linear(2, 2)
+    params = list(layer._parameters.items())
+    with layerswap.patch(layer, "weight", torch.nn.Parameter(torch.zeros(2, 2))):
+        assert torch.equal(layer.weight, torch.zeros(2, 2))
+        assert list(layer._parameters) == ["weight", "bias"]
+    with layerswap.patch(layer, "weight", torch.zeros(2, 2)):  # a plain tensor: not a Parameter
+        assert list(layer._parameters) == ["bias"]
+    assert list(layer._parameters.items()) == params
+    assert "weight" not in vars(layer)
+
+
+def test_nn_module_buffer_restored_in_place():
+    norm = torch.nn.BatchNorm1d(3)
+    order = list(norm._buffers)
+    mean = norm.running_mean
+    with layerswap.patch(norm, "running_mean", torch.ones(3)):
+        assert torch.equal(norm.running_mean, torch.ones(3))
+    assert norm.running_mean is mean and list(norm._buffers) == order
+
+
+# --- failure and exceptions ----------------------------------------------------------------
+
+
+def test_failed_start_on_immutable_type_changes_nothing():
+    with pytest.raises(TargetTypeError, match="cannot patch"):
+        layerswap.patch(str, "upper", lambda self: "x").start()
+    assert "x" != "a".upper()
+    assert layerswap.active_patches() == []
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, GeneratorExit, ValueError])
+def test_exit_restores_on_every_base_exception_and_does_not_swallow(mod, error):
+    with pytest.raises(error):
+        with layerswap.patch(mod, "VALUE", "patched"):
+            raise error()
+    assert mod.VALUE == "original"
+
+
+def test_start_twice_raises_and_changes_nothing(mod):
+    p = layerswap.patch(mod, "VALUE", "first").start()
+    try:
+        with pytest.raises(PatchStateError, match="already started"):
+            p.start()
+        assert mod.VALUE == "first"
+    finally:
+        p.stop()
+    assert mod.VALUE == "original"
+
+
+def test_stop_twice_is_a_noop_and_restart_works(mod):
+    p = layerswap.patch(mod, "VALUE", "patched")
+    p.stop()  # never started
+    p.start()
+    p.stop()
+    p.stop()
+    assert mod.VALUE == "original"
+    p.start()
+    assert mod.VALUE == "patched"
+    p.stop()
+    assert mod.VALUE == "original"
+
+
+# --- decorator ------------------------------------------------------------------------------
+
+
+def test_decorator_on_sync_function_and_recursion(mod):
+    @layerswap.patch(mod, "VALUE", "decorated")
+    def countdown(n):
+        assert mod.VALUE == "decorated"
+        return 0 if n == 0 else 1 + countdown(n - 1)
+
+    assert countdown(5) == 5
+    assert mod.VALUE == "original"
+    assert countdown.__name__ == "countdown"
+
+
+def test_decorator_on_async_function(mod):
+    @layerswap.patch(mod, "VALUE", "async")
+    async def read():
+        await asyncio.sleep(0)
+        return mod.VALUE
+
+    assert asyncio.run(read()) == "async"
+    assert mod.VALUE == "original"
+
+
+def test_decorated_generator_is_patched_while_iterated_not_only_at_creation(mod):
+    @layerswap.patch(mod, "VALUE", "gen")
+    def values():
+        yield mod.VALUE
+        yield mod.VALUE
+
+    gen = values()
+    assert mod.VALUE == "original"  # creating the generator starts nothing
+    seen = list(gen)
+    assert seen == ["gen", "gen"]
+    assert mod.VALUE == "original"
+
+
+def test_decorated_generator_restores_when_closed_early(mod):
+    @layerswap.patch(mod, "VALUE", "gen")
+    def values():
+        while True:
+            yield mod.VALUE
+
+    gen = values()
+    assert next(gen) == "gen"
+    gen.close()  # GeneratorExit inside the generator
+    assert mod.VALUE == "original"
+
+
+def test_decorated_async_generator_delegates_and_restores(mod):
+    @layerswap.patch(mod, "VALUE", "agen")
+    async def values():
+        received = yield mod.VALUE
+        yield received
+
+    async def main():
+        agen = values()
+        first = await agen.asend(None)
+        second = await agen.asend("sent")
+        with pytest.raises(StopAsyncIteration):
+            await agen.asend(None)
+        return first, second
+
+    assert asyncio.run(main()) == ("agen", "sent")
+    assert mod.VALUE == "original"
+
+
+def test_decorating_a_class_is_a_clear_error(mod):
+    with pytest.raises(TypeError, match="functions, not classes"):
+        layerswap.patch(mod, "VALUE", 1)(type("C", (), {}))
+
+
+# --- layered stacks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))), ids=str)
+def test_non_lifo_stop_shows_top_live_layer_and_restores_original(mod, order):
+    patches = [layerswap.patch(mod, "VALUE", f"layer{i}").start() for i in range(3)]
+    live = [0, 1, 2]
+    for index in order:
+        patches[index].stop()
+        live.remove(index)
+        expected = f"layer{live[-1]}" if live else "original"
+        assert mod.VALUE == expected
+    assert "VALUE" in vars(mod) and mod.VALUE == "original"
+
+
+def test_non_lifo_with_context_managers_mixed_with_start_stop(mod):
+    outer = layerswap.patch(mod, "greet", lambda: "outer").start()
+    with layerswap.patch(mod, "greet", lambda: "inner"):
+        outer.stop()  # outer stopped first: inner stays visible
+        assert mod.greet() == "inner"
+    assert mod.greet() == "hello"
+
+
+# --- foreign writes ---------------------------------------------------------------------------
+
+
+def test_foreign_write_warns_and_still_restores(mod):
+    with pytest.warns(PatchConflictWarning, match="VALUE.*rebound outside layerswap.*'foreign'"):
+        with layerswap.patch(mod, "VALUE", "patched"):
+            mod.VALUE = "foreign"
+    assert mod.VALUE == "original"
+
+
+def test_foreign_write_as_error_filter_still_restores(mod):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PatchConflictWarning)
+        with pytest.raises(PatchConflictWarning):
+            with layerswap.patch(mod, "VALUE", "patched"):
+                mod.VALUE = "foreign"
+    assert mod.VALUE == "original"
+
+
+# --- aliases, lazy -------------------------------------------------------------------------------
+
+
+def test_aliases_patches_every_module_global_bound_to_the_same_object(make_module):
+    source = make_module("alias_src", "def helper():\n    return 'orig'\n")
+    user = make_module(
+        "alias_user", f"from {source} import helper\nfrom {source} import helper as renamed\n"
+    )
+    __import__(user)
+    src_mod, user_mod = sys.modules[source], sys.modules[user]
+    original = src_mod.helper
+
+    def new():
+        return "new"
+
+    with layerswap.patch(f"{source}:helper", new, aliases=True) as p:
+        assert src_mod.helper is new and user_mod.helper is new and user_mod.renamed is new
+        touched = {(owner.__name__, name) for owner, name in p.sites}
+        assert {(source, "helper"), (user, "helper"), (user, "renamed")} <= touched
+    assert src_mod.helper is original and user_mod.helper is original
+    assert user_mod.renamed is original
+
+
+def test_without_aliases_a_from_import_copy_is_not_patched(make_module):
+    source = make_module("noalias_src", "def helper():\n    return 'orig'\n")
+    user = make_module("noalias_user", f"from {source} import helper\n")
+    __import__(user)
+    with layerswap.patch(f"{source}:helper", lambda: "new"):
+        assert sys.modules[user].helper() == "orig"
+
+
+def test_lazy_patch_applies_when_the_module_is_imported(make_module):
+    name = make_module("lazy", "VALUE = 'original'\n")
+    with layerswap.patch(f"{name}:VALUE", "lazy", lazy=True) as p:
+        assert name not in sys.modules
+        assert "pending import" in repr(p)
+        module = __import__(name)
+        assert module.VALUE == "lazy"
+    assert module.VALUE == "original"
+
+
+def test_lazy_patch_stopped_before_import_is_cancelled(make_module):
+    name = make_module("lazy_cancel", "VALUE = 'original'\n")
+    p = layerswap.patch(f"{name}:VALUE", "lazy", lazy=True).start()
+    p.stop()
+    assert __import__(name).VALUE == "original"
+
+
+def test_lazy_patch_of_imported_module_applies_at_once(mod):
+    with layerswap.patch(f"{mod.__name__}:VALUE", "now", lazy=True):
+        assert mod.VALUE == "now"
+
+
+def test_lazy_needs_colon_form():
+    with pytest.raises(TargetTypeError, match="colon form"):
+        layerswap.patch("some.module.Name", 1, lazy=True)
+
+
+# --- introspection ------------------------------------------------------------------------------
+
+
+def test_active_patches_reports_target_and_origin_line(mod):
+    p = layerswap.patch(f"{mod.__name__}:VALUE", "x")
+    line = sys._getframe().f_lineno + 1
+    p.start()
+    try:
+        (info,) = layerswap.active_patches()
+        assert info.target == f"{mod.__name__}:VALUE"
+        assert info.origin.endswith(f"test_patch.py:{line} in {sys._getframe().f_code.co_name}")
+        assert info.started_with_start and info.patch is p
+        assert f"test_patch.py:{line}" in repr(p)
+    finally:
+        p.stop()
+    assert layerswap.active_patches() == []
+
+
+def test_restore_all_stops_started_patches_lifo_and_leaves_with_blocks(mod):
+    with layerswap.patch(mod, "greet", lambda: "with"):
+        layerswap.patch(mod, "VALUE", "a").start()
+        layerswap.patch(mod, "VALUE", "b").start()
+        assert layerswap.restore_all() == 2
+        assert mod.VALUE == "original"
+        assert mod.greet() == "with"
+    assert mod.greet() == "hello"
+
+
+# --- context scope ----------------------------------------------------------------------------------
+
+
+def test_context_scope_is_invisible_to_other_threads(mod):
+    seen = {}
+
+    def other():
+        seen["other"] = mod.greet()
+
+    with layerswap.patch(mod, "greet", lambda: "mine", scope="context"):
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert mod.greet() == "mine"
+    assert seen["other"] == "hello"
+    assert mod.greet() == "hello"
+
+
+def test_context_scope_is_per_asyncio_task(mod):
+    async def patched():
+        with layerswap.patch(mod.Base, "method", lambda self: "task-a", scope="context"):
+            await asyncio.sleep(0.01)
+            return mod.Base().method()
+
+    async def plain():
+        await asyncio.sleep(0.005)
+        return mod.Base().method()
+
+    async def main():
+        return await asyncio.gather(patched(), plain())
+
+    assert asyncio.run(main()) == ["task-a", "base-method"]
+    assert mod.Base().method() == "base-method"
+
+
+def test_context_scope_rejects_non_callables(mod):
+    with pytest.raises(TargetTypeError, match="functions and methods"):
+        layerswap.patch(mod, "VALUE", "x", scope="context").start()
+    assert mod.VALUE == "original"
