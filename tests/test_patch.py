@@ -202,7 +202,7 @@ def test_nn_module_children_keep_identity_and_order(replacement):
     with layerswap.patch(model, "1", new):
         assert getattr(model, "1") is new
     assert list(model._modules.items()) == children
-    assert all(a is b for (_, a), (_, b) in zip(model._modules.items(), children))
+    assert all(a is b for (_, a), (_, b) in zip(model._modules.items(), children, strict=True))
     assert "1" not in vars(model)
     assert list(model.state_dict()) == keys_before
 
@@ -234,15 +234,14 @@ def test_nn_module_buffer_restored_in_place():
 def test_failed_start_on_immutable_type_changes_nothing():
     with pytest.raises(TargetTypeError, match="cannot patch"):
         layerswap.patch(str, "upper", lambda self: "x").start()
-    assert "x" != "a".upper()
+    assert "a".upper() != "x"
     assert layerswap.active_patches() == []
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, GeneratorExit, ValueError])
 def test_exit_restores_on_every_base_exception_and_does_not_swallow(mod, error):
-    with pytest.raises(error):
-        with layerswap.patch(mod, "VALUE", "patched"):
-            raise error()
+    with pytest.raises(error), layerswap.patch(mod, "VALUE", "patched"):
+        raise error()
     assert mod.VALUE == "original"
 
 
@@ -353,7 +352,7 @@ def test_non_lifo_stop_shows_top_live_layer_and_restores_original(mod, order):
         patches[index].stop()
         live.remove(index)
         expected = f"layer{live[-1]}" if live else "original"
-        assert mod.VALUE == expected
+        assert expected == mod.VALUE
     assert "VALUE" in vars(mod) and mod.VALUE == "original"
 
 
@@ -369,18 +368,17 @@ def test_non_lifo_with_context_managers_mixed_with_start_stop(mod):
 
 
 def test_foreign_write_warns_and_still_restores(mod):
-    with pytest.warns(PatchConflictWarning, match="VALUE.*rebound outside layerswap.*'foreign'"):
-        with layerswap.patch(mod, "VALUE", "patched"):
-            mod.VALUE = "foreign"
+    expected = "VALUE.*rebound outside layerswap.*'foreign'"
+    with pytest.warns(PatchConflictWarning, match=expected), layerswap.patch(mod, "VALUE", "x"):
+        mod.VALUE = "foreign"
     assert mod.VALUE == "original"
 
 
 def test_foreign_write_as_error_filter_still_restores(mod):
     with warnings.catch_warnings():
         warnings.simplefilter("error", PatchConflictWarning)
-        with pytest.raises(PatchConflictWarning):
-            with layerswap.patch(mod, "VALUE", "patched"):
-                mod.VALUE = "foreign"
+        with pytest.raises(PatchConflictWarning), layerswap.patch(mod, "VALUE", "patched"):
+            mod.VALUE = "foreign"
     assert mod.VALUE == "original"
 
 

@@ -21,7 +21,7 @@ __all__ = ["ContextDispatch"]
 class ContextDispatch:
     """Calls (or binds) the context's replacement if there is one, else what was below."""
 
-    __slots__ = ("_below", "_site", "_var", "__weakref__")
+    __slots__ = ("__weakref__", "_below", "_site", "_var")
 
     def __init__(self, below: Any, site: Site) -> None:
         self._below = below

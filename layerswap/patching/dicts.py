@@ -26,7 +26,11 @@ class DictPatch(Scoped):
     """Reversible update of a mapping; see :func:`patch_dict`."""
 
     def __init__(
-        self, target: Any, values: Mapping[Any, Any] | None, clear: bool, parsed: ParsedTarget | None
+        self,
+        target: Any,
+        values: Mapping[Any, Any] | None,
+        clear: bool,
+        parsed: ParsedTarget | None,
     ) -> None:
         self._target = target
         self._parsed = parsed
@@ -77,15 +81,7 @@ class DictPatch(Scoped):
             layers: list[_stack.Layer] = []
             try:
                 for key, value in changes.items():
-                    layers.append(
-                        _stack.push(
-                            ItemSite(mapping, key),
-                            (lambda below, v=value: v),
-                            self,
-                            create=True,
-                            describe=self._label,
-                        )
-                    )
+                    layers.append(_stack.push(ItemSite(mapping, key), value, None, self, True))
             except BaseException:
                 for layer in reversed(layers):
                     _stack.remove(layer)
@@ -133,7 +129,9 @@ def _reorder(mapping: MutableMapping[Any, Any], order: list[Any]) -> None:
 
 
 def _duck_mapping(obj: Any) -> bool:
-    return all(hasattr(obj, m) for m in ("__getitem__", "__setitem__", "__delitem__", "keys", "pop"))
+    return all(
+        hasattr(obj, m) for m in ("__getitem__", "__setitem__", "__delitem__", "keys", "pop")
+    )
 
 
 def _attribute_error(target: str, name: str, hint: str) -> Exception:
@@ -143,7 +141,10 @@ def _attribute_error(target: str, name: str, hint: str) -> Exception:
 
 
 def patch_dict(
-    target: MutableMapping[Any, Any] | str, values: Mapping[Any, Any] | None = None, *, clear: bool = False
+    target: MutableMapping[Any, Any] | str,
+    values: Mapping[Any, Any] | None = None,
+    *,
+    clear: bool = False,
 ) -> DictPatch:
     """Reversibly update a mapping: added keys removed, changed and deleted keys restored.
 

@@ -24,27 +24,11 @@ ValueFactory = Callable[[Site, Any], Any]
 class Patch(Scoped):
     """A reversible replacement of ``owner.attribute``; see :func:`patch`."""
 
-    __slots__ = (
-        "_aliases",
-        "_attribute",
-        "_create",
-        "_factory",
-        "_hook_cancelled",
-        "_layers",
-        "_lazy",
-        "_new",
-        "_owner",
-        "_parsed",
-        "_pending_flag",
-        "_scope",
-        "_sites",
-        "_tokens",
-        "_active",
-        "_manual",
-        "_origin",
-        "_thread",
-        "_seq",
-    )
+    _tokens: list[Any] = []  # noqa: RUF012 - replaced, never mutated, per instance
+    _pending_flag = False
+    _hook_cancelled: list[bool] | None = None
+    _layers: list[_stack.Layer] = []  # noqa: RUF012 - replaced, never mutated
+    _sites: list[Site] = []  # noqa: RUF012 - replaced, never mutated
 
     def __init__(
         self,
@@ -59,11 +43,6 @@ class Patch(Scoped):
         factory: ValueFactory | None = None,
         _parsed: ParsedTarget | None = None,
     ) -> None:
-        self._active = False
-        self._manual = False
-        self._origin = None
-        self._thread = ""
-        self._seq = 0
         if scope not in ("process", "context"):
             raise TargetTypeError(f"scope must be 'process' or 'context', got {scope!r}")
         self._parsed = _parsed
@@ -75,11 +54,6 @@ class Patch(Scoped):
         self._lazy = lazy
         self._scope: Scope = scope
         self._factory = factory
-        self._sites: list[Site] = []
-        self._layers: list[_stack.Layer] = []
-        self._tokens: list[Any] = []
-        self._pending_flag = False
-        self._hook_cancelled: list[bool] | None = None
         if lazy and _parsed is None:
             raise TargetTypeError("lazy=True needs a string target ('package.module:Name')")
         if _parsed is not None and lazy:
@@ -138,6 +112,12 @@ class Patch(Scoped):
     # -- apply / revert ----------------------------------------------------------------
     def _apply(self) -> None:
         parsed = self._parsed
+        if parsed is None and not self._aliases and self._scope == "process":
+            # The common case, kept short: one site, one layer.
+            site = make_site(self._owner, self._attribute)  # type: ignore[arg-type]
+            self._layers = [_stack.push(site, self._new, self._factory, self, self._create)]
+            self._sites = [site]
+            return
         if self._lazy and parsed is not None:
             module = parsed.module_name_for_lazy()
             if module not in sys.modules:
@@ -146,65 +126,56 @@ class Patch(Scoped):
         if parsed is not None:
             owner, name = parsed.resolve()
         else:
-            owner, name = self._owner, self._attribute
+            owner, name = self._owner, self._attribute  # type: ignore[assignment]
         self._apply_to(owner, name)
 
     def _apply_to(self, owner: Any, name: Any) -> None:
         first = make_site(owner, name)
+        if not self._aliases and self._scope == "process":
+            # The common case, kept short: one site, one layer.
+            self._layers = [_stack.push(first, self._new, self._factory, self, self._create)]
+            self._sites = [first]
+            return
         sites = [first]
         if self._aliases:
             sites.extend(_alias_sites(first))
-        make_value = self._value_maker()
+        factory = self._context_factory() if self._scope == "context" else self._factory
         layers: list[_stack.Layer] = []
+        tokens: list[Any] = []
         try:
             for site in sites:
-                layers.append(
-                    _stack.push(
-                        site,
-                        (lambda below, s=site: make_value(s, below)),
-                        self,
-                        create=self._create,
-                        describe=self._label,
-                    )
-                )
+                layers.append(_stack.push(site, self._new, factory, self, self._create))
                 if self._scope == "context":
                     dispatch = layers[-1].value
-                    self._tokens.append((dispatch, dispatch.activate(self._new)))
+                    tokens.append((dispatch, dispatch.activate(self._new)))
         except BaseException:
-            for dispatch, token in reversed(self._tokens):
+            for dispatch, token in reversed(tokens):
                 dispatch.deactivate(token)
-            self._tokens.clear()
             for layer in reversed(layers):
                 _stack.remove(layer)
             raise
+        self._tokens = tokens
         self._sites = [layer.site for layer in layers]
         self._layers = layers
 
-    def _value_maker(self) -> Callable[[Site, Any], Any]:
-        if self._scope == "context":
-            if not callable(self._new) and self._factory is None:
-                raise TargetTypeError(
-                    f"scope='context' replaces functions and methods; {self._label()} "
-                    f"cannot be replaced by the non-callable {self._new!r}"
-                )
-            factory = self._factory
-
-            def make_dispatch(site: Site, below: Any) -> Any:
-                visible = below if below is not NOTSET else site.visible()
-                if not callable(visible) and not isinstance(visible, (staticmethod, classmethod)):
-                    raise TargetTypeError(
-                        f"scope='context' replaces functions and methods; {self._label()} "
-                        f"is {visible!r}"
-                    )
-                return ContextDispatch(below, site)
-
-            if factory is not None:
-                raise TargetTypeError("scope='context' cannot be combined with wrap()")
-            return make_dispatch
+    def _context_factory(self) -> Callable[[Site, Any], Any]:
         if self._factory is not None:
-            return self._factory
-        new = self._new
-        return lambda site, below: new
+            raise TargetTypeError("scope='context' cannot be combined with wrap()")
+        if not callable(self._new):
+            raise TargetTypeError(
+                f"scope='context' replaces functions and methods; {self._label()} "
+                f"cannot be replaced by the non-callable {self._new!r}"
+            )
+
+        def make_dispatch(site: Site, below: Any) -> Any:
+            visible = below if below is not NOTSET else site.visible()
+            if not callable(visible) and not isinstance(visible, (staticmethod, classmethod)):
+                raise TargetTypeError(
+                    f"scope='context' replaces functions and methods; {self._label()} is {visible!r}"
+                )
+            return ContextDispatch(below, site)
+
+        return make_dispatch
 
     def _revert(self) -> None:
         if self._pending_flag:
@@ -212,17 +183,16 @@ class Patch(Scoped):
             if self._hook_cancelled is not None:
                 self._hook_cancelled[0] = True
             return
+        layers, self._layers = self._layers, []
+        if len(layers) == 1 and not self._tokens:
+            message = _stack.remove(layers[0])
+            if message is not None:
+                _stack.warn_conflicts([message], stacklevel=4)
+            return
         for dispatch, token in reversed(self._tokens):
             dispatch.deactivate(token)
-        self._tokens.clear()
-        conflicts: list[str] = []
-        try:
-            for layer in reversed(self._layers):
-                message = _stack.remove(layer)
-                if message is not None:
-                    conflicts.append(message)
-        finally:
-            self._layers = []
+        self._tokens = []
+        conflicts = [m for m in map(_stack.remove, reversed(layers)) if m is not None]
         _stack.warn_conflicts(conflicts, stacklevel=4)
 
     # -- lazy (post-import hook) ---------------------------------------------------------
@@ -319,7 +289,6 @@ def patch(
             ...
     """
     __tracebackhide__ = True
-    options = {"create": create, "aliases": aliases, "lazy": lazy, "scope": scope}
     if isinstance(target, str):
         if len(args) != 1:
             raise TargetTypeError(
@@ -330,7 +299,16 @@ def patch(
                     else ""
                 )
             )
-        return Patch(None, None, args[0], _parsed=ParsedTarget(target), **options)  # type: ignore[arg-type]
+        return Patch(
+            None,
+            None,
+            args[0],
+            create=create,
+            aliases=aliases,
+            lazy=lazy,
+            scope=scope,
+            _parsed=ParsedTarget(target),
+        )
     if len(args) != 2 or not isinstance(args[0], str):
         raise TargetTypeError(
             "patch() takes a target string and a replacement, patch('pkg.mod:Name', new), "
@@ -339,5 +317,4 @@ def patch(
         )
     if not args[0]:
         raise TargetTypeError("the attribute name must be a non-empty string")
-    return Patch(target, args[0], args[1], **options)  # type: ignore[arg-type]
-
+    return Patch(target, args[0], args[1], create=create, aliases=aliases, lazy=lazy, scope=scope)

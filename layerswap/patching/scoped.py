@@ -31,7 +31,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 S = TypeVar("S", bound="Scoped")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_REGISTRY_LOCK = threading.Lock()
+# Registry of live objects. Single dict operations are atomic under the GIL, and
+# the stacks (not this registry) are what must stay consistent, so no lock here.
 _ACTIVE: dict[int, Scoped] = {}
 _SEQUENCE = itertools.count(1)
 
@@ -79,7 +80,7 @@ class Scoped:
     _active: bool = False
     _manual: bool = False
     _origin: tuple[str, int, str] | None = None
-    _thread: str = ""
+    _thread: int = 0
     _seq: int = 0
 
     # -- subclasses implement ---------------------------------------------------------
@@ -131,8 +132,7 @@ class Scoped:
         if not self._active:
             return
         self._active = False
-        with _REGISTRY_LOCK:
-            _ACTIVE.pop(id(self), None)
+        _ACTIVE.pop(id(self), None)
         self._origin = None
         self._revert()
 
@@ -146,13 +146,17 @@ class Scoped:
         self._active = True
         self._manual = manual
         self._origin = origin
-        self._thread = threading.current_thread().name
-        with _REGISTRY_LOCK:
-            self._seq = next(_SEQUENCE)
-            _ACTIVE[id(self)] = self
+        self._thread = threading.get_ident()
+        self._seq = next(_SEQUENCE)
+        _ACTIVE[id(self)] = self
 
     def __enter__(self: S) -> S:
-        self._start(manual=False, origin=_caller_origin())
+        frame = sys._getframe(1)
+        code = frame.f_code
+        if code.co_filename.startswith(_HERE):  # entered by the engine itself (a group)
+            self._start(manual=False, origin=_caller_origin())
+        else:
+            self._start(manual=False, origin=(code.co_filename, frame.f_lineno, code.co_name))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -217,11 +221,18 @@ class Scoped:
             sites=self._site_texts(),
             new=self._new_text(),
             origin=self.origin or "<unknown>",
-            thread=self._thread,
+            thread=_thread_name(self._thread),
             started_with_start=self._manual,
             pending=self._pending(),
             patch=self,
         )
+
+
+def _thread_name(ident: int) -> str:
+    for thread in threading.enumerate():
+        if thread.ident == ident:
+            return thread.name
+    return f"thread {ident} (ended)"
 
 
 def _origin_of(func: Callable[..., Any]) -> tuple[str, int, str]:
@@ -273,8 +284,7 @@ def active_patches() -> list[PatchInfo]:
         for info in layerswap.active_patches():
             print(info.target, "started at", info.origin)
     """
-    with _REGISTRY_LOCK:
-        live = sorted(_ACTIVE.values(), key=lambda s: s._seq)
+    live = sorted(list(_ACTIVE.values()), key=lambda s: s._seq)
     return [s.info() for s in live]
 
 
@@ -284,9 +294,7 @@ def restore_all() -> int:
     Patches entered with ``with`` or applied by a decorator are left to their own
     scope, as they will stop when it ends.
     """
-    with _REGISTRY_LOCK:
-        manual = sorted((s for s in _ACTIVE.values() if s._manual), key=lambda s: -s._seq)
+    manual = sorted((s for s in list(_ACTIVE.values()) if s._manual), key=lambda s: -s._seq)
     for scoped in manual:
         scoped.stop()
     return len(manual)
-

@@ -73,17 +73,14 @@ def _type_attribute(kind: type, name: str) -> Any:
 class Site:
     """Base: a place that holds one value. Subclasses implement the raw access."""
 
-    __slots__ = ("name", "owner")
+    __slots__ = ("key", "name", "owner")
 
     kind = "attribute"
 
     def __init__(self, owner: Any, name: Any) -> None:
         self.owner = owner
         self.name = name
-
-    @property
-    def key(self) -> tuple[int, Any]:
-        return (id(self.owner), self.name)
+        self.key: tuple[int, Any] = (id(owner), name)
 
     # -- to implement ------------------------------------------------------------
     def read(self) -> Any:
@@ -123,7 +120,9 @@ class DictSite(Site):
     __slots__ = ("_is_class",)
 
     def __init__(self, owner: Any, name: str) -> None:
-        super().__init__(owner, name)
+        self.owner = owner
+        self.name = name
+        self.key = (id(owner), name)
         self._is_class = isinstance(owner, type)
 
     def read(self) -> Any:
@@ -153,8 +152,10 @@ class DictSite(Site):
     def restore(self, original: Original) -> None:
         if original.container is None:
             self._delete()
+        elif self._is_class:
+            type.__setattr__(self.owner, self.name, original.value)
         else:
-            self.write(original.value, original)
+            self.owner.__dict__[self.name] = original.value
 
 
 class DescriptorSite(Site):
@@ -311,7 +312,9 @@ def _is_nn_module(owner: Any) -> bool:
 def make_site(owner: Any, name: str) -> Site:
     """Pick the site kind for ``owner.name`` (see the module docstring)."""
     if isinstance(owner, (type, types.ModuleType)):
-        if name not in owner.__dict__ and _is_data_descriptor(_type_attribute(type(owner), name)):
+        if name in owner.__dict__:
+            return DictSite(owner, name)
+        if _is_data_descriptor(_type_attribute(type(owner), name)):
             return DescriptorSite(owner, name)
         return DictSite(owner, name)
     on_type = _type_attribute(type(owner), name)

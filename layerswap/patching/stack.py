@@ -54,13 +54,14 @@ _STACKS: dict[tuple[int, Any], _Stack] = {}
 
 def push(
     site: Site,
-    make_value: Callable[[Any], Any],
-    owner: object,
-    *,
+    value: Any,
+    factory: Callable[[Site, Any], Any] | None,
+    owner: Any,
     create: bool,
-    describe: Callable[[], str],
 ) -> Layer:
-    """Put a new top layer on ``site``; ``make_value(raw_below)`` builds its value.
+    """Put a new top layer on ``site`` showing ``value`` (or ``factory(site, raw_below)``).
+
+    ``owner`` is the patch object; its ``_label()`` names the target in errors.
 
     Raises (changing nothing) when the attribute is missing and ``create`` is
     false, or when the owner refuses the write.
@@ -78,7 +79,7 @@ def push(
                 from layerswap.patching.target import suggest
 
                 raise TargetAttributeError(
-                    f"cannot patch {describe()}: {owner_desc} has no attribute {site.name!r}"
+                    f"cannot patch {owner._label()}: {owner_desc} has no attribute {site.name!r}"
                     f"{suggest(str(site.name), _names(site.owner))}; pass create=True to add it "
                     "for the duration of the patch",
                     name=str(site.name),
@@ -86,7 +87,8 @@ def push(
                 )
             stack = _Stack(site, original)
             below = original.value
-        value = make_value(below)
+        if factory is not None:
+            value = factory(site, below)
         try:
             site.write(value, stack.original)
         except (AttributeError, TypeError) as exc:
@@ -95,7 +97,7 @@ def push(
                     site.restore(stack.original)
                 except Exception:  # the write never happened; nothing to undo
                     pass
-            raise TargetTypeError(f"cannot patch {describe()}: {exc}") from exc
+            raise TargetTypeError(f"cannot patch {owner._label()}: {exc}") from exc
         layer = Layer(site, value, owner)
         stack.layers.append(layer)
         stack.written = value
@@ -115,14 +117,17 @@ def remove(layer: Layer) -> str | None:
         if stack is None:
             return None
         layers = stack.layers
-        for index, candidate in enumerate(layers):
-            if candidate is layer:
-                break
-        else:
-            return None
+        index = len(layers) - 1
+        if layers[index] is not layer:  # not the top: non-LIFO stop
+            for index, candidate in enumerate(layers):  # noqa: B007 - index used below
+                if candidate is layer:
+                    break
+            else:
+                return None
         current = site.read()
         conflict = None
-        foreign = not site.same(current, stack.written)
+        written = stack.written
+        foreign = current is not written and not site.same(current, written)
         if foreign:
             conflict = (
                 f"{site.describe()} was rebound outside layerswap while patched: expected "
@@ -134,6 +139,7 @@ def remove(layer: Layer) -> str | None:
         if not layers:
             del _STACKS[site.key]
             site.restore(stack.original)
+            return conflict
         elif was_top or foreign:
             top = layers[-1]
             site.write(top.value, stack.original)

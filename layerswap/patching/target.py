@@ -15,7 +15,7 @@ from typing import Any
 
 from layerswap.errors import TargetAttributeError, TargetImportError, TargetTypeError
 
-__all__ = ["ParsedTarget", "import_module", "parse_target", "suggest"]
+__all__ = ["ParsedTarget", "import_module", "suggest"]
 
 
 def suggest(name: str, candidates: Any) -> str:

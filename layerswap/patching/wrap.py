@@ -82,7 +82,7 @@ def _make_wrapper(advice: Advice, label: Callable[[], str]) -> Callable[[Site, A
             _require_callable(raw, label)
             instance = None if isinstance(owner, types.ModuleType) else owner
             if isinstance(raw, (staticmethod, classmethod)):
-                return wrapt.FunctionWrapper(raw, advice)
+                return wrapt.FunctionWrapper(raw, advice)  # type: ignore[arg-type]
             return _closure(raw, instance, advice)
         # One instance, method from its class: bind the class's function to it.
         klass = type(owner)
@@ -138,7 +138,9 @@ def wrap(target: Any, *args: Any, lazy: bool = False, aliases: bool = False) -> 
     """
     if isinstance(target, str):
         if len(args) != 1:
-            raise TargetTypeError(f"wrap({target!r}, wrapper) takes the wrapper as its second argument")
+            raise TargetTypeError(
+                f"wrap({target!r}, wrapper) takes the wrapper as its second argument"
+            )
         parsed = ParsedTarget(target)
         patch = Patch(None, None, args[0], lazy=lazy, aliases=aliases, _parsed=parsed)
     else:
