@@ -1,0 +1,175 @@
+"""The one mechanism behind every decorator: around-advice, and a decorator built from it.
+
+Each decorator in this package is an object whose logic lives in two methods,
+``_advice`` (sync) and ``_async_advice`` (a coroutine), both in wrapt's convention
+``(wrapped, instance, args, kwargs)``. From those the object offers two faces:
+
+* ``obj(func)`` returns a plain function made with :func:`layerswap.safe_wraps`.
+  Being a plain function, it binds as a method like any other (``args[0]`` is then
+  ``self`` and ``instance`` is ``None``), and ``inspect.signature`` sees the original.
+* ``obj.__layerswap_advice__`` is what :func:`layerswap.wrap` calls, so the same
+  object can be put around a method of a live model for a while and taken off again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from layerswap.patching import safe_wraps
+
+__all__ = ["Advice", "describe", "external_stacklevel", "is_async_callable", "loaded_torch"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_CO_COROUTINE = inspect.CO_COROUTINE
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def is_async_callable(func: Callable[..., Any]) -> bool:
+    """Whether calling ``func`` returns a coroutine (cheap for plain functions and methods)."""
+    target = func.__func__ if type(func) is types.MethodType else func
+    if type(target) is types.FunctionType:
+        return bool(target.__code__.co_flags & _CO_COROUTINE)
+    # partials, callable objects, wrapt proxies: let inspect decide
+    return inspect.iscoroutinefunction(func)
+
+
+def describe(wrapped: Callable[..., Any], instance: Any) -> str:
+    """``Class.method`` for a method, the qualified name for a function.
+
+    With an ``instance`` (the advice form) the class is the instance's own, so a
+    subclass shows under its name; otherwise the function's ``__qualname__`` is used,
+    without the enclosing function of a local definition.
+    """
+    if instance is None:
+        name = getattr(wrapped, "__qualname__", None)
+        if not isinstance(name, str):
+            return repr(wrapped)
+        # "outer.<locals>.Block.forward" -> "Block.forward": the enclosing function is noise
+        return name.rpartition("<locals>.")[2] if "<locals>" in name else name
+    owner = instance if isinstance(instance, type) else type(instance)
+    return owner.__name__ + "." + getattr(wrapped, "__name__", "<callable>")
+
+
+def external_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside layerswap.
+
+    ``nn.Module.__call__`` is passed over too, so a warning from a wrapped
+    ``forward`` points at the line that called the module.
+
+    Counted from the caller of this function, so pass the result straight to
+    ``warnings.warn`` from that caller. Used only when a warning is emitted, so the
+    frame walk costs nothing on the hot path.
+    """
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and _is_plumbing(frame.f_code.co_filename):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def _is_plumbing(filename: str) -> bool:
+    # nn.Module.__call__ sits between the user's `layer(x)` and a wrapped forward;
+    # a warning pointing into torch's module.py helps nobody.
+    return filename.startswith(_PACKAGE_DIR) or filename.endswith(_MODULE_CALL)
+
+
+def loaded_torch() -> types.ModuleType | None:
+    """``torch`` if something already imported it, else ``None``.
+
+    Decorators that only *react* to tensors use this instead of importing torch:
+    if torch was never imported, no argument can be a tensor and no device can hold
+    memory, and ``import layerswap.decorators`` stays cheap.
+    """
+    return sys.modules.get("torch")
+
+
+class Advice:
+    """Base class: subclasses implement ``_advice`` and ``_async_advice``.
+
+    Example (a subclass)::
+
+        class counted(Advice):
+            def __init__(self) -> None:
+                self.calls = 0
+
+            def _advice(self, wrapped, instance, args, kwargs):
+                self.calls += 1
+                return wrapped(*args, **kwargs)
+
+            async def _async_advice(self, wrapped, instance, args, kwargs):
+                self.calls += 1
+                return await wrapped(*args, **kwargs)
+    """
+
+    __slots__ = ()
+
+    def _advice(
+        self,
+        wrapped: Callable[..., Any],
+        instance: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        raise NotImplementedError
+
+    async def _async_advice(
+        self,
+        wrapped: Callable[..., Any],
+        instance: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        raise NotImplementedError
+
+    def __layerswap_advice__(
+        self,
+        wrapped: Callable[..., Any],
+        instance: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Around-advice for :func:`layerswap.wrap`: returns a coroutine for async targets."""
+        if is_async_callable(wrapped):
+            return self._async_advice(wrapped, instance, args, kwargs)
+        return self._advice(wrapped, instance, args, kwargs)
+
+    def _decorated(self, wrapper: Callable[..., Any]) -> None:
+        """Hook: called with each wrapper the decorator form builds (e.g. to attach methods)."""
+
+    def __call__(self, func: F) -> F:
+        if isinstance(func, (classmethod, staticmethod)):
+            # Decorating above @classmethod/@staticmethod: wrap the function inside and
+            # rebuild the descriptor, so binding still happens in the class.
+            return type(func)(self(func.__func__))  # type: ignore[return-value]
+        if not callable(func):
+            raise TypeError(
+                f"{type(self).__name__}(...) decorates a callable, got {type(func).__name__}; "
+                f"write @{type(self).__name__}(...) with the parentheses"
+            )
+        wrapper: Callable[..., Any]
+        if is_async_callable(func):
+            async_advice = self._async_advice
+
+            @safe_wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                return await async_advice(func, None, args, kwargs)
+
+            wrapper = async_wrapper
+        else:
+            advice = self._advice
+
+            @safe_wraps(func)
+            def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+                return advice(func, None, args, kwargs)
+
+            wrapper = sync_wrapper
+        self._decorated(wrapper)
+        return wrapper  # type: ignore[return-value]

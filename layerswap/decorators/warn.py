@@ -1,0 +1,144 @@
+"""``warn_once``: a warning that fires once per message and key, not once per call."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from layerswap.decorators._advice import Advice, describe, external_stacklevel
+
+__all__ = ["warn_once", "warn_once_message"]
+
+# (message, category, key) of every warning already emitted, process-wide, so the same
+# warning from a decorator and from warn_once_message() is still emitted once.
+_emitted: set[tuple[str, type[Warning], Hashable]] = set()
+_lock = threading.Lock()
+# Bumped by reset(): decorators remember the generation they fired in, which makes
+# their fast path one comparison and lets reset() re-arm them all.
+_generation = [0]
+
+_NO_KEY: Hashable = None
+
+
+def warn_once_message(
+    message: str,
+    *,
+    category: type[Warning] = UserWarning,
+    key: Hashable = _NO_KEY,
+    stacklevel: int | None = None,
+) -> bool:
+    """Warn with ``message`` unless this (message, category, key) already warned.
+
+    Returns whether it warned. Python's own "once per location" filter does not
+    help when a library warns from one place on behalf of many callers, or when
+    ``-W always`` is set; this registry does not depend on the warning filters.
+    ``stacklevel`` defaults to the first frame outside layerswap.
+
+    Example::
+
+        warn_once_message("flash attention unavailable, using sdpa")          # warns
+        warn_once_message("flash attention unavailable, using sdpa")          # silent
+        warn_once_message("flash attention unavailable, using sdpa", key=3)   # warns
+    """
+    entry = (message, category, key)
+    with _lock:
+        if entry in _emitted:
+            return False
+        _emitted.add(entry)
+    # an explicit stacklevel counts from the caller, one frame above this one
+    level = external_stacklevel() if stacklevel is None else stacklevel + 1
+    warnings.warn(message, category, stacklevel=level)
+    return True
+
+
+class warn_once(Advice):
+    """Warn the first time the decorated function is called, and then not again.
+
+    ``message`` may use ``{func}`` (the function's qualified name) and ``{key}``;
+    it defaults to ``"{func}() is deprecated"``. ``key`` separates occurrences of
+    the same message: a hashable value is fixed, a callable is applied to the call's
+    arguments, so the warning fires once per distinct result (for a method in
+    decorator form, the arguments include ``self``). Emission goes through
+    :func:`warn_once_message`, so the same (message, category, key) warns once per
+    process however it is reached; :meth:`reset` re-arms everything.
+
+    Example::
+
+        @warn_once("{func}() is deprecated, use load() instead", category=FutureWarning)
+        def load_legacy(path): ...
+
+        @warn_once("no fused kernel for {key}, falling back", key=lambda x: x.dtype)
+        def fused_gelu(x): ...     # warns once per dtype seen
+    """
+
+    __slots__ = ("_category", "_fired", "_key", "_key_func", "_message")
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        category: type[Warning] = UserWarning,
+        key: Hashable | Callable[..., Hashable] = _NO_KEY,
+    ) -> None:
+        if message is not None and not isinstance(message, str):
+            raise TypeError(
+                f"warn_once(message) takes a str, got {type(message).__name__}; "
+                "write @warn_once() or @warn_once('...') with the parentheses"
+            )
+        if not (isinstance(category, type) and issubclass(category, Warning)):
+            raise TypeError(f"category must be a Warning subclass, got {category!r}")
+        self._message = "{func}() is deprecated" if message is None else message
+        self._category = category
+        self._key_func: Callable[..., Hashable] | None = key if callable(key) else None
+        self._key = None if callable(key) else key
+        # (function name, key) -> generation it fired in
+        self._fired: dict[Hashable, int] = {}
+
+    @staticmethod
+    def reset() -> None:
+        """Forget every warning emitted so far (decorators and :func:`warn_once_message`)."""
+        with _lock:
+            _emitted.clear()
+            _generation[0] += 1
+
+    def _maybe_warn(
+        self,
+        wrapped: Callable[..., Any],
+        instance: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        func = describe(wrapped, None)  # the defining class: the warning is about the code
+        if self._key_func is None:
+            key = self._key
+            seen: Hashable = func
+        else:
+            key = self._key_func(*args, **kwargs)
+            seen = (func, key)
+        if self._fired.get(seen) == _generation[0]:
+            return
+        self._fired[seen] = _generation[0]
+        message = self._message.format(func=func, key=key)
+        warn_once_message(message, category=self._category, key=key)
+
+    def _advice(
+        self,
+        wrapped: Callable[..., Any],
+        instance: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        self._maybe_warn(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    async def _async_advice(
+        self,
+        wrapped: Callable[..., Any],
+        instance: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        self._maybe_warn(wrapped, instance, args, kwargs)
+        return await wrapped(*args, **kwargs)
