@@ -1,0 +1,323 @@
+"""The ``fused`` backend: a pure PyTorch decoder layer for every family, CPU and GPU.
+
+One projection computes q, k and v; one computes gate and up; norms are
+``torch.nn.functional.rms_norm``; attention is ``scaled_dot_product_attention``
+with grouped-query attention. The layer follows the transformers 5 decoder-layer
+contract: it receives ``position_embeddings=(cos, sin)``, the 4-D mask the model
+built (which already encodes padding and any sliding window) and the cache, and
+returns the hidden-states tensor.
+
+One class serves all families; :func:`layer_class` derives a named subclass per
+family (``FusedLlamaDecoderLayer`` ...) that carries the family's features.
+
+Example::
+
+    from layerswap.backends import fused
+
+    sub = fused.substitution_for(layerswap.families()["qwen3"])
+    handle = layerswap.swap(model, sub)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from layerswap.errors import RequirementError
+from layerswap.substitution import Family, Substitution, families
+from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, qkv_sizes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
+
+__all__ = [
+    "CONVERTER",
+    "FusedAttention",
+    "FusedDecoderLayer",
+    "FusedMLP",
+    "FusedRMSNorm",
+    "layer_class",
+    "substitution_for",
+]
+
+# enable_gqa arrived in torch 2.5
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+# the attention implementations whose masks are 4-D tensors (or None), which SDPA reads
+_SUPPORTED_ATTENTION = (None, "sdpa", "eager")
+
+#: original q/k/v -> ``self_attn.qkv_proj``, gate/up -> ``mlp.gate_up_proj``; biases when present.
+#: Every other tensor keeps its name, so this one converter serves every family.
+CONVERTER = Converter(
+    (
+        qkv_concat("self_attn.qkv_proj"),
+        qkv_concat("self_attn.qkv_proj", bias=True),
+        gate_up_concat("mlp.gate_up_proj"),
+        gate_up_concat("mlp.gate_up_proj", bias=True),
+    )
+)
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm through ``F.rms_norm``; scales by ``offset + weight`` (Gemma: offset 1)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        # the original's initial value, so an unloaded weight means the same thing
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - offset))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + self.offset if self.offset else self.weight
+        return F.rms_norm(
+            hidden_states, (hidden_states.shape[-1],), weight.to(hidden_states.dtype), self.eps
+        )
+
+    def extra_repr(self) -> str:
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}"
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, half-split convention; cos/sin are (batch, seq, head_dim)."""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class FusedAttention(nn.Module):
+    """Self-attention with one q/k/v projection and ``scaled_dot_product_attention``."""
+
+    def __init__(self, config: PreTrainedConfig, layer_idx: int, family: Family) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim(config)
+        self.sizes = list(qkv_sizes(config))
+        self.num_key_value_groups = self.sizes[0] // self.sizes[1]
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
+        self.is_causal = not getattr(config, "use_bidirectional_attention", False)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, sum(self.sizes), bias=family.flag("qkv_bias", config)
+        )
+        self.o_proj = nn.Linear(
+            self.sizes[0], config.hidden_size, bias=family.flag("o_bias", config)
+        )
+        self.q_norm: FusedRMSNorm | None = None
+        self.k_norm: FusedRMSNorm | None = None
+        if family.qk_norm:
+            eps, offset = config.rms_norm_eps, family.norm_offset
+            self.q_norm = FusedRMSNorm(self.head_dim, eps, offset)
+            self.k_norm = FusedRMSNorm(self.head_dim, eps, offset)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        batch, length, _ = hidden_states.shape
+        query, key, value = (
+            part.view(batch, length, -1, self.head_dim)
+            for part in self.qkv_proj(hidden_states).split(self.sizes, dim=-1)
+        )
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        output = self._attend(query, key, value, attention_mask)
+        projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+        return projected
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+            raise RequirementError(
+                "the fused layer reads 4-D attention masks (attn_implementation 'sdpa' or "
+                f"'eager'); it got {type(mask).__name__} from attn_implementation "
+                f"{getattr(self.config, '_attn_implementation', None)!r}"
+            )
+        query_length = query.shape[2]
+        # no mask means plain causal attention (the model drops the mask when that is
+        # exact); SDPA's flag is top-left aligned, so drop unused static-cache slots
+        is_causal = self.is_causal and mask is None and query_length > 1
+        if is_causal and key.shape[2] > query_length:
+            key, value = key[:, :, :query_length], value[:, :, :query_length]
+        extra: dict[str, Any] = {}
+        if self.num_key_value_groups > 1:
+            # measured: on CPU enable_gqa beats expanding k/v with or without a mask; on
+            # GPUs a mask with enable_gqa falls back to the slow math kernel
+            if _SDPA_GQA and (mask is None or query.device.type == "cpu"):
+                extra["enable_gqa"] = True
+            else:
+                key = key.repeat_interleave(self.num_key_value_groups, dim=1)
+                value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        output: torch.Tensor = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=is_causal,
+            scale=self.scaling,
+            **extra,
+        )
+        return output
+
+
+class FusedMLP(nn.Module):
+    """Gated MLP with one gate/up projection (gate first)."""
+
+    def __init__(self, config: PreTrainedConfig, family: Family) -> None:
+        super().__init__()
+        bias = family.flag("mlp_bias", config)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[getattr(config, family.activation)]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)  # type: ignore[no-any-return]
+
+
+class FusedDecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
+    """The fused decoder layer; use the per-family subclass from :func:`layer_class`.
+
+    Constructed like the original, ``Layer(config, layer_idx)``, and called like it.
+    """
+
+    family: ClassVar[Family | None] = None
+
+    def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
+        family = type(self).family
+        if family is None:
+            raise TypeError(
+                "FusedDecoderLayer is made per family: use layer_class(family), e.g. "
+                "layerswap.get('llama.decoder.fused').replacement_class()"
+            )
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in _SUPPORTED_ATTENTION:
+            raise RequirementError(
+                f"the fused layer computes attention with scaled_dot_product_attention and "
+                f"reads 4-D masks; this config uses attn_implementation={implementation!r}. "
+                "Build or load the model with attn_implementation='sdpa'"
+            )
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.layer_idx = layer_idx
+        self.self_attn = FusedAttention(config, layer_idx, family)
+        self.mlp = FusedMLP(config, family)
+        eps, offset = config.rms_norm_eps, family.norm_offset
+        self.input_layernorm = FusedRMSNorm(config.hidden_size, eps, offset)
+        self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, eps, offset)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if position_embeddings is None:
+            raise TypeError(
+                f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
+                "transformers 5 models pass to every decoder layer"
+            )
+        attended = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            past_key_values,
+        )
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        family = type(self).family
+        assert family is not None
+        sub = getattr(self, "_layerswap_substitution", None)
+        name = sub.name if sub is not None else f"{family.name}.decoder.fused"
+        return f"replaces={family.decoder}, substitution={name}"
+
+
+_CLASSES: dict[Family, type[FusedDecoderLayer]] = {}
+
+
+def _class_name(family: Family) -> str:
+    camel = "".join(part[:1].upper() + part[1:] for part in re.split(r"[^0-9A-Za-z]+", family.name))
+    return f"Fused{camel}DecoderLayer"
+
+
+def layer_class(family: Family) -> type[FusedDecoderLayer]:
+    """The fused decoder layer class for ``family`` (made once, then cached).
+
+    Builtin families' classes are importable from this module by name
+    (``layerswap.backends.fused:FusedLlamaDecoderLayer``), so pickled models load.
+    """
+    cls = _CLASSES.get(family)
+    if cls is None:
+        name = _class_name(family)
+        cls = type(
+            name,
+            (FusedDecoderLayer,),
+            {
+                "family": family,
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"Fused decoder layer replacing {family.decoder} ({family.name}).",
+            },
+        )
+        _CLASSES[family] = cls
+        globals().setdefault(name, cls)
+    return cls
+
+
+def substitution_for(family: Family) -> Substitution:
+    """The ``"<family>.decoder.fused"`` substitution (every declared family fits).
+
+    Example::
+
+        sub = substitution_for(layerswap.families()["mistral"])
+    """
+    return Substitution(
+        name=f"{family.name}.decoder.fused",
+        family=family.name,
+        backend="fused",
+        original=f"{family.module}:{family.decoder}",
+        replacement=layer_class(family),
+        converter=CONVERTER,
+        description=(
+            "pure PyTorch, CPU and GPU: fused QKV and gate/up projections, F.rms_norm, "
+            "scaled_dot_product_attention with GQA"
+        ),
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # a pickled model names its layer class; make it on demand in a fresh process
+    for family in families().values():
+        if _class_name(family) == name:
+            return layer_class(family)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

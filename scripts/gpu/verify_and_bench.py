@@ -1,0 +1,463 @@
+"""Verify the ``te`` (BF16, FP8) and ``fused`` backends on a GPU, then benchmark them.
+
+1. Verification, tiny models of every family in BF16 on CUDA, with ``layerswap.verify``:
+   logits and every layer's output on left-padded inputs, gradients (unpadded inputs),
+   8 greedily generated tokens with the KV cache; FP8 (te, "current" recipe) on unpadded
+   inputs against the FP8 tolerance. Then the same for the benchmark model.
+2. Benchmark, a Llama-shaped model of about a billion parameters (hidden 2048, 16 layers,
+   32 heads, 8 key/value heads, intermediate 5632, vocabulary 32000), batch 8 x 512 tokens:
+   a forward pass and a full training step (forward, backward, AdamW step) for original,
+   fused, te BF16 and te FP8 (one column per recipe). Runs are interleaved (the order
+   rotates every round), timed with CUDA events, and medians are reported with their
+   ratios to the original, plus the peak memory each step adds.
+
+Everything printed is also written to ``<out>/verify_and_bench.txt``; the raw numbers
+(every sample) to ``<out>/verify_and_bench.json``. Exit code 1 when a verification failed.
+
+Run from the repository root on the GPU machine (TransformerEngine installed with
+``scripts/gpu/stage_te.sh``)::
+
+    PYTHONUNBUFFERED=1 python3 scripts/gpu/verify_and_bench.py --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# the repository root, so `import layerswap` needs no installation on the GPU machine
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+import transformers
+
+import layerswap
+from layerswap.backends import te
+from layerswap.errors import RequirementError
+from layerswap.substitution import families
+from layerswap.swap import swap
+from layerswap.verify import Tolerance, default_inputs, verify
+
+GIB = 1024**3
+# --device cpu runs the whole flow on tiny shapes (a smoke test of this script); real runs
+# use the default, cuda
+DEVICE = torch.device("cuda")
+StepContext = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+class Log:
+    """Print and keep every line, for the text file written at the end."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, *parts: Any) -> None:
+        line = " ".join(str(part) for part in parts)
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+log = Log()
+
+
+# --- environment ----------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "layerswap": layerswap.__version__,
+        "te_unmet_requirement": te.unmet_requirement(),
+    }
+    if DEVICE.type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        info.update(
+            gpu=torch.cuda.get_device_name(),
+            compute_capability=f"{major}.{minor}",
+            gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / GIB, 1),
+        )
+    if info["te_unmet_requirement"] is None:
+        import transformer_engine
+
+        info["transformer_engine"] = transformer_engine.__version__
+        info["fp8_unmet_requirement"] = {
+            recipe: te.fp8_unmet_requirement(recipe) for recipe in ("delayed", "current", "mxfp8")
+        }
+    return info
+
+
+# --- verification ------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool | None  # None: could not run here
+    detail: str
+    report: dict[str, Any] | None = None
+
+
+def run_check(name: str, action: Callable[[], Any]) -> Check:
+    """Run one verification; a crash or a missing requirement is a result, not an abort."""
+    started = time.perf_counter()
+    try:
+        report = action()
+    except RequirementError as exc:
+        check = Check(name, None, f"skipped: {exc}")
+    except Exception as exc:
+        check = Check(name, False, f"crashed: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    else:
+        summary = report.summary().replace("\n", " | ")
+        check = Check(name, bool(report.passed), summary, report.to_dict())
+    status = {True: "PASS", False: "FAIL", None: "SKIP"}[check.passed]
+    log(f"[{status}] {name} ({time.perf_counter() - started:.1f} s): {check.detail}")
+    return check
+
+
+def unpadded(vocab_size: int, batch: int, seq_len: int) -> dict[str, torch.Tensor]:
+    return default_inputs(vocab_size, batch=batch, seq_len=seq_len, padding=0)
+
+
+def verify_fresh(family: Any, substitution: Any, **options: Any) -> Any:
+    """``verify`` on a freshly built tiny ``family`` model, bf16 on CUDA."""
+    model = family.build(seed=0).to(DEVICE, torch.bfloat16)
+    return verify(model, substitution, **options)
+
+
+def verify_tiny(names: list[str], fp8_recipe: str) -> list[Check]:
+    checks = []
+    for name in names:
+        family = families()[name]
+        vocab = family.tiny_config().vocab_size
+        for backend in ("fused", "te"):
+            sub = f"{name}.decoder.{backend}"
+            for label, options in (
+                ("bf16 padded", {}),
+                ("bf16 backward", {"inputs": unpadded(vocab, 2, 32), "backward": True}),
+                ("bf16 generate=8", {"generate": 8}),
+            ):
+                action = functools.partial(verify_fresh, family, sub, **options)
+                checks.append(run_check(f"{sub} {label}", action))
+        fp8 = te.fp8_substitution_for(family, recipe=fp8_recipe)
+        if fp8 is not None:
+            action = functools.partial(
+                verify_fresh,
+                family,
+                fp8,
+                inputs=unpadded(vocab, 2, 64),
+                tolerance=Tolerance.for_dtype("fp8"),
+            )
+            checks.append(run_check(f"{fp8.name} ({fp8_recipe})", action))
+    return checks
+
+
+def verify_large(model: Any, fp8_recipe: str) -> list[Check]:
+    inputs = unpadded(model.config.vocab_size, 2, 256)
+    checks = [
+        run_check(
+            f"benchmark model: {sub} bf16", functools.partial(verify, model, sub, inputs=inputs)
+        )
+        for sub in ("llama.decoder.fused", "llama.decoder.te")
+    ]
+    fp8 = te.fp8_substitution_for(families()["llama"], recipe=fp8_recipe)
+    if fp8 is not None:
+        action = functools.partial(
+            verify, model, fp8, inputs=inputs, tolerance=Tolerance.for_dtype("fp8")
+        )
+        checks.append(run_check(f"benchmark model: {fp8.name} ({fp8_recipe})", action))
+    return checks
+
+
+# --- benchmark ----------------------------------------------------------------------------------
+
+
+def benchmark_config(args: argparse.Namespace) -> Any:
+    return transformers.LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(4096, args.seq),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_on_gpu(config: Any, seed: int) -> Any:
+    """The causal LM built directly on the GPU in bfloat16 (no CPU init of a billion weights)."""
+    previous = torch.get_default_dtype()
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with DEVICE:
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+@dataclass
+class Contender:
+    name: str
+    model: Any
+    optimizer: torch.optim.Optimizer
+    context: StepContext = contextlib.nullcontext
+    forward_ms: list[float] = field(default_factory=list)
+    train_ms: list[float] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)  # read after timing: no sync
+    forward_peak_bytes: int = 0
+    train_peak_bytes: int = 0
+
+
+def forward_step(contender: Contender, ids: torch.Tensor) -> None:
+    contender.model.eval()
+    with torch.no_grad(), contender.context():
+        contender.model(input_ids=ids, use_cache=False)
+
+
+def train_step(contender: Contender, ids: torch.Tensor) -> None:
+    contender.model.train()
+    with contender.context():
+        loss = contender.model(input_ids=ids, labels=ids, use_cache=False).loss
+    # TransformerEngine runs the backward pass after its autocast region has closed
+    loss.backward()
+    contender.optimizer.step()
+    contender.optimizer.zero_grad(set_to_none=True)
+    contender.losses.append(loss.detach())
+
+
+def step_ms(step: Callable[[], None]) -> float:
+    if DEVICE.type != "cuda":
+        started = time.perf_counter()
+        step()
+        return (time.perf_counter() - started) * 1000
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
+
+
+def peak_bytes(step: Callable[[], None]) -> int:
+    """Memory the step allocates above what was allocated before it (activations, grads...)."""
+    if DEVICE.type != "cuda":
+        step()
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - before)
+
+
+def rotations(items: list[Contender]) -> Iterator[list[Contender]]:
+    """Each round starts with the next contender, so none always runs first (or after another)."""
+    index = 0
+    while True:
+        yield items[index % len(items) :] + items[: index % len(items)]
+        index += 1
+
+
+def make_contenders(
+    original: Any, fp8_recipes: list[str], learning_rate: float
+) -> tuple[list[Contender], list[str]]:
+    def optimizer(model: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=learning_rate, fused=DEVICE.type == "cuda")
+
+    notes = []
+    contenders = [Contender("original", original, optimizer(original))]
+    fused_model = copy.deepcopy(original)
+    swap(fused_model, "llama.decoder.fused")
+    contenders.append(Contender("fused", fused_model, optimizer(fused_model)))
+    reason = te.unmet_requirement()
+    if reason is not None:
+        notes.append(f"te contenders skipped: {reason}")
+        return contenders, notes
+    te_model = copy.deepcopy(original)
+    swap(te_model, "llama.decoder.te")
+    # one TE model (and optimizer) serves BF16 and FP8: same weights, only the autocast differs
+    te_optimizer = optimizer(te_model)
+    contenders.append(Contender("te bf16", te_model, te_optimizer))
+    for recipe in fp8_recipes:
+        why_not = te.fp8_unmet_requirement(recipe)
+        if why_not is not None:
+            notes.append(f"te fp8 {recipe} skipped: {why_not}")
+            continue
+        contenders.append(
+            Contender(
+                f"te fp8 {recipe}",
+                te_model,
+                te_optimizer,
+                context=functools.partial(te.fp8_autocast, recipe),
+            )
+        )
+    return contenders, notes
+
+
+def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
+    contenders, notes = make_contenders(original, args.fp8_recipes, args.lr)
+    for note in notes:
+        log(note)
+    generator = torch.Generator(device=DEVICE).manual_seed(args.seed)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=DEVICE, generator=generator)
+    order = rotations(contenders)
+    total = args.warmup + args.rounds
+    for round_index in range(total):
+        measured = round_index >= args.warmup
+        for contender in next(order):
+            forward = step_ms(functools.partial(forward_step, contender, ids))
+            train = step_ms(functools.partial(train_step, contender, ids))
+            if measured:
+                contender.forward_ms.append(forward)
+                contender.train_ms.append(train)
+        log(f"round {round_index + 1}/{total}{'' if measured else ' (warm-up)'} done")
+    for contender in contenders:
+        contender.forward_peak_bytes = peak_bytes(functools.partial(forward_step, contender, ids))
+        contender.train_peak_bytes = peak_bytes(functools.partial(train_step, contender, ids))
+    tokens = args.batch * args.seq
+    base = contenders[0]
+    base_forward = statistics.median(base.forward_ms)
+    base_train = statistics.median(base.train_ms)
+    rows = []
+    for contender in contenders:
+        forward = statistics.median(contender.forward_ms)
+        train = statistics.median(contender.train_ms)
+        rows.append(
+            {
+                "contender": contender.name,
+                "forward_ms": forward,
+                "forward_tokens_per_s": tokens / (forward / 1000),
+                "forward_speedup": base_forward / forward,
+                "train_step_ms": train,
+                "train_tokens_per_s": tokens / (train / 1000),
+                "train_speedup": base_train / train,
+                "forward_peak_gib": contender.forward_peak_bytes / GIB,
+                "train_peak_gib": contender.train_peak_bytes / GIB,
+                "train_peak_ratio": contender.train_peak_bytes / max(base.train_peak_bytes, 1),
+                "forward_samples_ms": contender.forward_ms,
+                "train_samples_ms": contender.train_ms,
+                "losses": [float(loss) for loss in contender.losses],
+            }
+        )
+    log()
+    log(
+        f"benchmark: {sum(p.numel() for p in original.parameters()) / 1e9:.2f}B parameters, "
+        f"batch {args.batch} x {args.seq} tokens, bf16 weights, AdamW (fused); "
+        f"medians of {args.rounds} interleaved rounds after {args.warmup} warm-up rounds, "
+        f"timed with {'CUDA events' if DEVICE.type == 'cuda' else 'perf_counter'}"
+    )
+    header = (
+        f"{'contender':<16}{'fwd ms':>9}{'fwd tok/s':>12}{'x orig':>8}"
+        f"{'train ms':>10}{'train tok/s':>13}{'x orig':>8}{'fwd peak':>10}{'train peak':>12}"
+        f"{'x orig':>8}"
+    )
+    log(header)
+    log("-" * len(header))
+    for row in rows:
+        log(
+            f"{row['contender']:<16}{row['forward_ms']:>9.2f}{row['forward_tokens_per_s']:>12,.0f}"
+            f"{row['forward_speedup']:>8.2f}{row['train_step_ms']:>10.2f}"
+            f"{row['train_tokens_per_s']:>13,.0f}{row['train_speedup']:>8.2f}"
+            f"{row['forward_peak_gib']:>9.2f}G{row['train_peak_gib']:>11.2f}G"
+            f"{row['train_peak_ratio']:>8.2f}"
+        )
+    log("x orig: original's time / contender's time (above 1 is faster); peak: memory a step")
+    log("allocates above the resident weights and optimizer state; losses of the last steps:")
+    for row in rows:
+        log(f"  {row['contender']:<16}" + " ".join(f"{loss:.4f}" for loss in row["losses"][-3:]))
+    return {"notes": notes, "tokens_per_step": tokens, "rows": rows}
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_results"))
+    parser.add_argument("--families", default=",".join(sorted(families())))
+    parser.add_argument("--fp8-recipes", default="delayed,current", help="benchmark columns")
+    parser.add_argument("--verify-fp8-recipe", default="current")
+    parser.add_argument("--skip-verify", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    args = parser.parse_args()
+    args.fp8_recipes = [name for name in args.fp8_recipes.split(",") if name]
+    args.families = [name for name in args.families.split(",") if name]
+    return args
+
+
+def main() -> int:
+    global DEVICE
+    args = parse_args()
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        print("verify_and_bench.py needs a CUDA device (--device cpu: smoke test)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"environment": environment(), "arguments": vars(args)}
+    log("environment:", json.dumps(results["environment"]))
+    checks: list[Check] = []
+    try:
+        if not args.skip_verify:
+            log("\n== verification: tiny models, every family, bf16")
+            checks += verify_tiny(args.families, args.verify_fp8_recipe)
+        original = build_on_gpu(benchmark_config(args), args.seed)
+        if not args.skip_verify:
+            log("\n== verification: the benchmark model")
+            checks += verify_large(original, args.verify_fp8_recipe)
+        if not args.skip_bench:
+            log("\n== benchmark")
+            results["benchmark"] = benchmark(args, original)
+    finally:
+        results["checks"] = [check.__dict__ for check in checks]
+        failed = [check.name for check in checks if check.passed is False]
+        results["failed"] = failed
+        log(
+            f"\nverification: {sum(c.passed is True for c in checks)} passed, {len(failed)} failed, "
+            f"{sum(c.passed is None for c in checks)} skipped"
+        )
+        for name in failed:
+            log(f"  FAILED: {name}")
+        (out / "verify_and_bench.json").write_text(json.dumps(results, indent=2, default=str))
+        (out / "verify_and_bench.txt").write_text("\n".join(log.lines) + "\n")
+    return 1 if results["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Tiny real transformers models of every family, for tests (random weights, fixed seeds).
+
+Norm weights and biases are perturbed away from 1/0 (``Family.build`` does it), so a
+layer that drops a bias or ignores a norm weight cannot pass an equality test.
+
+Example::
+
+    from models import FAMILIES, tiny_model, left_padded_batch
+
+    model = tiny_model("qwen3", seed=1, num_hidden_layers=2)
+    batch = left_padded_batch(model.config.vocab_size)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from layerswap.substitution import Family, get_family
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+
+
+def family(name: str) -> Family:
+    """The builtin family called ``name``."""
+    return get_family(name)
+
+
+def tiny_config(name: str, **overrides: Any) -> PreTrainedConfig:
+    """The family's embedded tiny config with ``overrides`` applied."""
+    return family(name).tiny_config(**overrides)
+
+
+def tiny_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A tiny causal LM of family ``name``: float32, eval mode, random from ``seed``."""
+    spec = family(name)
+    return spec.build(spec.tiny_config(**overrides), seed=seed)
+
+
+def left_padded_batch(
+    vocab_size: int, lengths: tuple[int, ...] = (12, 7), seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of different lengths, padded on the left."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    # token 0 is the pad token; real tokens avoid it
+    input_ids = torch.randint(1, vocab_size, (len(lengths), width), generator=generator)
+    attention_mask = torch.ones(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, : width - length] = 0
+        attention_mask[row, : width - length] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def tokens(vocab_size: int, shape: tuple[int, int] = (2, 10), seed: int = 0) -> torch.Tensor:
+    """Random token ids (no padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, shape, generator=generator)

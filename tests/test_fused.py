@@ -1,0 +1,237 @@
+"""The fused backend computes what the original layers compute, on every family."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import FAMILIES, left_padded_batch, tiny_config, tiny_model, tokens
+
+import layerswap
+from layerswap.backends import fused
+from layerswap.errors import RequirementError
+from layerswap.swap import decoder_layers, family_of
+
+ATOL = 1e-5
+
+# llama with every optional bias switched on, besides the plain families
+CASES = [pytest.param(name, {}, id=name) for name in FAMILIES] + [
+    pytest.param("llama", {"attention_bias": True, "mlp_bias": True}, id="llama-biases"),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides"), CASES)
+def test_logits_equal_original_with_left_padding(name: str, overrides: dict[str, bool]) -> None:
+    model = tiny_model(name, **overrides)
+    batch = left_padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        with layerswap.swap(model, backend="fused"):
+            assert all(
+                isinstance(layer, fused.FusedDecoderLayer) for _, layer in decoder_layers(model)
+            )
+            actual = model(**batch).logits
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(actual[valid], expected[valid], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_generate_equal_with_left_padding(name: str) -> None:
+    model = tiny_model(name)
+    batch = left_padded_batch(model.config.vocab_size, lengths=(9, 5))
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    expected = model.generate(**batch, **settings)
+    with layerswap.swap(model, backend="fused"):
+        actual = model.generate(**batch, **settings)
+    assert actual.shape == expected.shape == (2, 9 + 6)
+    assert torch.equal(actual, expected)
+
+
+def test_sliding_window_is_honoured() -> None:
+    # the window (8) is shorter than the sequence: attention beyond it must be masked
+    model = tiny_model("mistral")
+    assert model.config.sliding_window == 8
+    ids = tokens(model.config.vocab_size, (1, 20))
+    with torch.no_grad():
+        expected = model(ids).logits
+        unwindowed = copy.deepcopy(model)
+        unwindowed.config.sliding_window = None
+        full_attention = unwindowed(ids).logits
+        with layerswap.swap(model, backend="fused"):
+            actual = model(ids).logits
+    assert not torch.allclose(expected, full_attention, atol=1e-3)  # the window matters here
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_training_step_gives_equal_loss_gradients_and_weights(name: str) -> None:
+    reference = tiny_model(name, num_hidden_layers=2).train()
+    candidate = copy.deepcopy(reference)
+    handle = layerswap.swap(candidate, backend="fused")
+    ids = tokens(reference.config.vocab_size, (2, 10))
+    results = []
+    for model in (reference, candidate):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        results.append((loss.detach(), grads))
+    (loss_ref, grads_ref), (loss_new, grads_new) = results
+    torch.testing.assert_close(loss_new, loss_ref, atol=ATOL, rtol=0)
+
+    # map the replacement's gradients through the converter, layer by layer
+    converter = handle.substitution.converter
+    mapped = {n: g for n, g in grads_new.items() if ".layers." not in n}
+    for layer_name, _ in decoder_layers(candidate):
+        prefix = layer_name + "."
+        local = {n[len(prefix) :]: g for n, g in grads_new.items() if n.startswith(prefix)}
+        for key, grad in converter.to_original(local, candidate.config).items():
+            mapped[prefix + key] = grad
+    assert mapped.keys() == grads_ref.keys()
+    for key, grad in grads_ref.items():
+        torch.testing.assert_close(mapped[key], grad, atol=ATOL, rtol=1e-4, msg=key)
+
+    handle.undo()
+    updated = reference.state_dict()
+    for key, value in candidate.state_dict().items():
+        torch.testing.assert_close(value, updated[key], atol=ATOL, rtol=0, msg=key)
+
+
+def test_gradient_checkpointing_keeps_working_after_swap() -> None:
+    reference = tiny_model("llama", num_hidden_layers=2).train()
+    reference.activation_checkpointing_enable()
+    candidate = copy.deepcopy(reference)
+    layerswap.swap(candidate, backend="fused")
+    assert all(layer.gradient_checkpointing for _, layer in decoder_layers(candidate))
+    ids = tokens(reference.config.vocab_size)
+    losses = []
+    for model in (reference, candidate):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        candidate.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad
+    )
+
+
+def test_eager_attention_masks_give_equal_logits() -> None:
+    # eager builds additive float masks instead of sdpa's boolean ones
+    model = tiny_model("qwen3", attn_implementation="eager")
+    batch = left_padded_batch(model.config.vocab_size)
+    valid = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = model(**batch).logits
+        with layerswap.swap(model, backend="fused"):
+            actual = model(**batch).logits
+    torch.testing.assert_close(actual[valid], expected[valid], atol=ATOL, rtol=0)
+
+
+def test_hidden_states_equal_original() -> None:
+    model = tiny_model("qwen2")
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        expected = model(ids, output_hidden_states=True).hidden_states
+        with layerswap.swap(model, backend="fused"):
+            actual = model(ids, output_hidden_states=True).hidden_states
+        after_undo = model(ids, output_hidden_states=True).hidden_states
+    assert len(actual) == len(expected) == model.config.num_hidden_layers + 1
+    for got, want, again in zip(actual, expected, after_undo, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(again, want, atol=0, rtol=0)
+
+
+def test_hidden_states_asked_first_while_swapped_still_work_after_undo() -> None:
+    # transformers hooks the model on the first output_hidden_states call, which here
+    # happens while the original layers are out of the model
+    model = tiny_model("llama")
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        with layerswap.swap(model, backend="fused"):
+            swapped = model(ids, output_hidden_states=True).hidden_states
+        restored = model(ids, output_hidden_states=True).hidden_states
+    assert len(swapped) == len(restored) == model.config.num_hidden_layers + 1
+    for got, want in zip(swapped, restored, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_a_swapped_model_pickles_and_loads_in_a_fresh_process(tmp_path: Path) -> None:
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    ids = tokens(model.config.vocab_size)
+    layerswap.swap(model, backend="fused")
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"model": model, "ids": ids, "expected": expected}, tmp_path / "model.pt")
+    check = (
+        "import torch; saved = torch.load(r'{}', weights_only=False); "
+        "model = saved['model']; assert type(model.model.layers[0]).__name__ == "
+        "'FusedQwen3DecoderLayer'; "
+        "assert torch.equal(model(saved['ids']).logits, saved['expected'])"
+    ).format(tmp_path / "model.pt")
+    subprocess.run([sys.executable, "-c", check], check=True)
+
+
+def test_bfloat16_stays_close() -> None:
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        with layerswap.swap(model, backend="fused"):
+            assert next(model.model.layers[0].parameters()).dtype == torch.bfloat16
+            actual = model(ids).logits.float()
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_repr_names_the_original_class_and_the_substitution() -> None:
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    layerswap.swap(model, backend="fused")
+    text = repr(model)
+    assert "FusedQwen3DecoderLayer(" in text
+    assert "replaces=Qwen3DecoderLayer, substitution=qwen3.decoder.fused" in text
+
+
+def test_unsupported_attention_implementation_is_a_clear_error() -> None:
+    config = tiny_config("llama")
+    config._attn_implementation = "flash_attention_2"
+    layer_cls = fused.layer_class(family_of(tiny_model("llama", num_hidden_layers=1)))
+    with pytest.raises(RequirementError, match="attn_implementation='sdpa'"):
+        layer_cls(config, 0)
+
+
+def test_generic_fused_layer_needs_a_family() -> None:
+    with pytest.raises(TypeError, match="layer_class"):
+        fused.FusedDecoderLayer(tiny_config("llama"), 0)
+
+
+def test_layer_classes_are_importable_by_name_for_pickling() -> None:
+    from layerswap.substitution import get_family
+
+    cls = fused.layer_class(get_family("gemma"))
+    assert fused.FusedGemmaDecoderLayer is cls
+    assert cls.__module__ == "layerswap.backends.fused"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma"])
+def test_fused_layers_match_on_the_gpu(name: str) -> None:
+    model = tiny_model(name).cuda()
+    batch = {k: v.cuda() for k, v in left_padded_batch(model.config.vocab_size).items()}
+    ids = tokens(model.config.vocab_size).cuda()  # no mask: the enable_gqa path
+    settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected_masked, expected_plain = model(**batch).logits, model(ids).logits
+        expected_tokens = model.generate(**batch, **settings)
+        with layerswap.swap(model, backend="fused"):
+            assert next(model.model.layers[0].parameters()).is_cuda
+            masked, plain = model(**batch).logits, model(ids).logits
+            generated = model.generate(**batch, **settings)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(masked[valid], expected_masked[valid], atol=1e-4, rtol=0)
+    torch.testing.assert_close(plain, expected_plain, atol=1e-4, rtol=0)
+    assert torch.equal(generated, expected_tokens)

@@ -1,0 +1,289 @@
+"""Swapping built models: undo is exact, failures are atomic, errors are clear."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from models import FAMILIES, tiny_config, tiny_model, tokens
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
+
+import layerswap
+from layerswap.backends import fused
+from layerswap.errors import (
+    ConversionError,
+    SubstitutionError,
+    SwapWarning,
+    UnknownSubstitutionError,
+)
+from layerswap.swap import SwapHandle, build_replacement_layer, decoder_layers, family_of
+from layerswap.weights import Converter
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, Any]:
+    """Everything undo must give back: layer objects, Parameter objects, values, key order."""
+    return {
+        "layers": [layer for _, layer in decoder_layers(model)],
+        "params": dict(model.named_parameters()),
+        "state": {key: value.clone() for key, value in model.state_dict().items()},
+    }
+
+
+def _assert_untouched(model: torch.nn.Module, before: dict[str, Any]) -> None:
+    assert [layer for _, layer in decoder_layers(model)] == before["layers"]
+    now = [layer for _, layer in decoder_layers(model)]
+    assert all(a is b for a, b in zip(before["layers"], now, strict=True))
+    params = dict(model.named_parameters())
+    assert params.keys() == before["params"].keys()
+    assert all(params[key] is param for key, param in before["params"].items())
+    state = model.state_dict()
+    assert list(state) == list(before["state"])
+    for key, value in before["state"].items():
+        assert torch.equal(state[key], value), key
+        assert state[key].dtype == value.dtype
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_undo_gives_back_the_same_layers_and_bitwise_weights(name: str) -> None:
+    model = tiny_model(name)
+    before = _snapshot(model)
+    handle = layerswap.swap(model, backend="fused")
+    assert handle.active
+    assert len(handle) == model.config.num_hidden_layers
+    assert handle.substitution.name == f"{name}.decoder.fused"
+    assert all(type(layer) is not LlamaDecoderLayer for _, layer in decoder_layers(model))
+    handle.undo()
+    assert not handle.active
+    _assert_untouched(model, before)
+    handle.undo()  # a second undo does nothing
+    _assert_untouched(model, before)
+
+
+def test_swap_is_a_context_manager_undone_on_exceptions() -> None:
+    model = tiny_model("llama", num_hidden_layers=2)
+    before = _snapshot(model)
+    with pytest.raises(ZeroDivisionError), layerswap.swap(model, "llama.decoder.fused") as h:
+        assert isinstance(h, SwapHandle)
+        assert isinstance(model.model.layers[0], fused.FusedDecoderLayer)
+        raise ZeroDivisionError
+    _assert_untouched(model, before)
+
+
+def test_device_maps_keep_swapped_layers_whole_until_undo() -> None:
+    model = tiny_model("llama", num_hidden_layers=1)
+    before = model._no_split_modules
+    with layerswap.swap(model, backend="fused"):
+        assert "FusedLlamaDecoderLayer" in model._no_split_modules
+        assert "FusedLlamaDecoderLayer" in model.model._no_split_modules
+    assert model._no_split_modules is before
+
+
+def test_report_and_swapped_list_every_layer() -> None:
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    handle = layerswap.swap(model, backend="fused")
+    sub = layerswap.get("qwen3.decoder.fused")
+    original, replacement = sub.original_class(), sub.replacement_class()
+    assert handle.swapped == [
+        ("model.layers.0", original, replacement),
+        ("model.layers.1", original, replacement),
+    ]
+    report = handle.report()
+    assert report.splitlines()[0] == "qwen3.decoder.fused: 2 layers swapped (active)"
+    assert "model.layers.1  Qwen3DecoderLayer -> FusedQwen3DecoderLayer" in report
+    handle.undo()
+    assert "(undone)" in handle.report()
+
+
+def test_untouched_tensors_are_shared_and_fused_originals_are_released() -> None:
+    model = tiny_model("llama", num_hidden_layers=2)
+    original = model.model.layers[0]
+    o_proj, q_proj = original.self_attn.o_proj.weight, original.self_attn.q_proj.weight
+    with layerswap.swap(model, backend="fused"):
+        swapped = model.model.layers[0]
+        assert swapped.self_attn.o_proj.weight is o_proj  # moved, not copied
+        assert q_proj.numel() == 0  # its values live in qkv_proj now
+        assert swapped.self_attn.qkv_proj.weight.shape == (128 + 32 + 32, 128)
+    assert q_proj.shape == (128, 128)
+
+
+def test_training_while_swapped_carries_into_the_undone_model() -> None:
+    model = tiny_model("llama", num_hidden_layers=2).train()
+    reference = tiny_model("llama", num_hidden_layers=2).train()
+    ids = tokens(model.config.vocab_size)
+    with layerswap.swap(model, backend="fused"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    reference(ids, labels=ids).loss.backward()
+    optimizer.step()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def test_frozen_parameters_stay_frozen() -> None:
+    model = tiny_model("qwen2", num_hidden_layers=1)
+    for param in model.model.layers[0].self_attn.parameters():
+        param.requires_grad_(False)
+    with layerswap.swap(model, backend="fused"):
+        attention = model.model.layers[0].self_attn
+        assert not attention.qkv_proj.weight.requires_grad
+        assert not attention.qkv_proj.bias.requires_grad
+        assert model.model.layers[0].mlp.gate_up_proj.weight.requires_grad
+    assert not model.model.layers[0].self_attn.q_proj.weight.requires_grad
+    assert model.model.layers[0].mlp.gate_proj.weight.requires_grad
+
+
+def test_forward_hooks_on_a_layer_keep_firing_after_the_swap() -> None:
+    model = tiny_model("llama", num_hidden_layers=2)
+    seen: list[str] = []
+    model.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(type(m).__name__))
+    with torch.no_grad(), layerswap.swap(model, backend="fused"):
+        model(tokens(model.config.vocab_size))
+    with torch.no_grad():
+        model(tokens(model.config.vocab_size))
+    assert seen == ["FusedLlamaDecoderLayer", "LlamaDecoderLayer"]
+
+
+def test_meta_device_models_swap_and_undo_without_data() -> None:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_config("llama"))
+    names = list(model.state_dict())
+    with layerswap.swap(model, backend="fused"):
+        assert all(param.is_meta for param in model.parameters())
+        assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (192, 128)
+    assert list(model.state_dict()) == names
+    assert all(param.is_meta for param in model.parameters())
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (128, 128)
+
+
+class _FailOnThirdLayer(Converter):
+    """The fused converter, failing for the third layer with data it converts.
+
+    (The upstream check converts a meta-device layer first; that one is not counted.)
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(fused.CONVERTER.rules)
+        object.__setattr__(self, "error", error)
+        object.__setattr__(self, "calls", 0)
+
+    def to_replacement(self, state: Any, config: Any) -> dict[str, torch.Tensor]:
+        if next(iter(state.values())).is_meta:
+            return super().to_replacement(state, config)
+        object.__setattr__(self, "calls", self.calls + 1)  # type: ignore[has-type]
+        if self.calls == 3:  # type: ignore[has-type]
+            raise self.error  # type: ignore[has-type]
+        return super().to_replacement(state, config)
+
+
+def test_a_failing_layer_rolls_back_the_layers_already_swapped() -> None:
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    failing = dataclasses.replace(
+        layerswap.get("llama.decoder.fused"),
+        converter=_FailOnThirdLayer(ConversionError("tensor 'self_attn.q_proj.weight': bad")),
+    )
+    with pytest.raises(ConversionError, match=r"layer 'model\.layers\.2'.*'self_attn\.q_proj"):
+        layerswap.swap(model, failing)
+    _assert_untouched(model, before)
+
+
+def test_an_interrupt_during_the_swap_also_rolls_back() -> None:
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    failing = dataclasses.replace(
+        layerswap.get("llama.decoder.fused"), converter=_FailOnThirdLayer(KeyboardInterrupt())
+    )
+    with pytest.raises(KeyboardInterrupt):
+        layerswap.swap(model, failing)
+    _assert_untouched(model, before)
+
+
+def test_a_shape_mismatch_in_one_layer_names_the_layer_and_the_tensor() -> None:
+    model = tiny_model("mistral")
+    bad = model.model.layers[2].mlp.up_proj
+    bad.weight = torch.nn.Parameter(torch.randn(100, model.config.hidden_size))
+    before = _snapshot(model)
+    with pytest.raises(ConversionError) as caught:
+        layerswap.swap(model, backend="fused")
+    assert "layer 'model.layers.2'" in str(caught.value)
+    assert "'mlp.up_proj.weight' has shape (100, 128)" in str(caught.value)
+    _assert_untouched(model, before)
+
+
+def test_wrong_family_is_a_clear_error() -> None:
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    with pytest.raises(SubstitutionError, match=r"llama\.decoder\.fused is for llama .* qwen3"):
+        layerswap.swap(model, "llama.decoder.fused")
+    assert type(model.model.layers[0]).__name__ == "Qwen3DecoderLayer"
+
+
+def test_unknown_names_are_clear_errors() -> None:
+    model = tiny_model("llama", num_hidden_layers=1)
+    with pytest.raises(UnknownSubstitutionError, match="did you mean"):
+        layerswap.swap(model, "llama.decoder.fuse")
+    with pytest.raises(UnknownSubstitutionError, match=r"llama\.decoder\.cuda"):
+        layerswap.swap(model, backend="cuda")
+    with pytest.raises(TypeError, match="not both"):
+        layerswap.swap(model, "llama.decoder.fused", backend="fused")
+
+
+def test_swapping_twice_is_refused_until_undone() -> None:
+    model = tiny_model("llama", num_hidden_layers=1)
+    handle = layerswap.swap(model)
+    with pytest.raises(SubstitutionError, match=r"already swapped by llama\.decoder\.fused"):
+        layerswap.swap(model)
+    handle.undo()
+    layerswap.swap(model).undo()
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")
+def test_a_compiled_model_is_swapped_through_orig_mod_with_a_warning() -> None:
+    model = tiny_model("llama", num_hidden_layers=1)
+    compiled = torch.compile(model)
+    with pytest.warns(SwapWarning, match="compile"):
+        handle = layerswap.swap(compiled, backend="fused")
+    assert isinstance(model.model.layers[0], fused.FusedDecoderLayer)
+    assert handle.model is model
+    handle.undo()
+    assert type(model.model.layers[0]) is LlamaDecoderLayer
+
+
+def test_undo_refuses_when_a_swapped_layer_was_replaced_since() -> None:
+    model = tiny_model("llama", num_hidden_layers=1)
+    handle = layerswap.swap(model)
+    model.model.layers[0] = torch.nn.Identity()
+    with pytest.raises(SubstitutionError, match=r"model\.layers\.0"):
+        handle.undo()
+
+
+def test_family_of_and_decoder_layers_see_through_swaps() -> None:
+    model = tiny_model("gemma", num_hidden_layers=2)
+    assert family_of(model).name == "gemma"
+    with layerswap.swap(model):
+        assert family_of(model).name == "gemma"
+        assert [name for name, _ in decoder_layers(model)] == ["model.layers.0", "model.layers.1"]
+
+
+def test_build_replacement_layer_leaves_the_original_untouched() -> None:
+    model = tiny_model("qwen2", num_hidden_layers=1)
+    layer = model.model.layers[0]
+    before = {key: value.clone() for key, value in layer.state_dict().items()}
+    replacement = build_replacement_layer("qwen2.decoder.fused", layer, config=model.config)
+    assert isinstance(replacement, fused.FusedDecoderLayer)
+    assert replacement.self_attn.o_proj.weight is not layer.self_attn.o_proj.weight
+    assert (
+        replacement.self_attn.o_proj.weight.data_ptr() == layer.self_attn.o_proj.weight.data_ptr()
+    )
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key])
+    hidden = torch.randn(1, 5, model.config.hidden_size)
+    position_ids = torch.arange(5)[None]
+    cos_sin = model.model.rotary_emb(hidden, position_ids)
+    with torch.no_grad():
+        expected = layer(hidden, position_embeddings=cos_sin)
+        actual = replacement(hidden, position_embeddings=cos_sin)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)

@@ -1,0 +1,377 @@
+"""layerswap.verify and layerswap.assert_equivalent on real tiny transformers models."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import nn
+
+from layerswap.errors import RequirementError, UnknownSubstitutionError, VerificationError
+from layerswap.substitution import Substitution, families, get, get_family
+from layerswap.swap import swap
+from layerswap.verify import (
+    Tolerance,
+    VerificationReport,
+    assert_equivalent,
+    default_inputs,
+    verify,
+)
+from layerswap.weights import Converter, Custom
+
+FUSED = "llama.decoder.fused"
+
+
+def _perturbed(base: Substitution, *, layer: int, scale: float, name: str) -> Substitution:
+    """``base`` with one layer's attention output projection scaled: a one-layer bug."""
+    fused_layer = base.replacement_class()
+
+    class PerturbedLayer(fused_layer):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            if layer_idx == layer:
+                self.self_attn.o_proj.register_forward_hook(
+                    lambda module, args, output: output * scale
+                )
+
+    return dataclasses.replace(base, name=name, replacement=PerturbedLayer)
+
+
+@pytest.fixture(scope="module")
+def broken() -> Substitution:
+    return _perturbed(get(FUSED), layer=2, scale=1.01, name="llama.decoder.broken")
+
+
+@pytest.fixture
+def llama() -> Any:
+    return get_family("llama").build(seed=0)
+
+
+def _hook_count(model: nn.Module) -> int:
+    return sum(
+        len(getattr(module, name))
+        for module in model.modules()
+        for name in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+        )
+    )
+
+
+# --- the builtin substitutions pass ------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(families()))
+def test_fused_substitution_matches_original_for_every_family(family: str) -> None:
+    model = get_family(family).build(seed=0)
+
+    report = verify(model, f"{family}.decoder.fused")
+
+    assert report.passed, report.summary()
+    assert report.first_divergent_layer is None
+    assert [layer.name for layer in report.layers] == [
+        f"model.layers.{index}" for index in range(model.config.num_hidden_layers)
+    ]
+    assert report.top1_agreement == 1.0
+    assert report.kl is not None and report.kl < 1e-8
+    assert report.cosine > 0.99999
+
+
+def test_backward_and_generate_are_compared_when_asked(llama: Any) -> None:
+    report = verify(llama, FUSED, backward=True, generate=3)
+
+    assert report.passed, report.summary()
+    assert report.backward is not None and report.backward.passed
+    assert report.backward.loss_reference == pytest.approx(report.backward.loss_candidate)
+    # gradients are keyed in the original layout, one per original parameter
+    names = [gradient.name for gradient in report.backward.gradients]
+    assert names == [name for name, _ in llama.named_parameters()]
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert report.generation is not None and report.generation.passed
+    assert report.generation.new_tokens == 3
+    assert len(report.generation.reference_tokens) == 2
+    assert report.generation.reference_tokens == report.generation.candidate_tokens
+
+
+def test_gradients_are_mapped_through_the_converters_jacobian(llama: Any) -> None:
+    """A replacement that stores o_proj doubled (and halves it when computing) is exact;
+    its gradient must be doubled on the way back, not halved like the weight."""
+    fused = get(FUSED)
+
+    class HalvingLinear(nn.Linear):
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(inputs, self.weight / 2, self.bias)
+
+    class DoubledOProj(fused.replacement_class()):  # type: ignore[misc]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            o_proj = self.self_attn.o_proj
+            self.self_attn.o_proj = HalvingLinear(
+                o_proj.in_features, o_proj.out_features, bias=o_proj.bias is not None
+            )
+
+    doubled = dataclasses.replace(
+        fused,
+        name="llama.decoder.doubled",
+        replacement=DoubledOProj,
+        converter=cast(Converter, fused.converter).derive(
+            Custom(
+                ("self_attn.o_proj.weight",),
+                ("self_attn.o_proj.weight",),
+                forward=lambda tensors, config: [tensors[0] * 2],
+                backward=lambda tensors, config: [tensors[0] / 2],
+            )
+        ),
+    )
+
+    report = verify(llama, doubled, backward=True)
+
+    assert report.passed, report.summary()
+
+
+# --- a broken substitution fails and is located ----------------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["full", "streaming"])
+def test_broken_substitution_fails_naming_its_layer(
+    llama: Any, broken: Substitution, streaming: bool
+) -> None:
+    report = verify(llama, broken, streaming=streaming)
+
+    assert not report.passed
+    assert report.first_divergent_layer == 2
+    assert [layer.passed for layer in report.layers] == [True, True, False, False]
+    assert report.first_divergent is not None
+    assert report.first_divergent.name == "model.layers.2"
+    assert not report.logits_passed
+    assert "first divergent layer: 2 (model.layers.2)" in report.summary()
+    assert report.failure_message().startswith("llama.decoder.broken does not match")
+
+
+def test_streaming_measures_what_full_mode_measures(llama: Any, broken: Substitution) -> None:
+    full = verify(llama, broken, backward=True)
+    streaming = verify(llama, broken, backward=True, streaming=True)
+
+    assert streaming.mode == "streaming" and full.mode == "full"
+    for a, b in zip(full.layers, streaming.layers, strict=True):
+        assert a.max_abs_error == pytest.approx(b.max_abs_error, rel=1e-3, abs=1e-7)
+    assert full.max_abs_error == pytest.approx(streaming.max_abs_error, rel=1e-3)
+    # per-layer gradients: the first one off is the broken layer's input gradient
+    assert streaming.backward is not None and streaming.backward.local
+    assert streaming.backward.first_divergent_parameter == "model.layers.2.<input>"
+
+
+def test_streaming_backward_passes_for_a_correct_substitution(llama: Any) -> None:
+    report = verify(llama, FUSED, backward=True, streaming=True)
+
+    assert report.passed, report.summary()
+    assert report.backward is not None
+    names = {gradient.name for gradient in report.backward.gradients}
+    assert "model.layers.3.mlp.up_proj.weight" in names  # original layout
+    assert "model.layers.0.<input>" in names
+
+
+def test_a_layer_producing_nan_fails_and_still_serialises(llama: Any) -> None:
+    nan_layer = _perturbed(get(FUSED), layer=1, scale=math.nan, name="llama.decoder.nan")
+
+    report = verify(llama, nan_layer)
+
+    assert not report.passed
+    assert report.first_divergent_layer == 1
+    assert report.layers[1].max_abs_error == math.inf
+    data = json.loads(report.to_json())  # strict JSON: no bare NaN/Infinity
+    assert data["layers"][1]["max_abs_error"] == "inf"
+
+
+def test_assert_equivalent_raises_naming_the_first_divergent_layer(
+    llama: Any, broken: Substitution
+) -> None:
+    candidate = copy.deepcopy(llama)
+    swap(candidate, broken)
+
+    with pytest.raises(VerificationError, match=r"first divergent layer: 2 \(model\.layers\.2\)"):
+        assert_equivalent(llama, candidate)
+    with pytest.raises(AssertionError, match="max abs error"):
+        assert_equivalent(llama, candidate, default_inputs(512, seed=3))
+
+
+def test_assert_equivalent_returns_the_report_for_equivalent_models(llama: Any) -> None:
+    candidate = copy.deepcopy(llama)
+    swap(candidate, FUSED)
+
+    report = assert_equivalent(
+        llama, candidate, tolerance=1e-4, substitution=FUSED, backward=True, generate=2
+    )
+
+    assert isinstance(report, VerificationReport)
+    assert report.passed and report.mode == "models"
+    assert report.backward is not None and report.backward.passed
+
+
+def test_assert_equivalent_without_substitution_cannot_map_swapped_gradients(
+    llama: Any,
+) -> None:
+    candidate = copy.deepcopy(llama)
+    swap(candidate, FUSED)
+
+    with pytest.raises(VerificationError, match="pass substitution="):
+        assert_equivalent(llama, candidate, backward=True)
+
+
+# --- the model passed in is left alone ---------------------------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["full", "streaming"])
+def test_verify_leaves_the_model_untouched(
+    llama: Any, broken: Substitution, streaming: bool
+) -> None:
+    llama.train()
+    llama.model.layers[1].eval()  # mixed flags must come back as they were
+    llama.lm_head.weight.grad = torch.full_like(llama.lm_head.weight, 0.5)
+    state = {key: value.clone() for key, value in llama.state_dict().items()}
+    flags = [module.training for module in llama.modules()]
+    requires_grad = [param.requires_grad for param in llama.parameters()]
+    hooks = _hook_count(llama)
+    layer_types = [type(module) for module in llama.modules()]
+
+    verify(llama, broken, backward=True, streaming=streaming)
+
+    after = llama.state_dict()
+    assert state.keys() == after.keys()
+    assert all(torch.equal(state[key], after[key]) for key in state)
+    assert [module.training for module in llama.modules()] == flags
+    assert [param.requires_grad for param in llama.parameters()] == requires_grad
+    assert _hook_count(llama) == hooks
+    assert [type(module) for module in llama.modules()] == layer_types
+    assert torch.equal(llama.lm_head.weight.grad, torch.full_like(llama.lm_head.weight, 0.5))
+    assert all(
+        param.grad is None for name, param in llama.named_parameters() if name != "lm_head.weight"
+    )
+
+
+# --- options -------------------------------------------------------------------------
+
+
+def test_low_precision_uses_the_dtypes_looser_tolerance(llama: Any) -> None:
+    report = verify(llama, FUSED, dtype="bfloat16", backward=True)
+
+    assert report.passed, report.summary()
+    assert report.dtype == "bfloat16"
+    assert report.tolerance == Tolerance.for_dtype(torch.bfloat16)
+    assert llama.model.embed_tokens.weight.dtype == torch.float32  # cast a copy only
+
+
+def test_default_tolerances_loosen_with_precision() -> None:
+    order = [Tolerance.for_dtype(name) for name in ("float32", "float16", "bfloat16", "fp8")]
+
+    assert [t.rtol for t in order] == sorted(t.rtol for t in order)
+    assert [t.min_cosine for t in order] == sorted((t.min_cosine for t in order), reverse=True)
+    assert len({t.rtol for t in order}) == 4
+
+
+def test_tolerance_override_accepts_a_number_or_a_tolerance(
+    llama: Any, broken: Substitution
+) -> None:
+    loose = Tolerance(atol=0.0, rtol=0.1, min_cosine=0.99, gradient_rtol=0.1)
+
+    assert verify(llama, broken, tolerance=loose).passed
+    assert verify(llama, broken, tolerance=0.05).tolerance.rtol == 0.05
+    assert not verify(llama, broken, tolerance=1e-4).passed
+    with pytest.raises(ValueError, match="non-negative"):
+        verify(llama, FUSED, tolerance=-1.0)
+
+
+def test_substitution_is_taken_by_name_or_object(llama: Any) -> None:
+    by_object = verify(llama, get(FUSED))
+
+    assert by_object.substitution == FUSED
+    with pytest.raises(UnknownSubstitutionError, match="did you mean"):
+        verify(llama, "llama.decoder.fusd")
+
+
+def test_unusable_substitution_is_a_requirement_error(llama: Any) -> None:
+    te = get("llama.decoder.te")
+    if te.unmet_requirement() is None:
+        pytest.skip("TransformerEngine and CUDA are available here")
+
+    with pytest.raises(RequirementError, match=r"llama\.decoder\.te cannot run here"):
+        verify(llama, te)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda_is_a_requirement_error(llama: Any) -> None:
+    with pytest.raises(RequirementError, match="CUDA"):
+        verify(llama, FUSED, device="cuda")
+    assert verify(llama, FUSED, device="auto").device == "cpu"
+
+
+def test_streaming_refuses_generation(llama: Any) -> None:
+    with pytest.raises(ValueError, match="streaming=False"):
+        verify(llama, FUSED, streaming=True, generate=2)
+
+
+def test_inputs_may_be_token_ids_or_a_mapping(llama: Any) -> None:
+    ids = torch.arange(1, 9).unsqueeze(0)
+
+    from_tensor = verify(llama, FUSED, ids)
+    from_mapping = verify(llama, FUSED, {"input_ids": ids})
+
+    assert (from_tensor.batch, from_tensor.seq_len) == (1, 8)
+    assert from_tensor.to_dict() == from_mapping.to_dict()
+
+
+def test_default_inputs_are_deterministic_and_left_padded() -> None:
+    first, second = default_inputs(512), default_inputs(512)
+
+    assert torch.equal(first["input_ids"], second["input_ids"])
+    assert not torch.equal(first["input_ids"], default_inputs(512, seed=1)["input_ids"])
+    mask = first["attention_mask"]
+    assert mask[0].all()
+    assert mask[1, :4].sum() == 0 and mask[1, 4:].all()
+    assert int(first["input_ids"].max()) < 512
+
+
+def test_report_round_trips_through_json(llama: Any) -> None:
+    report = verify(llama, FUSED, backward=True, generate=2)
+
+    data = json.loads(report.to_json())
+
+    assert data["passed"] is True
+    assert data["substitution"] == FUSED
+    assert data["tolerance"] == dataclasses.asdict(report.tolerance)
+    assert len(data["layers"]) == 4
+    assert set(data["layers"][0]) == {
+        "index",
+        "name",
+        "max_abs_error",
+        "max_rel_error",
+        "cosine",
+        "passed",
+    }
+    assert data["backward"]["passed"] is True
+    assert data["generation"]["new_tokens"] == 2
+
+
+def test_fp8_substitutions_get_the_fp8_tolerance(llama: Any) -> None:
+    fp8_named = dataclasses.replace(get(FUSED), name="llama.decoder.fused_fp8", backend="fused_fp8")
+
+    report = verify(llama, fp8_named)
+
+    assert report.tolerance == Tolerance.for_dtype("fp8")
+    assert report.dtype == "float32"
+
+
+def test_layerswap_verify_is_callable_even_after_its_module_is_imported(llama: Any) -> None:
+    import layerswap
+    import layerswap.verify  # binds the package attribute to the submodule
+
+    assert layerswap.verify(llama, FUSED).passed  # type: ignore[operator]
+    assert layerswap.assert_equivalent(llama, llama).passed
