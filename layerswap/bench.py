@@ -25,10 +25,8 @@ import copy
 import dataclasses
 import json
 import statistics
-import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -349,13 +347,3 @@ def _memory_ratio(original: BenchResult, swapped: BenchResult, method: str) -> f
     if original.peak_memory_bytes < floor or swapped.peak_memory_bytes < floor:
         return None
     return swapped.peak_memory_bytes / original.peak_memory_bytes
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`bench` (see ``layerswap.verify._CallableModule``)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> BenchReport:
-        return bench(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

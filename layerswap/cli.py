@@ -178,6 +178,16 @@ DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda."
 DtypeOption = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed for random weights and inputs.")]
+Fp8Option = Annotated[
+    bool, typer.Option("--fp8", help="With --backend te: run the TE layers under FP8 autocast.")
+]
+Fp8RecipeOption = Annotated[
+    str,
+    typer.Option(
+        "--fp8-recipe",
+        help="FP8 scaling recipe: auto, current, delayed, block, mxfp8 or nvfp4.",
+    ),
+]
 
 
 @dataclass
@@ -205,10 +215,24 @@ def _family(name: str) -> Family:
 
 
 def _choose_substitution(
-    model: str | None, backend: str, substitution: str | None, config: str
+    model: str | None,
+    backend: str,
+    substitution: str | None,
+    config: str,
+    fp8_recipe: str | None = None,
 ) -> tuple[Family, Substitution]:
     from layerswap.substitution import get, substitutions
 
+    if fp8_recipe is not None:
+        if substitution is not None or backend not in ("te", "te_fp8"):
+            raise UsageProblem("--fp8 runs TransformerEngine layers: use it with --backend te")
+        from layerswap.backends.te import fp8_substitution_for
+
+        family = _family(model if model is not None else _family_of_config(config))
+        fp8 = fp8_substitution_for(family, recipe=fp8_recipe)
+        if fp8 is None:
+            raise UsageProblem(f"TransformerEngine cannot express the {family.name} family")
+        return family, fp8
     if substitution is not None:
         sub = get(substitution)
         family = _family(sub.family)
@@ -294,11 +318,12 @@ def _setup(
     dtype: str,
     seed: int,
     progress: _Progress,
+    fp8_recipe: str | None = None,
 ) -> _Setup:
     """Validate everything cheap first, then build the original model."""
     target_device, target_dtype = _placement(device, dtype)
     _quiet_transformers()
-    family, sub = _choose_substitution(model, backend, substitution, config)
+    family, sub = _choose_substitution(model, backend, substitution, config, fp8_recipe)
     reason = sub.unmet_requirement()
     if reason is not None:
         raise UsageProblem(f"{sub.name} cannot run here: {reason}")
@@ -574,13 +599,25 @@ def patch(
         ),
     ] = None,
     seed: SeedOption = 0,
+    fp8: Fp8Option = False,
+    fp8_recipe: Fp8RecipeOption = "auto",
 ) -> None:
     """Build a model, swap its decoder layers, verify against the original, report."""
     with _exit_codes(), _Progress(not json_output) as progress:
         from layerswap.swap import swap
         from layerswap.verify import verify as run_verification
 
-        setup = _setup(model, backend, substitution, config, device, dtype, seed, progress)
+        setup = _setup(
+            model,
+            backend,
+            substitution,
+            config,
+            device,
+            dtype,
+            seed,
+            progress,
+            fp8_recipe if fp8 else None,
+        )
         report = None
         if verify:
             progress.step("verifying against the original")
@@ -662,12 +699,24 @@ def verify_command(
     ] = None,
     json_output: JsonOption = False,
     seed: SeedOption = 0,
+    fp8: Fp8Option = False,
+    fp8_recipe: Fp8RecipeOption = "auto",
 ) -> None:
     """Verify a substitution against the original model, layer by layer."""
     with _exit_codes(), _Progress(not json_output) as progress:
         from layerswap.verify import verify as run_verification
 
-        setup = _setup(model, backend, substitution, config, device, dtype, seed, progress)
+        setup = _setup(
+            model,
+            backend,
+            substitution,
+            config,
+            device,
+            dtype,
+            seed,
+            progress,
+            fp8_recipe if fp8 else None,
+        )
         progress.step("verifying against the original")
         try:
             report = run_verification(
@@ -708,10 +757,22 @@ def bench_command(
     ] = True,
     json_output: JsonOption = False,
     seed: SeedOption = 0,
+    fp8: Fp8Option = False,
+    fp8_recipe: Fp8RecipeOption = "auto",
 ) -> None:
     """Time the original and the swapped model (interleaved runs, medians, ratios)."""
     with _exit_codes(), _Progress(not json_output) as progress:
-        setup = _setup(model, backend, substitution, config, device, dtype, seed, progress)
+        setup = _setup(
+            model,
+            backend,
+            substitution,
+            config,
+            device,
+            dtype,
+            seed,
+            progress,
+            fp8_recipe if fp8 else None,
+        )
         report = _run_bench(
             setup,
             progress,

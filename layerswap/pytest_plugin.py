@@ -546,7 +546,8 @@ def pytest_fixture_setup(
         return (yield)
     # A fixture wider than one test may keep patches active across tests; they are
     # its own, to be stopped by its teardown, not a leak of the test that set it up.
-    before = {id(scoped) for scoped in _live()}
+    alive = _live()  # referenced through the window, so no new patch can reuse an id
+    before = {id(scoped) for scoped in alive}
     try:
         return (yield)
     finally:

@@ -402,16 +402,13 @@ _LOADED = False
 
 
 def _backend_substitutions(family: Family) -> list[Substitution]:
-    from layerswap.backends import BUILTIN_BACKENDS, backend_module
+    from layerswap.backends import BUILTIN_BACKENDS, backend_module, backend_substitutions
 
-    found = []
+    found: list[Substitution] = []
     for backend in BUILTIN_BACKENDS:
         module = backend_module(backend)
-        if module is None:
-            continue
-        sub = module.substitution_for(family)
-        if sub is not None:
-            found.append(sub)
+        if module is not None:
+            found.extend(backend_substitutions(module, family))
     return found
 
 

@@ -20,8 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
-import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -90,7 +88,8 @@ def family_of(model: nn.Module) -> Family:
     Found from the layers layerswap swapped, else the decoder layer classes present,
     else ``config.model_type``. Example::
 
-        layerswap.swap.family_of(model).name   # "llama"
+        from layerswap.swap import family_of
+        family_of(model).name   # "llama"
     """
     target = _unwrap(model)
     known = families()
@@ -803,25 +802,3 @@ def swap(
                 )
         raise
     return SwapHandle(target, sub, records, model_state, config)
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`swap`.
-
-    ``layerswap.swap`` is both the public function and this submodule's name; once
-    the submodule is imported, Python binds the package attribute to the module,
-    shadowing the function. Calling the module keeps ``layerswap.swap(model, ...)``
-    working either way.
-    """
-
-    def __call__(
-        self,
-        model: nn.Module,
-        substitution: str | Substitution | None = None,
-        *,
-        backend: str | None = None,
-    ) -> SwapHandle:
-        return swap(model, substitution, backend=backend)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -180,7 +180,8 @@ def test_ddp_and_fsdp_gradients_of_swapped_and_original_models_agree_on_two_rank
 
 
 class DecoderClassInWorker(Dataset[str]):
-    """Builds a one-layer Llama in the worker and returns the class of its decoder layer."""
+    """Builds a one-layer Llama in the worker: the class of its decoder layer, and how
+    many live patches replace that class there."""
 
     def __len__(self) -> int:
         return 1
@@ -188,15 +189,16 @@ class DecoderClassInWorker(Dataset[str]):
     def __getitem__(self, index: int) -> str:
         config = families()["llama"].tiny_config(num_hidden_layers=1)
         model = modeling_llama.LlamaModel(config)
-        return type(model.layers[0]).__name__
+        patched = [i for i in layerswap.active_patches() if i.target.endswith(":LlamaDecoderLayer")]
+        return f"{type(model.layers[0]).__name__} x{len(patched)}"
 
 
-def _classes_from_worker(worker_init_fn: Any) -> list[str]:
+def _from_worker(worker_init_fn: Any, context: str) -> list[str]:
     loader = DataLoader(
         DecoderClassInWorker(),
         batch_size=None,
         num_workers=1,
-        multiprocessing_context="spawn",
+        multiprocessing_context=context,
         worker_init_fn=worker_init_fn,
     )
     return list(loader)
@@ -207,8 +209,13 @@ def test_spawned_dataloader_workers_get_the_substitution_back_with_reapply():
         init = reapply()
     # A spawned worker is a fresh interpreter, and the block has ended here anyway: only
     # reapply, which captured the substitution when it was created, can apply it there.
-    assert _classes_from_worker(init) == ["FusedLlamaDecoderLayer"]
+    assert _from_worker(init, "spawn") == ["FusedLlamaDecoderLayer x1"]
     assert modeling_llama.LlamaDecoderLayer.__name__ == "LlamaDecoderLayer"
+
+
+def test_forked_workers_keep_the_inherited_substitution_without_applying_it_twice():
+    with layerswap.use(SUBSTITUTION):
+        assert _from_worker(reapply(), "fork") == ["FusedLlamaDecoderLayer x1"]
 
 
 # --- in one process ------------------------------------------------------------------------

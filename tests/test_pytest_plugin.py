@@ -516,6 +516,7 @@ def test_the_entry_point_loads_the_plugin_once(pytester, monkeypatch):
     pytester.runpytest_subprocess("-p", "layerswap", *INNER).assert_outcomes(passed=1)
 
 
+@pytest.mark.slow  # three fresh interpreters that import torch and transformers
 def test_every_xdist_worker_applies_the_session_substitutions(pytester):
     pytest.importorskip("xdist")
     pytester.makepyfile(

@@ -2,7 +2,9 @@
 
 A backend module offers ``substitution_for(family) -> Substitution | None``:
 the substitution named ``"<family>.decoder.<backend>"``, or ``None`` when the
-backend cannot express that family. The registry loops over families x
+backend cannot express that family. A backend with variants (``te`` and its FP8
+form ``te_fp8``) offers ``substitutions_for(family) -> list[Substitution]``
+instead, which the registry prefers. The registry loops over families x
 :data:`BUILTIN_BACKENDS`; importing a backend module must not need its optional
 dependencies (those are the substitution's ``requirement``).
 """
@@ -12,8 +14,9 @@ from __future__ import annotations
 import importlib
 import warnings
 from types import ModuleType
+from typing import Any
 
-__all__ = ["BUILTIN_BACKENDS", "backend_module"]
+__all__ = ["BUILTIN_BACKENDS", "backend_module", "backend_substitutions"]
 
 BUILTIN_BACKENDS = ("fused", "te")
 
@@ -30,3 +33,12 @@ def backend_module(name: str) -> ModuleType | None:
     except Exception as exc:
         warnings.warn(f"layerswap: backend {name!r} is unavailable: {exc}", RuntimeWarning, 2)
     return None
+
+
+def backend_substitutions(module: ModuleType, family: Any) -> list[Any]:
+    """Every substitution ``module`` offers for ``family`` (see the module docstring)."""
+    many = getattr(module, "substitutions_for", None)
+    if many is not None:
+        return list(many(family))
+    one = module.substitution_for(family)
+    return [] if one is None else [one]

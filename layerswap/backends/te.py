@@ -68,6 +68,7 @@ __all__ = [
     "layer_class",
     "rotate",
     "substitution_for",
+    "substitutions_for",
     "te_mask",
     "unmet_requirement",
 ]
@@ -713,6 +714,12 @@ def fp8_substitution_for(family: Family, recipe: str = "auto") -> FP8Substitutio
         + f" (recipe {recipe!r})",
         recipe=recipe,
     )
+
+
+def substitutions_for(family: Family) -> list[Substitution]:
+    """``te`` (BF16) and ``te_fp8`` for ``family``; empty if TE cannot express it."""
+    found = [substitution_for(family), fp8_substitution_for(family)]
+    return [sub for sub in found if sub is not None]
 
 
 def __getattr__(name: str) -> Any:
