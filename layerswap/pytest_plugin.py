@@ -264,7 +264,7 @@ class LayerswapFixture:
             layerswap.wrap(model.model.layers[0], "forward", count)
         """
         __tracebackhide__ = True
-        # the engine's overloads leave out its lazy/aliases keywords; the call is checked there
+        # forwarded as given (either call shape); the engine checks it
         engine_wrap: Any = wrap
         started: Patch = engine_wrap(target, *args, lazy=lazy, aliases=aliases)
         self._started(started)

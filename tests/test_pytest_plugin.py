@@ -50,9 +50,9 @@ def _plugin_args() -> list[str]:
 
 
 PLUGIN = _plugin_args()
-# Inner sessions use neither the cache nor hypothesis, whose plugin costs about a
-# second per session.
-INNER = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+# Inner sessions use neither the cache nor hypothesis (whose plugin costs about a
+# second per session) nor pytest-benchmark (which warns when xdist runs this file).
+INNER = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
 
 
 @pytest.fixture(autouse=True)
