@@ -23,14 +23,13 @@ Example::
 from __future__ import annotations
 
 import pickle
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import SubstitutionError, SwapWarning
-from layerswap.patching import Patch, PatchGroup, Scoped, active_patches
+from layerswap.patching import PatchGroup, Scoped
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,68 +42,28 @@ __all__ = ["Reapply", "applied_substitutions", "check_ranks_agree", "reapply"]
 _WORKER_GROUPS: list[PatchGroup] = []
 
 
-def _loaded_replacement(sub: Substitution) -> Any:
-    """The replacement class if it is already importable without importing anything new."""
-    replacement = sub.replacement
-    if not isinstance(replacement, str):
-        return replacement
-    module_name, _, qualname = replacement.partition(":")
-    value: Any = sys.modules.get(module_name)
-    for part in qualname.split("."):
-        value = getattr(value, part, None)
-    return value
-
-
-def _live_class_patches() -> list[Patch]:
-    return [
-        info.patch
-        for info in active_patches()
-        if isinstance(info.patch, Patch) and not info.pending and isinstance(info.patch.new, type)
-    ]
-
-
 def applied_substitutions() -> tuple[Substitution, ...]:
     """The registered substitutions whose class-level swap is live here, oldest first.
 
-    A substitution counts as applied while a patch of its original class with its
-    replacement class is active — what :func:`layerswap.use` starts. Substitutions
-    made on the fly by :func:`layerswap.replace_decoder` are not registered and so
-    are not listed; name them explicitly where it matters (``reapply([sub])``).
+    A substitution counts as applied while the group that :func:`layerswap.use` (or
+    :func:`layerswap.replace_decoder`) started is active (see
+    :func:`layerswap.substitution.applied`).
 
     Example::
 
         with layerswap.use("llama.decoder.fused"):
             [s.name for s in applied_substitutions()]   # ["llama.decoder.fused"]
     """
-    live = _live_class_patches()
-    if not live or "layerswap.substitution" not in sys.modules:
-        return ()  # nothing could have been applied through use()
-    from layerswap.substitution import substitutions
+    from layerswap.substitution import applied
 
-    by_original: dict[str, list[Substitution]] = {}
-    for sub in substitutions():
-        by_original.setdefault(sub.original, []).append(sub)
-    found: list[Substitution] = []
-    for patch in live:
-        for sub in by_original.get(patch.target, ()):
-            if _loaded_replacement(sub) is patch.new and sub not in found:
-                found.append(sub)
-                break
-    return tuple(found)
+    return applied()
 
 
 def _substitution_of_group(scoped: Scoped) -> Substitution | None:
     """The substitution a :func:`layerswap.use` group applies, else ``None``."""
-    if not isinstance(scoped, PatchGroup) or "layerswap.substitution" not in sys.modules:
-        return None
-    from layerswap.substitution import substitutions
+    from layerswap.substitution import SubstitutionUse
 
-    for member in scoped.members:
-        if isinstance(member, Patch) and isinstance(member.new, type):
-            for sub in substitutions():
-                if sub.original == member.target and _loaded_replacement(sub) is member.new:
-                    return sub
-    return None
+    return scoped.substitution if isinstance(scoped, SubstitutionUse) else None
 
 
 class Reapply:

@@ -42,17 +42,18 @@ from layerswap.errors import (
     UnknownSubstitutionError,
     UpstreamDriftError,
 )
+from layerswap.patching import PatchGroup, Scoped
 from layerswap.weights import LayoutConverter, is_extra_state
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
 
-    from layerswap.patching import PatchGroup
-
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Family",
     "Substitution",
+    "SubstitutionUse",
+    "applied",
     "check_signature",
     "check_structure",
     "families",
@@ -561,7 +562,38 @@ def load_entry_points() -> list[Substitution]:
 # --- class-level swaps for construction --------------------------------------------
 
 
-def use(substitution: str | Substitution) -> PatchGroup:
+class SubstitutionUse(PatchGroup):
+    """The patches :func:`use` starts for one substitution; ``repr`` says which."""
+
+    def __init__(self, substitution: Substitution, members: Iterable[Scoped]) -> None:
+        super().__init__(members)
+        self.substitution = substitution
+
+    def _label(self) -> str:
+        return f"use({self.substitution.name!r})"
+
+    def _copy(self) -> SubstitutionUse:
+        return SubstitutionUse(self.substitution, (m._copy() for m in self.members))
+
+
+def applied() -> tuple[Substitution, ...]:
+    """The substitutions whose :func:`use` (or :func:`replace_decoder`) is live here, oldest first.
+
+    Example::
+
+        with layerswap.use("llama.decoder.fused"):
+            [s.name for s in applied()]   # ["llama.decoder.fused"]
+    """
+    from layerswap.patching import active_patches
+
+    found: list[Substitution] = []
+    for info in active_patches():
+        if isinstance(info.patch, SubstitutionUse) and info.patch.substitution not in found:
+            found.append(info.patch.substitution)
+    return tuple(found)
+
+
+def use(substitution: str | Substitution) -> SubstitutionUse:
     """Construct models with the replacement layer: a scoped, class-level swap.
 
     Inside the block the family's original decoder class name is patched to the
@@ -577,7 +609,7 @@ def use(substitution: str | Substitution) -> PatchGroup:
             model = LlamaForCausalLM.from_pretrained(path)
         model.save_pretrained(out)      # loadable by plain transformers
     """
-    from layerswap.patching import patch, patch_dict, patches, wrap
+    from layerswap.patching import patch, patch_dict, wrap
     from layerswap.swap import adopt_constructed, loading_transforms
 
     sub = get(substitution)
@@ -594,12 +626,15 @@ def use(substitution: str | Substitution) -> PatchGroup:
         model = args[0] if args else kwargs["model"]
         return transforms + loading_transforms(model, sub, replacement, transforms)
 
-    return patches(
-        # checks and swap() inside the block still find the real original class
-        patch_dict(_SHADOWED, {sub.original: original}),
-        patch(sub.original, replacement),
-        wrap("transformers.modeling_utils:PreTrainedModel.post_init", adopt),
-        wrap("transformers.modeling_utils:get_model_conversion_mapping", with_conversions),
+    return SubstitutionUse(
+        sub,
+        (
+            # checks and swap() inside the block still find the real original class
+            patch_dict(_SHADOWED, {sub.original: original}),
+            patch(sub.original, replacement),
+            wrap("transformers.modeling_utils:PreTrainedModel.post_init", adopt),
+            wrap("transformers.modeling_utils:get_model_conversion_mapping", with_conversions),
+        ),
     )
 
 
@@ -617,7 +652,9 @@ def _infer_family(decoder_cls: type) -> str:
     return "llama"
 
 
-def replace_decoder(decoder_cls: type[torch.nn.Module], family: str | None = None) -> PatchGroup:
+def replace_decoder(
+    decoder_cls: type[torch.nn.Module], family: str | None = None
+) -> SubstitutionUse:
     """Build every decoder layer of ``family`` as ``decoder_cls`` inside the block.
 
     ``decoder_cls(config, layer_idx)`` must follow the transformers decoder-layer

@@ -427,3 +427,15 @@ def test_substitution_str_is_its_name() -> None:
     sub = layerswap.get("gemma.decoder.fused")
     assert str(sub) == "gemma.decoder.fused"
     assert isinstance(sub, Substitution) and sub.family_spec() is get_family("gemma")
+
+
+def test_use_group_names_its_substitution_and_is_listed_while_applied():
+    from layerswap.substitution import applied
+
+    group = layerswap.use("llama.decoder.fused")
+    assert "use('llama.decoder.fused')" in repr(group)
+    assert applied() == ()
+    with group:
+        assert [s.name for s in applied()] == ["llama.decoder.fused"]
+        assert "use('llama.decoder.fused')" in repr(group) and "active" in repr(group)
+    assert applied() == ()
