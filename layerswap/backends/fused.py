@@ -8,7 +8,9 @@ built (which already encodes padding and any sliding window) and the cache, and
 returns the hidden-states tensor.
 
 One class serves all families; :func:`layer_class` derives a named subclass per
-family (``FusedLlamaDecoderLayer`` ...) that carries the family's features.
+family (``FusedLlamaDecoderLayer`` ...) that carries the family's features. The
+decoder-layer contract itself (signature, residuals, cache update, rotate-half convention,
+per-family classes) is :mod:`layerswap.backends._layer`, shared with the ``te`` backend.
 
 Example::
 
@@ -20,17 +22,16 @@ Example::
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.modeling_layers import GradientCheckpointingLayer
 
+from layerswap.backends import _layer
 from layerswap.errors import RequirementError
-from layerswap.substitution import Family, Substitution, families
+from layerswap.substitution import Family, Substitution
 from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, qkv_sizes
 
 if TYPE_CHECKING:
@@ -49,9 +50,6 @@ __all__ = [
 
 # enable_gqa arrived in torch 2.5
 _SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-
-# the attention implementations whose masks are 4-D tensors (or None), which SDPA reads
-_SUPPORTED_ATTENTION = (None, "sdpa", "eager")
 
 #: original q/k/v -> ``self_attn.qkv_proj``, gate/up -> ``mlp.gate_up_proj``; biases when present.
 #: Every other tensor keeps its name, so this one converter serves every family.
@@ -87,10 +85,13 @@ class FusedRMSNorm(nn.Module):
 
 
 def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding, half-split convention; cos/sin are (batch, seq, head_dim)."""
-    half = states.shape[-1] // 2
-    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    """Rotary position embedding of bhsd ``states``; cos/sin are (batch, seq, head_dim)."""
+    rotated = _layer.rotate_half(states)
     return states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def _family_norm(size: int, config: PreTrainedConfig, family: Family) -> FusedRMSNorm:
+    return FusedRMSNorm(size, config.rms_norm_eps, family.norm_offset)
 
 
 class FusedAttention(nn.Module):
@@ -115,9 +116,8 @@ class FusedAttention(nn.Module):
         self.q_norm: FusedRMSNorm | None = None
         self.k_norm: FusedRMSNorm | None = None
         if family.qk_norm:
-            eps, offset = config.rms_norm_eps, family.norm_offset
-            self.q_norm = FusedRMSNorm(self.head_dim, eps, offset)
-            self.k_norm = FusedRMSNorm(self.head_dim, eps, offset)
+            self.q_norm = _family_norm(self.head_dim, config, family)
+            self.k_norm = _family_norm(self.head_dim, config, family)
 
     def forward(
         self,
@@ -127,17 +127,15 @@ class FusedAttention(nn.Module):
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
         batch, length, _ = hidden_states.shape
-        query, key, value = (
-            part.view(batch, length, -1, self.head_dim)
-            for part in self.qkv_proj(hidden_states).split(self.sizes, dim=-1)
+        query, key, value = _layer.split_heads(
+            self.qkv_proj(hidden_states), self.sizes, self.head_dim
         )
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bhsd")
         output = self._attend(query, key, value, attention_mask)
         projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
         return projected
@@ -199,75 +197,41 @@ class FusedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)  # type: ignore[no-any-return]
 
 
-class FusedDecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
+class FusedDecoderLayer(_layer.DecoderLayer):
     """The fused decoder layer; use the per-family subclass from :func:`layer_class`.
 
     Constructed like the original, ``Layer(config, layer_idx)``, and called like it.
     """
 
-    family: ClassVar[Family | None] = None
+    backend = "fused"
+    summary = "Fused decoder layer"
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
-        family = type(self).family
-        if family is None:
-            raise TypeError(
-                "FusedDecoderLayer is made per family: use layer_class(family), e.g. "
-                "layerswap.get('llama.decoder.fused').replacement_class()"
-            )
-        implementation = getattr(config, "_attn_implementation", None)
-        if implementation not in _SUPPORTED_ATTENTION:
-            raise RequirementError(
-                f"the fused layer computes attention with scaled_dot_product_attention and "
-                f"reads 4-D masks; this config uses attn_implementation={implementation!r}. "
-                "Build or load the model with attn_implementation='sdpa'"
-            )
-        super().__init__()
-        self.hidden_size = config.hidden_size
-        self.layer_idx = layer_idx
+        super().__init__(config, layer_idx)
+        family = self.declared_family()
         self.self_attn = FusedAttention(config, layer_idx, family)
         self.mlp = FusedMLP(config, family)
-        eps, offset = config.rms_norm_eps, family.norm_offset
-        self.input_layernorm = FusedRMSNorm(config.hidden_size, eps, offset)
-        self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, eps, offset)
+        self.input_layernorm = _family_norm(config.hidden_size, config, family)
+        self.post_attention_layernorm = _family_norm(config.hidden_size, config, family)
 
-    def forward(
+    def _attention(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Any,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
     ) -> torch.Tensor:
-        if position_embeddings is None:
-            raise TypeError(
-                f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
-                "transformers 5 models pass to every decoder layer"
-            )
-        attended = self.self_attn(
+        attended: torch.Tensor = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings,
             attention_mask,
             past_key_values,
         )
-        hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))  # type: ignore[no-any-return]
+        return attended
 
-    def extra_repr(self) -> str:
-        family = type(self).family
-        assert family is not None
-        sub = getattr(self, "_layerswap_substitution", None)
-        name = sub.name if sub is not None else f"{family.name}.decoder.fused"
-        return f"replaces={family.decoder}, substitution={name}"
-
-
-_CLASSES: dict[Family, type[FusedDecoderLayer]] = {}
-
-
-def _class_name(family: Family) -> str:
-    camel = "".join(part[:1].upper() + part[1:] for part in re.split(r"[^0-9A-Za-z]+", family.name))
-    return f"Fused{camel}DecoderLayer"
+    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mixed: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden_states))
+        return mixed
 
 
 def layer_class(family: Family) -> type[FusedDecoderLayer]:
@@ -276,22 +240,7 @@ def layer_class(family: Family) -> type[FusedDecoderLayer]:
     Builtin families' classes are importable from this module by name
     (``layerswap.backends.fused:FusedLlamaDecoderLayer``), so pickled models load.
     """
-    cls = _CLASSES.get(family)
-    if cls is None:
-        name = _class_name(family)
-        cls = type(
-            name,
-            (FusedDecoderLayer,),
-            {
-                "family": family,
-                "__module__": __name__,
-                "__qualname__": name,
-                "__doc__": f"Fused decoder layer replacing {family.decoder} ({family.name}).",
-            },
-        )
-        _CLASSES[family] = cls
-        globals().setdefault(name, cls)
-    return cls
+    return _layer.family_layer_class(FusedDecoderLayer, family)
 
 
 def substitution_for(family: Family) -> Substitution:
@@ -301,12 +250,8 @@ def substitution_for(family: Family) -> Substitution:
 
         sub = substitution_for(layerswap.families()["mistral"])
     """
-    return Substitution(
-        name=f"{family.name}.decoder.fused",
-        family=family.name,
-        backend="fused",
-        original=f"{family.module}:{family.decoder}",
-        replacement=layer_class(family),
+    return _layer.decoder_substitution(
+        layer_class(family),
         converter=CONVERTER,
         description=(
             "pure PyTorch, CPU and GPU: fused QKV and gate/up projections, F.rms_norm, "
@@ -317,7 +262,4 @@ def substitution_for(family: Family) -> Substitution:
 
 def __getattr__(name: str) -> Any:
     # a pickled model names its layer class; make it on demand in a fresh process
-    for family in families().values():
-        if _class_name(family) == name:
-            return layer_class(family)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _layer.family_layer_class_named(FusedDecoderLayer, name)

@@ -11,7 +11,8 @@ that class keeps its own KV cache (``InferenceParams``) where transformers passe
 takes one row of rotary angles for the whole batch. Owning the forward lets the layer
 follow the transformers 5 decoder-layer contract exactly: it receives
 ``position_embeddings=(cos, sin)``, the mask the model built and the cache, and returns
-the hidden-states tensor.
+the hidden-states tensor. That contract is :mod:`layerswap.backends._layer`, shared with
+the ``fused`` backend; this module states what is TransformerEngine's own.
 
 FP8 runs inside :func:`fp8_autocast` (TransformerEngine's autocast with a recipe of
 your choice); outside it the layer computes in the parameters' dtype (BF16).
@@ -36,19 +37,18 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 
+from layerswap.backends import _layer
 from layerswap.backends.te_layout import TELayerSpec, te_converter
 from layerswap.errors import RequirementError
-from layerswap.substitution import Family, Substitution, families
+from layerswap.substitution import Family, Substitution
 from layerswap.weights import is_extra_state
 
 if TYPE_CHECKING:
@@ -75,9 +75,6 @@ __all__ = [
 
 NOT_INSTALLED = "TransformerEngine is not installed (pip install 'layerswap[te]')"
 NO_CUDA = "needs CUDA (no CUDA device visible)"
-
-# the attention implementations whose masks are 4-D tensors (or None)
-_SUPPORTED_ATTENTION = (None, "sdpa", "eager")
 
 # recipe name -> (TransformerEngine class in transformer_engine.common.recipe, minimum
 # compute capability); FP8 tensor cores start with Ada (8.9), block scaling needs Hopper,
@@ -307,11 +304,6 @@ def _precision_for(tokens: int) -> AbstractContextManager[Any]:
     return _autocast(te, enabled=False, recipe=recipe)
 
 
-def _rotate_half(states: torch.Tensor) -> torch.Tensor:
-    half = states.shape[-1] // 2
-    return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-
-
 def rotate(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -345,7 +337,7 @@ def rotate(
             kernel(key, angle, tensor_format="bshd", fused=True),
         )
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over the heads of bshd
-    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    return query * cos + _layer.rotate_half(query) * sin, key * cos + _layer.rotate_half(key) * sin
 
 
 def te_mask(
@@ -447,21 +439,15 @@ class TEAttention(nn.Module):
     ) -> torch.Tensor:
         spec = self.spec
         batch, length, _ = hidden_states.shape
-        query, key, value = self.layernorm_qkv(hidden_states).split(
-            (spec.q_size, spec.kv_size, spec.kv_size), dim=-1
+        query, key, value = _layer.split_heads(
+            self.layernorm_qkv(hidden_states),
+            (spec.q_size, spec.kv_size, spec.kv_size),
+            spec.head_dim,
         )
-        query = query.view(batch, length, spec.num_heads, spec.head_dim)
-        key = key.view(batch, length, spec.num_kv_heads, spec.head_dim)
-        value = value.view(batch, length, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)  # before RoPE, as Qwen3 does
         query, key = rotate(query, key, *position_embeddings, fused=spec.unit_rope)
-        if past_key_values is not None:
-            # the transformers cache holds (batch, heads, seq, head_dim)
-            key, value = past_key_values.update(
-                key.transpose(1, 2), value.transpose(1, 2), self.layer_idx
-            )
-            key, value = key.transpose(1, 2), value.transpose(1, 2)
+        key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bshd")
         mask_type, mask, window = te_mask(attention_mask, length, spec)
         # separate contiguous q/k/v: TE then reads them as bshd_bshd_bshd instead of
         # guessing a packed layout from data pointers (which torch.compile forbids)
@@ -477,7 +463,7 @@ class TEAttention(nn.Module):
         return self.proj(context.reshape(batch, length, spec.q_size))  # type: ignore[no-any-return]
 
 
-class TEDecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
+class TEDecoderLayer(_layer.DecoderLayer):
     """The TransformerEngine decoder layer; use the per-family subclass from :func:`layer_class`.
 
     Constructed like the original, ``Layer(config, layer_idx)``, on the current default
@@ -488,27 +474,13 @@ class TEDecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
     ``LayerNormLinear.weight`` for a norm weight) leaves them alone.
     """
 
-    family: ClassVar[Family | None] = None
+    backend = "te"
+    summary = "TransformerEngine decoder layer"
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
-        family = type(self).family
-        if family is None:
-            raise TypeError(
-                "TEDecoderLayer is made per family: use layer_class(family), e.g. "
-                "layerswap.get('llama.decoder.te').replacement_class()"
-            )
-        implementation = getattr(config, "_attn_implementation", None)
-        if implementation not in _SUPPORTED_ATTENTION:
-            raise RequirementError(
-                "the te layer reads 4-D attention masks; this config uses "
-                f"attn_implementation={implementation!r}. Build or load the model with "
-                "attn_implementation='sdpa' (TransformerEngine picks its own kernels)"
-            )
+        super().__init__(config, layer_idx)
         te = _te()
-        super().__init__()
-        self.spec = spec = TELayerSpec.for_layer(family, config, layer_idx)
-        self.hidden_size = spec.hidden_size
-        self.layer_idx = layer_idx
+        self.spec = spec = TELayerSpec.for_layer(self.declared_family(), config, layer_idx)
         factory = {
             "params_dtype": torch.get_default_dtype(),
             "device": _te_device(),
@@ -530,28 +502,26 @@ class TEDecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
             module._is_hf_initialized = True
         self.register_state_dict_post_hook(_drop_empty_extra_state)
 
-    def forward(
+    def _call_context(self, hidden_states: torch.Tensor) -> AbstractContextManager[Any]:
+        _require_cuda(hidden_states, self)
+        return _precision_for(hidden_states.shape[0] * hidden_states.shape[1])
+
+    def _attention(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Any,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
     ) -> torch.Tensor:
-        if position_embeddings is None:
-            raise TypeError(
-                f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
-                "transformers 5 models pass to every decoder layer"
-            )
-        _require_cuda(hidden_states, self)
-        with _precision_for(hidden_states.shape[0] * hidden_states.shape[1]):
-            attended = self.self_attention(
-                hidden_states, position_embeddings, attention_mask, past_key_values
-            )
-            hidden_states = hidden_states + attended
-            return hidden_states + self.layernorm_mlp(hidden_states)  # type: ignore[no-any-return]
+        # the input RMSNorm is fused into self_attention.layernorm_qkv
+        attended: torch.Tensor = self.self_attention(
+            hidden_states, position_embeddings, attention_mask, past_key_values
+        )
+        return attended
+
+    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mixed: torch.Tensor = self.layernorm_mlp(hidden_states)  # RMSNorm fused in
+        return mixed
 
     def _load_from_state_dict(
         self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
@@ -566,12 +536,8 @@ class TEDecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        family = type(self).family
-        assert family is not None
-        sub = getattr(self, "_layerswap_substitution", None)
-        name = sub.name if sub is not None else f"{family.name}.decoder.te"
         window = f", sliding_window={self.spec.sliding_window}" if self.spec.sliding_window else ""
-        return f"replaces={family.decoder}, substitution={name}{window}"
+        return super().extra_repr() + window
 
 
 def _drop_empty_extra_state(
@@ -591,14 +557,6 @@ def _drop_empty_extra_state(
             del state_dict[key]
 
 
-_CLASSES: dict[Family, type[TEDecoderLayer]] = {}
-
-
-def _class_name(family: Family) -> str:
-    camel = "".join(part[:1].upper() + part[1:] for part in re.split(r"[^0-9A-Za-z]+", family.name))
-    return f"TE{camel}DecoderLayer"
-
-
 def layer_class(family: Family) -> type[TEDecoderLayer]:
     """The TE decoder layer class for ``family`` (made once, then cached).
 
@@ -606,23 +564,7 @@ def layer_class(family: Family) -> type[TEDecoderLayer]:
     (``layerswap.backends.te:TELlamaDecoderLayer``), so pickled models load. Making the
     class needs no TransformerEngine; building a layer does.
     """
-    cls = _CLASSES.get(family)
-    if cls is None:
-        name = _class_name(family)
-        cls = type(
-            name,
-            (TEDecoderLayer,),
-            {
-                "family": family,
-                "__module__": __name__,
-                "__qualname__": name,
-                "__doc__": f"TransformerEngine decoder layer replacing {family.decoder} "
-                f"({family.name}).",
-            },
-        )
-        _CLASSES[family] = cls
-        globals().setdefault(name, cls)
-    return cls
+    return _layer.family_layer_class(TEDecoderLayer, family)
 
 
 def substitution_for(family: Family) -> Substitution | None:
@@ -640,12 +582,8 @@ def substitution_for(family: Family) -> Substitution | None:
     """
     if family.norm_offset not in (0.0, 1.0):
         return None
-    return Substitution(
-        name=f"{family.name}.decoder.te",
-        family=family.name,
-        backend="te",
-        original=f"{family.module}:{family.decoder}",
-        replacement=layer_class(family),
+    return _layer.decoder_substitution(
+        layer_class(family),
         converter=te_converter(family),
         requirement=unmet_requirement,
         description=(
@@ -724,7 +662,4 @@ def substitutions_for(family: Family) -> list[Substitution]:
 
 def __getattr__(name: str) -> Any:
     # a pickled model names its layer class; make it on demand in a fresh process
-    for family in families().values():
-        if _class_name(family) == name:
-            return layer_class(family)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _layer.family_layer_class_named(TEDecoderLayer, name)

@@ -1,0 +1,304 @@
+"""What every replacement decoder layer shares: the transformers 5 decoder-layer contract.
+
+A backend's layer subclasses :class:`DecoderLayer` and states only what is its own:
+the modules it builds (in ``__init__``, after ``super().__init__``) and its two residual
+branches, :meth:`~DecoderLayer._attention` and :meth:`~DecoderLayer._feed_forward`.
+Everything the original layer's callers rely on is here once:
+
+- construction like the original, ``Layer(config, layer_idx)``, refusing a config whose
+  attention masks are not 4-D tensors;
+- ``forward`` with the original's signature: it receives ``position_embeddings=(cos, sin)``,
+  the mask the model built (which already holds padding and any sliding window) and the
+  cache, and returns the hidden-states tensor, ``h + attention(h)`` then ``+ mlp(...)``;
+- the attention steps both layouts share: one q/k/v projection split into heads, the
+  rotate-half convention of the rotary embedding, the cache update through
+  ``past_key_values.update(key, value, layer_idx)``;
+- one subclass per family (:func:`family_layer_class`), importable by name from the
+  backend's module so pickled models load, and its :class:`Substitution`
+  (:func:`decoder_substitution`).
+
+Example::
+
+    class PlainDecoderLayer(DecoderLayer):
+        backend = "plain"
+        summary = "Plain decoder layer"
+
+        def __init__(self, config, layer_idx):
+            super().__init__(config, layer_idx)
+            ...                                    # this backend's modules
+
+        def _attention(self, hidden_states, position_embeddings, attention_mask, cache):
+            ...
+
+        def _feed_forward(self, hidden_states):
+            ...
+
+    sub = decoder_substitution(family_layer_class(PlainDecoderLayer, family), ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from layerswap.errors import RequirementError
+from layerswap.substitution import Family, Substitution, families
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
+
+    from layerswap.weights import LayoutConverter
+
+__all__ = [
+    "SUPPORTED_ATTENTION",
+    "DecoderLayer",
+    "Layout",
+    "decoder_substitution",
+    "family_layer_class",
+    "family_layer_class_named",
+    "rotate_half",
+    "split_heads",
+    "update_cache",
+]
+
+#: the attention implementations whose masks are 4-D tensors (or None), the only kind read
+SUPPORTED_ATTENTION = (None, "sdpa", "eager")
+
+#: where the heads axis is: (batch, heads, seq, head_dim) or (batch, seq, heads, head_dim)
+Layout = Literal["bhsd", "bshd"]
+
+LayerT = TypeVar("LayerT", bound="DecoderLayer")
+
+
+class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
+    """A replacement decoder layer; a backend subclasses it, a family gets a subclass of that.
+
+    Constructed like the original, ``Layer(config, layer_idx)``, and called like it.
+    The generic backend class cannot be built: :func:`family_layer_class` sets ``family``.
+    """
+
+    #: the family this class is made for (set on the per-family subclasses)
+    family: ClassVar[Family | None] = None
+    #: the backend's name, the last part of its substitutions' names ("fused")
+    backend: ClassVar[str] = ""
+    #: what the layer is, opening the per-family classes' docstrings ("Fused decoder layer")
+    summary: ClassVar[str] = ""
+
+    @classmethod
+    def declared_family(cls) -> Family:
+        """The family this class is made for; :class:`TypeError` on the generic class."""
+        if cls.family is None:
+            raise TypeError(
+                f"{cls.__name__} is made per family: use layer_class(family), e.g. "
+                f"layerswap.get('llama.decoder.{cls.backend}').replacement_class()"
+            )
+        return cls.family
+
+    def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
+        self.declared_family()
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in SUPPORTED_ATTENTION:
+            raise RequirementError(
+                f"the {self.backend} layer reads 4-D attention masks; this config uses "
+                f"attn_implementation={implementation!r}. Build or load the model with "
+                "attn_implementation='sdpa' (the layer computes attention itself, so only "
+                "the mask format matters)"
+            )
+        super().__init__()
+        self.hidden_size = int(config.hidden_size)
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if position_embeddings is None:
+            raise TypeError(
+                f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
+                "transformers 5 models pass to every decoder layer"
+            )
+        with self._call_context(hidden_states):
+            hidden_states = hidden_states + self._attention(
+                hidden_states, position_embeddings, attention_mask, past_key_values
+            )
+            return hidden_states + self._feed_forward(hidden_states)
+
+    def _attention(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+    ) -> torch.Tensor:
+        """The attention branch, input norm included, without the residual."""
+        raise NotImplementedError
+
+    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The MLP branch, its norm included, without the residual."""
+        raise NotImplementedError
+
+    def _call_context(self, hidden_states: torch.Tensor) -> AbstractContextManager[Any]:
+        """The context one call runs in, after checking its input (none by default)."""
+        return contextlib.nullcontext()
+
+    def extra_repr(self) -> str:
+        family = self.declared_family()
+        sub = getattr(self, "_layerswap_substitution", None)
+        name = sub.name if sub is not None else f"{family.name}.decoder.{self.backend}"
+        return f"replaces={family.decoder}, substitution={name}"
+
+
+# --- attention steps ------------------------------------------------------------------
+
+
+def split_heads(
+    projected: torch.Tensor, sizes: Sequence[int], head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value, (batch, seq, heads, head_dim), from one ``[q | k | v]`` projection.
+
+    Example::
+
+        query, key, value = split_heads(qkv_proj(hidden), (256, 64, 64), head_dim=32)
+    """
+    query, key, value = (
+        part.view(*part.shape[:-1], -1, head_dim)
+        for part in torch.split(projected, list(sizes), dim=-1)
+    )
+    return query, key, value
+
+
+def rotate_half(states: torch.Tensor) -> torch.Tensor:
+    """``[-second half, first half]`` of the last axis: the rotate-half rotary convention.
+
+    transformers' rotary embedding is ``x * cos + rotate_half(x) * sin``, with cos/sin
+    repeated over both halves of the head. Each backend writes that product itself: the
+    order its operations are recorded in fixes the order autograd sums gradients in, so
+    it is part of a backend's bitwise behaviour.
+
+    Example::
+
+        rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0]))   # tensor([-3., -4., 1., 2.])
+    """
+    half = states.shape[-1] // 2
+    return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+
+
+def update_cache(
+    past_key_values: Cache | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    *,
+    layout: Layout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store this call's keys/values in the cache; all of the layer's so far, in ``layout``.
+
+    Called between the rotary embedding and attention, where the original calls
+    ``past_key_values.update``, so every transformers cache (dynamic, static, sliding)
+    works. The cache holds (batch, heads, seq, head_dim).
+
+    Example::
+
+        key, value = update_cache(past_key_values, key, value, self.layer_idx, layout="bshd")
+    """
+    if past_key_values is None:
+        return key, value
+    if layout == "bhsd":
+        cached_key, cached_value = past_key_values.update(key, value, layer_idx)
+        return cached_key, cached_value
+    cached_key, cached_value = past_key_values.update(
+        key.transpose(1, 2), value.transpose(1, 2), layer_idx
+    )
+    return cached_key.transpose(1, 2), cached_value.transpose(1, 2)
+
+
+# --- per-family classes and substitutions ---------------------------------------------
+
+_FAMILY_CLASSES: dict[tuple[type[DecoderLayer], Family], type[DecoderLayer]] = {}
+
+
+def _class_name(base: type[DecoderLayer], family: Family) -> str:
+    camel = "".join(part[:1].upper() + part[1:] for part in re.split(r"[^0-9A-Za-z]+", family.name))
+    return f"{base.__name__.removesuffix('DecoderLayer')}{camel}DecoderLayer"
+
+
+def family_layer_class(base: type[LayerT], family: Family) -> type[LayerT]:
+    """``base`` made for ``family`` (once, then cached), named after both.
+
+    ``FusedDecoderLayer`` and llama give ``FusedLlamaDecoderLayer``, a class of
+    ``base``'s module that is set there as a module attribute, so pickled models name
+    an importable class.
+
+    Example::
+
+        family_layer_class(FusedDecoderLayer, layerswap.families()["llama"])
+    """
+    cls = _FAMILY_CLASSES.get((base, family))
+    if cls is None:
+        name = _class_name(base, family)
+        cls = type(
+            name,
+            (base,),
+            {
+                "family": family,
+                "__module__": base.__module__,
+                "__qualname__": name,
+                "__doc__": f"{base.summary} replacing {family.decoder} ({family.name}).",
+            },
+        )
+        _FAMILY_CLASSES[base, family] = cls
+        vars(sys.modules[base.__module__]).setdefault(name, cls)
+    return cast("type[LayerT]", cls)
+
+
+def family_layer_class_named(base: type[LayerT], name: str) -> type[LayerT]:
+    """The per-family class of ``base`` called ``name``, for its module's ``__getattr__``.
+
+    A pickled model names its layer class; in a fresh process it is made on demand.
+    :class:`AttributeError` when no family's class has that name.
+    """
+    for family in families().values():
+        if _class_name(base, family) == name:
+            return family_layer_class(base, family)
+    raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
+
+
+def decoder_substitution(
+    layer: type[DecoderLayer],
+    *,
+    converter: LayoutConverter,
+    description: str,
+    requirement: Callable[[], str | None] | None = None,
+) -> Substitution:
+    """The ``"<family>.decoder.<backend>"`` substitution of a per-family layer class.
+
+    Example::
+
+        decoder_substitution(layer_class(family), converter=CONVERTER, description="...")
+    """
+    family = layer.declared_family()
+    sub = Substitution(
+        name=f"{family.name}.decoder.{layer.backend}",
+        family=family.name,
+        backend=layer.backend,
+        original=f"{family.module}:{family.decoder}",
+        replacement=layer,
+        converter=converter,
+        description=description,
+    )
+    return sub if requirement is None else dataclasses.replace(sub, requirement=requirement)
