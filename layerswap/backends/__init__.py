@@ -7,6 +7,10 @@ form ``te_fp8``) offers ``substitutions_for(family) -> list[Substitution]``
 instead, which the registry prefers. The registry loops over families x
 :data:`BUILTIN_BACKENDS`; importing a backend module must not need its optional
 dependencies (those are the substitution's ``requirement``).
+
+Every builtin backend's layer derives from ``_layer.DecoderLayer``, which holds the
+transformers decoder-layer contract (forward signature, residual structure, cache
+update, ``extra_repr``); a backend supplies only its attention and feed-forward.
 """
 
 from __future__ import annotations
