@@ -1223,3 +1223,54 @@ def test_profile_layers_example_runs_and_restores_the_model(
     assert [line.split()[:2] for line in out.splitlines()[2:]] == [
         [f"model.layers.{i}", "1"] for i in range(4)
     ]
+
+
+# --- the Advice base: hooks make both faces --------------------------------------------
+
+
+def test_advice_subclass_hooks_run_around_sync_and_async_calls_and_through_wrap():
+    import asyncio
+    import types
+
+    from layerswap.decorators import Advice
+
+    events: list[str] = []
+
+    class traced(Advice):
+        def _before(self, wrapped, instance, args, kwargs):
+            events.append(f"before {args}")
+            return "token"
+
+        def _after(self, wrapped, instance, token):
+            events.append(f"after {token}")
+
+    @traced()
+    def add(a, b):
+        events.append("call")
+        return a + b
+
+    @traced()
+    async def slow_add(a, b):
+        return a + b
+
+    assert add(1, 2) == 3
+    assert asyncio.run(slow_add(3, 4)) == 7
+    module = types.ModuleType("advice_target")
+    module.add = lambda a, b: a * b
+    with layerswap.wrap(module, "add", traced()):
+        assert module.add(2, 5) == 10
+    assert events == [
+        "before (1, 2)", "call", "after token",
+        "before (3, 4)", "after token",
+        "before (2, 5)", "after token",
+    ]  # fmt: skip
+
+
+def test_advice_subclass_with_an_unsupported_set_of_hooks_is_refused_at_definition():
+    from layerswap.decorators import Advice
+
+    with pytest.raises(TypeError, match="no advice has that shape"):
+
+        class broken(Advice):
+            def _returned(self, wrapped, instance, token, result):
+                pass

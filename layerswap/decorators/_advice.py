@@ -1,8 +1,9 @@
 """The one mechanism behind every decorator: around-advice, and a decorator built from it.
 
-Each decorator in this package is an object whose logic lives in two methods,
-``_advice`` (sync) and ``_async_advice`` (a coroutine), both in wrapt's convention
-``(wrapped, instance, args, kwargs)``. From those the object offers two faces:
+Each decorator in this package is an object whose logic is around-advice in wrapt's
+convention ``(wrapped, instance, args, kwargs)``, written once as hooks (see
+:class:`Advice`). From the hooks the base class makes a sync and an async advice, and
+from those the object offers two faces:
 
 * ``obj(func)`` returns a plain function made with :func:`layerswap.safe_wraps`.
   Being a plain function, it binds as a method like any other (``args[0]`` is then
@@ -18,13 +19,28 @@ import os
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from layerswap.patching import safe_wraps
 
-__all__ = ["Advice", "describe", "external_stacklevel", "is_async_callable", "loaded_torch"]
+__all__ = [
+    "Advice",
+    "Answer",
+    "Args",
+    "Kwargs",
+    "Wrapped",
+    "describe",
+    "external_stacklevel",
+    "is_async_callable",
+    "loaded_torch",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: The three arguments of advice besides ``instance``, named so hooks fit on one line.
+Wrapped: TypeAlias = Callable[..., Any]
+Args: TypeAlias = tuple[Any, ...]
+Kwargs: TypeAlias = dict[str, Any]
 
 _CO_COROUTINE = inspect.CO_COROUTINE
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -91,8 +107,117 @@ def loaded_torch() -> types.ModuleType | None:
     return sys.modules.get("torch")
 
 
+class Answer:
+    """What a ``_before`` hook returns to answer a call without making it (a cache hit)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+# The shapes advice can take, one per set of hooks a class defines, each as a sync and
+# an async function. A class gets the one for its hooks, so no call runs a hook that
+# does nothing: a call costs what the decorator does, plus one frame.
+
+
+def _before_call(self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
+    self._before(wrapped, instance, args, kwargs)
+    return wrapped(*args, **kwargs)
+
+
+async def _before_await(
+    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    self._before(wrapped, instance, args, kwargs)
+    return await wrapped(*args, **kwargs)
+
+
+def _before_call_returned(
+    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    token = self._before(wrapped, instance, args, kwargs)
+    if isinstance(token, Answer):
+        return token.value
+    result = wrapped(*args, **kwargs)
+    self._returned(wrapped, instance, token, result)
+    return result
+
+
+async def _before_await_returned(
+    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    token = self._before(wrapped, instance, args, kwargs)
+    if isinstance(token, Answer):
+        return token.value
+    result = await wrapped(*args, **kwargs)
+    self._returned(wrapped, instance, token, result)
+    return result
+
+
+def _call_after(self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        self._after(wrapped, instance, None)
+
+
+async def _await_after(
+    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    try:
+        return await wrapped(*args, **kwargs)
+    finally:
+        self._after(wrapped, instance, None)
+
+
+def _before_call_after(
+    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    token = self._before(wrapped, instance, args, kwargs)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        self._after(wrapped, instance, token)
+
+
+async def _before_await_after(
+    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    token = self._before(wrapped, instance, args, kwargs)
+    try:
+        return await wrapped(*args, **kwargs)
+    finally:
+        self._after(wrapped, instance, token)
+
+
+_HOOKS = ("_before", "_returned", "_after")
+_SHAPES: dict[tuple[str, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {
+    ("_before",): (_before_call, _before_await),
+    ("_before", "_returned"): (_before_call_returned, _before_await_returned),
+    ("_after",): (_call_after, _await_after),
+    ("_before", "_after"): (_before_call_after, _before_await_after),
+}
+_MADE = frozenset(sync for sync, _ in _SHAPES.values())
+
+
 class Advice:
-    """Base class: subclasses implement ``_advice`` and ``_async_advice``.
+    """Base class of the decorators: say what happens around a call, get both faces.
+
+    A subclass defines the hooks it needs, and the base class makes its sync and
+    async advice from them:
+
+    * ``_before(wrapped, instance, args, kwargs)`` runs before the call and may raise
+      to stop it. What it returns is the call's token, handed to the other hooks.
+    * ``_returned(wrapped, instance, token, result)`` runs after the call returned.
+      With it, ``_before`` may return an :class:`Answer` instead of a token: the call
+      is not made and the answer's value is its result.
+    * ``_after(wrapped, instance, token)`` runs after the call, returned or raised.
+
+    Supported sets: ``_before``; ``_before`` and ``_returned``; ``_after``;
+    ``_before`` and ``_after``. Advice of another shape (one that calls the function
+    more than once, say) writes ``_advice`` and ``_async_advice`` itself, and then
+    the hooks are not used.
 
     Example (a subclass)::
 
@@ -100,41 +225,39 @@ class Advice:
             def __init__(self) -> None:
                 self.calls = 0
 
-            def _advice(self, wrapped, instance, args, kwargs):
+            def _before(self, wrapped, instance, args, kwargs):
                 self.calls += 1
-                return wrapped(*args, **kwargs)
 
-            async def _async_advice(self, wrapped, instance, args, kwargs):
-                self.calls += 1
-                return await wrapped(*args, **kwargs)
+        @counted()
+        async def fetch(url): ...
     """
 
     __slots__ = ()
 
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls._advice is not Advice._advice and cls._advice not in _MADE:
+            return  # written by hand, here or in a base class
+        hooks = tuple(hook for hook in _HOOKS if hasattr(cls, hook))
+        if not hooks:
+            return  # a base for other decorators
+        if hooks not in _SHAPES:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(hooks)}: no advice has that shape; "
+                "write _advice and _async_advice instead"
+            )
+        cls._advice, cls._async_advice = _SHAPES[hooks]  # type: ignore[method-assign]
+
+    def _advice(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         raise NotImplementedError
 
     async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
     ) -> Any:
         raise NotImplementedError
 
     def __layerswap_advice__(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
     ) -> Any:
         """Around-advice for :func:`layerswap.wrap`: returns a coroutine for async targets."""
         if is_async_callable(wrapped):

@@ -8,9 +8,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from types import MethodType
-from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 
-from layerswap.decorators._advice import Advice, describe, loaded_torch
+from layerswap.decorators._advice import Advice, Answer, describe, loaded_torch
+
+if TYPE_CHECKING:
+    from layerswap.decorators._advice import Args, Kwargs, Wrapped
 
 __all__ = ["CacheInfo", "CachedFunction", "ttl_cache"]
 
@@ -50,16 +53,21 @@ class CachedFunction(Protocol[P, R]):
     def __get__(self, instance: object, owner: type[Any] | None = None) -> Callable[..., R]: ...
 
 
-class _Entry:
-    __slots__ = ("expires", "refs", "value")
+class _Entry(Answer):
+    """A cached result: the answer to a later call with the same key, until it expires."""
+
+    __slots__ = ("expires", "refs")
 
     def __init__(self, value: Any, expires: float, refs: tuple[Any, ...]) -> None:
-        self.value = value
+        super().__init__(value)
         self.expires = expires
         # The tensors whose id() is in the key: holding them means no new tensor can be
         # given the same id while this entry exists.
         self.refs = refs
 
+
+# What a miss leaves for storing the result: the key, and the tensors it holds.
+_Miss = tuple[Hashable, tuple[Any, ...]]
 
 _ATOMIC = frozenset({int, float, str, bool, bytes, type(None), complex})
 _KWARGS_MARK = object()  # separates positional from keyword arguments in a key
@@ -168,13 +176,7 @@ class ttl_cache(Advice):
             return (kind, tuple((k, self._freeze(torch, v, refs)) for k, v in value.items()))
         return value
 
-    def _key(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[Hashable, tuple[Any, ...]]:
+    def _key(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> _Miss:
         # The function is part of the key: one cache object may be wrapped around
         # several methods or instances through layerswap.wrap.
         function = wrapped.__func__ if type(wrapped) is MethodType else wrapped
@@ -203,7 +205,11 @@ class ttl_cache(Advice):
 
     # -- lookup and store ------------------------------------------------------------
 
-    def _lookup(self, key: Hashable) -> _Entry | None:
+    def _before(
+        self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
+    ) -> _Entry | _Miss:
+        """The live entry for this call (a hit), else what ``_returned`` needs to store."""
+        key, refs = self._key(wrapped, instance, args, kwargs)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -213,9 +219,10 @@ class ttl_cache(Advice):
                     return entry
                 del self._entries[key]
             self._misses += 1
-            return None
+        return key, refs
 
-    def _store(self, key: Hashable, value: Any, refs: tuple[Any, ...]) -> None:
+    def _returned(self, wrapped: Wrapped, instance: Any, miss: _Miss, value: Any) -> None:
+        key, refs = miss
         if self.maxsize == 0:
             return
         with self._lock:
@@ -231,36 +238,6 @@ class ttl_cache(Advice):
             if self.maxsize is not None:
                 while len(self._entries) > self.maxsize:
                     self._entries.popitem(last=False)
-
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        key, refs = self._key(wrapped, instance, args, kwargs)
-        entry = self._lookup(key)
-        if entry is not None:
-            return entry.value
-        value = wrapped(*args, **kwargs)
-        self._store(key, value, refs)
-        return value
-
-    async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        key, refs = self._key(wrapped, instance, args, kwargs)
-        entry = self._lookup(key)
-        if entry is not None:
-            return entry.value
-        value = await wrapped(*args, **kwargs)
-        self._store(key, value, refs)
-        return value
 
     # -- management ------------------------------------------------------------------
 

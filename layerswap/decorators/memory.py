@@ -10,9 +10,12 @@ import time
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, overload
 
 from layerswap.decorators._advice import Advice, describe, external_stacklevel, loaded_torch
+
+if TYPE_CHECKING:
+    from layerswap.decorators._advice import Args, Kwargs, Wrapped
 
 __all__ = [
     "EmptyDeviceCache",
@@ -124,31 +127,9 @@ class EmptyDeviceCache(Advice):
         """Turn the switch off for the whole process."""
         self.enabled = False
 
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            if self.enabled:
-                empty_cache()
-
-    async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        try:
-            return await wrapped(*args, **kwargs)
-        finally:
-            if self.enabled:
-                empty_cache()
+    def _after(self, wrapped: Wrapped, instance: Any, token: None) -> None:
+        if self.enabled:
+            empty_cache()
 
     @overload
     def __call__(self) -> EmptyDeviceCache: ...
@@ -299,7 +280,7 @@ class memory_guard(Advice):
                 over.append((where, usage))
         return over
 
-    def _check(self, wrapped: Callable[..., Any], instance: Any) -> None:
+    def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> None:
         if self._interval > 0.0:
             now = self._clock()
             if now < self._next_check:
@@ -328,23 +309,3 @@ class memory_guard(Advice):
                 self.threshold * 100,
                 "; ".join(f"{where} memory {usage.describe()}" for where, usage in still),
             )
-
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self._check(wrapped, instance)
-        return wrapped(*args, **kwargs)
-
-    async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self._check(wrapped, instance)
-        return await wrapped(*args, **kwargs)

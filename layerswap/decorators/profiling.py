@@ -8,9 +8,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerswap.decorators._advice import Advice, describe
+
+if TYPE_CHECKING:
+    from layerswap.decorators._advice import Args, Kwargs, Wrapped
 
 __all__ = ["ProfileSink", "ProfileStats", "TimingStats", "profiled", "profiling"]
 
@@ -196,45 +199,16 @@ class profiled(Advice):
         self._clock = clock
         self._sync = _cuda_synchronizer() if cuda_sync else None
 
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        sync = self._sync
-        clock = self._clock
-        if sync is not None:
-            sync()  # do not bill this call for work queued before it
-        start = clock()
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            if sync is not None:
-                sync()
-            elapsed = clock() - start
-            self._record(self._name or describe(wrapped, instance), elapsed)
+    def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> float:
+        if self._sync is not None:
+            self._sync()  # do not bill this call for work queued before it
+        return self._clock()
 
-    async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        sync = self._sync
-        clock = self._clock
-        if sync is not None:
-            sync()
-        start = clock()
-        try:
-            return await wrapped(*args, **kwargs)
-        finally:
-            if sync is not None:
-                sync()
-            elapsed = clock() - start
-            self._record(self._name or describe(wrapped, instance), elapsed)
+    def _after(self, wrapped: Wrapped, instance: Any, start: float) -> None:
+        if self._sync is not None:
+            self._sync()
+        elapsed = self._clock() - start
+        self._record(self._name or describe(wrapped, instance), elapsed)
 
 
 @contextmanager

@@ -7,9 +7,12 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerswap.decorators._advice import Advice, describe
+
+if TYPE_CHECKING:
+    from layerswap.decorators._advice import Args, Kwargs, Wrapped
 
 __all__ = ["retry"]
 
@@ -93,14 +96,11 @@ class retry(Advice):
             base *= 1.0 + self._jitter * (2.0 * self._rng() - 1.0)
         return min(self._max_delay, max(0.0, base))
 
-    def _log_retry(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        retry_number: int,
-        delay: float,
-        error: BaseException,
-    ) -> None:
+    def _schedule_retry(
+        self, wrapped: Wrapped, instance: Any, retry_number: int, error: BaseException
+    ) -> float:
+        """The delay before retry ``retry_number``, logged with the error that asks for it."""
+        delay = self.delay(retry_number)
         self._logger.warning(
             "%s() raised %s: %s; retry %d of %d in %.2f s",
             describe(wrapped, instance),
@@ -110,14 +110,12 @@ class retry(Advice):
             self._max_retries,
             delay,
         )
+        return delay
 
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+    # Written out, not made from hooks: this advice calls the function again, and the
+    # sync and the async form sleep differently.
+
+    def _advice(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         retry_number = 0
         while True:
             try:
@@ -125,19 +123,14 @@ class retry(Advice):
             except self._exceptions as error:
                 if retry_number >= self._max_retries:
                     raise
-                delay = self.delay(retry_number)
-                self._log_retry(wrapped, instance, retry_number, delay, error)
+                delay = self._schedule_retry(wrapped, instance, retry_number, error)
             # Sleep outside the except block, so a failure while sleeping (Ctrl-C)
             # is not reported as raised "during handling" of the retried error.
             self._sleep(delay)
             retry_number += 1
 
     async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
     ) -> Any:
         retry_number = 0
         while True:
@@ -146,7 +139,6 @@ class retry(Advice):
             except self._exceptions as error:
                 if retry_number >= self._max_retries:
                     raise
-                delay = self.delay(retry_number)
-                self._log_retry(wrapped, instance, retry_number, delay, error)
+                delay = self._schedule_retry(wrapped, instance, retry_number, error)
             await self._async_sleep(delay)
             retry_number += 1

@@ -13,6 +13,8 @@ from layerswap.decorators._advice import Advice, describe, external_stacklevel, 
 if TYPE_CHECKING:
     import torch
 
+    from layerswap.decorators._advice import Args, Kwargs, Wrapped
+
 __all__ = ["DimSpec", "ShapeSpec", "nan_guard", "validate_tensors"]
 
 #: One dimension: a name that must agree wherever it is used, a fixed size, or
@@ -209,13 +211,7 @@ class validate_tensors(Advice):
         self._locators = _Locators(specs)
         self._tensor = torch.Tensor
 
-    def _validate(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
+    def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> None:
         locator = self._locators(wrapped, instance)
         # dimension name -> (size, argument that set it); per call, as calls may overlap
         bound: dict[str, tuple[int, str]] | None = {} if self._named else None
@@ -313,26 +309,6 @@ class validate_tensors(Advice):
     def _decorated(self, wrapper: Callable[..., Any]) -> None:
         # Decorator form: a spec naming no argument fails now, not at the first call.
         self._locators(wrapper.__wrapped__, None)  # type: ignore[attr-defined]
-
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self._validate(wrapped, instance, args, kwargs)
-        return wrapped(*args, **kwargs)
-
-    async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self._validate(wrapped, instance, args, kwargs)
-        return await wrapped(*args, **kwargs)
 
 
 _MAX_DEPTH = 16
@@ -438,13 +414,9 @@ class nan_guard(Advice):
             raise FloatingPointError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=external_stacklevel())
 
-    def _check_arguments(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
+    def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> None:
+        if not self._check_inputs:
+            return
         torch = loaded_torch()
         if torch is None:
             return
@@ -459,7 +431,7 @@ class nan_guard(Advice):
         if found:
             self._report(torch, wrapped, instance, "received", found)
 
-    def _check_result(self, wrapped: Callable[..., Any], instance: Any, result: Any) -> None:
+    def _returned(self, wrapped: Wrapped, instance: Any, token: None, result: Any) -> None:
         torch = loaded_torch()
         if torch is None:
             return
@@ -467,29 +439,3 @@ class nan_guard(Advice):
         _find_non_finite(torch, result, "", "output", found)
         if found:
             self._report(torch, wrapped, instance, "returned", found)
-
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        if self._check_inputs:
-            self._check_arguments(wrapped, instance, args, kwargs)
-        result = wrapped(*args, **kwargs)
-        self._check_result(wrapped, instance, result)
-        return result
-
-    async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        if self._check_inputs:
-            self._check_arguments(wrapped, instance, args, kwargs)
-        result = await wrapped(*args, **kwargs)
-        self._check_result(wrapped, instance, result)
-        return result

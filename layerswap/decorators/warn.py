@@ -5,9 +5,12 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerswap.decorators._advice import Advice, describe, external_stacklevel
+
+if TYPE_CHECKING:
+    from layerswap.decorators._advice import Args, Kwargs, Wrapped
 
 __all__ = ["warn_once", "warn_once_message"]
 
@@ -103,13 +106,7 @@ class warn_once(Advice):
             _emitted.clear()
             _generation[0] += 1
 
-    def _maybe_warn(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
+    def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> None:
         func = describe(wrapped, None)  # the defining class: the warning is about the code
         if self._key_func is None:
             key = self._key
@@ -122,23 +119,3 @@ class warn_once(Advice):
         self._fired[seen] = _generation[0]
         message = self._message.format(func=func, key=key)
         warn_once_message(message, category=self._category, key=key)
-
-    def _advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self._maybe_warn(wrapped, instance, args, kwargs)
-        return wrapped(*args, **kwargs)
-
-    async def _async_advice(
-        self,
-        wrapped: Callable[..., Any],
-        instance: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self._maybe_warn(wrapped, instance, args, kwargs)
-        return await wrapped(*args, **kwargs)
