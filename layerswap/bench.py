@@ -34,17 +34,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from layerswap.verify import (
+from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
+from layerswap.verify.forward import ContextFactory
+from layerswap.verify.inputs import inputs_for
+from layerswap.verify.placement import (
     DeviceLike,
     DTypeLike,
-    SubstitutionLike,
-    _dtype_name,
-    _model_placement,
-    _substitution,
-    _working_copy,
-    default_inputs,
-    resolve_device,
-    resolve_dtype,
+    dtype_name,
+    target_placement,
+    working_copy,
 )
 
 __all__ = ["BenchReport", "BenchResult", "bench"]
@@ -235,25 +233,22 @@ def bench(
     """
     if steps < 1 or warmup < 0 or batch < 1 or seq < 1:
         raise ValueError("bench needs steps >= 1, warmup >= 0, batch >= 1 and seq >= 1")
-    sub = _substitution(substitution)
-    model_device, model_dtype = _model_placement(model)
-    target_device = resolve_device(device) or model_device
-    target_dtype = resolve_dtype(dtype) or model_dtype
+    sub = resolve_substitution(substitution)
+    target_device, target_dtype = target_placement(model, device, dtype)
 
     from layerswap.swap import swap
-    from layerswap.verify import _candidate_context, _text_config
 
-    original = _working_copy(model, target_device, target_dtype, trainable=backward)
+    original = working_copy(model, target_device, target_dtype, trainable=backward)
     swapped = copy.deepcopy(original)
     swap(swapped, sub)
-    config = _text_config(original)
-    inputs = default_inputs(config.vocab_size, batch=batch, seq_len=seq, padding=0, seed=seed)
-    inputs = {key: value.to(target_device) for key, value in inputs.items()}
+    inputs = inputs_for(
+        original, batch=batch, seq_len=seq, padding=0, seed=seed, device=target_device
+    )
     labels = inputs["input_ids"].clone()
     # the swapped layers may need a context to run in (an FP8 autocast, say)
-    contexts: Mapping[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+    contexts: Mapping[str, ContextFactory] = {
         "original": contextlib.nullcontext,
-        "swapped": _candidate_context(sub),
+        "swapped": candidate_context(sub),
     }
     models = {"original": original, "swapped": swapped}
 
@@ -323,7 +318,7 @@ def bench(
     return BenchReport(
         substitution=sub.name,
         device=str(target_device),
-        dtype=_dtype_name(target_dtype),
+        dtype=dtype_name(target_dtype),
         batch=batch,
         seq_len=seq,
         steps=steps,

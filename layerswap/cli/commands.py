@@ -1,0 +1,329 @@
+"""The commands: each parses its options, calls the library and renders the result."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+from layerswap.cli.doctor import backend_problems, environment
+from layerswap.cli.models import Setup, build, find_family
+from layerswap.cli.options import JsonOption, ModelChoice, model_options
+from layerswap.cli.output import Output, Progress, print_json
+from layerswap.cli.problems import UsageProblem, exit_codes, one_line
+from layerswap.cli.render import (
+    render_bench,
+    render_environment,
+    render_header,
+    render_substitutions,
+    render_verification,
+)
+
+if TYPE_CHECKING:
+    from layerswap.bench import BenchReport
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="layerswap",
+    help="Swap layers of transformers models for faster ones, and prove they still match.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _run_bench(
+    setup: Setup,
+    progress: Progress,
+    *,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    backward: bool,
+    seed: int,
+) -> BenchReport:
+    from layerswap.bench import bench
+
+    def on_step(done: int, total: int) -> None:
+        progress.step(f"benchmarking: step {done}/{total}")
+
+    return bench(
+        setup.model,
+        setup.substitution,
+        batch=batch,
+        seq=seq,
+        steps=steps,
+        warmup=warmup,
+        backward=backward,
+        seed=seed,
+        on_step=on_step,
+    )
+
+
+@app.command("list")
+def list_command(
+    family: Annotated[
+        str | None, typer.Option("--family", help="Only this family.", show_default=False)
+    ] = None,
+    backend: Annotated[
+        str | None, typer.Option("--backend", help="Only this backend.", show_default=False)
+    ] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Every registered substitution: family, backend, and whether it can run here."""
+    with exit_codes():
+        from layerswap.substitution import substitutions
+
+        if family is not None:
+            family = find_family(family).name
+        rows: list[dict[str, Any]] = []
+        for sub in substitutions(family=family, backend=backend):
+            reason = sub.unmet_requirement()
+            rows.append(
+                {
+                    "name": sub.name,
+                    "family": sub.family,
+                    "backend": sub.backend,
+                    "usable": reason is None,
+                    "reason": reason,
+                    "description": sub.description,
+                }
+            )
+    if json_output:
+        print_json(rows)
+        return
+    render_substitutions(Output(), rows)
+
+
+@app.command()
+@model_options
+def patch(
+    choice: ModelChoice,
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Compare with the original model.")
+    ] = True,
+    bench: Annotated[bool, typer.Option("--bench", help="Also time original vs swapped.")] = False,
+    json_output: JsonOption = False,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            "--save",
+            help="Write the swapped model here, in the original layout (save_pretrained).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Build a model, swap its decoder layers, verify against the original, report."""
+    with exit_codes(), Progress(not json_output) as progress:
+        from layerswap.swap import swap
+        from layerswap.verify import verify as run_verification
+        from layerswap.verify.inputs import inputs_for
+
+        setup = build(choice, progress)
+        report = None
+        if verify:
+            progress.step("verifying against the original")
+            inputs = inputs_for(setup.model, seed=choice.seed)
+            report = run_verification(setup.model, setup.substitution, inputs)
+        bench_report = None
+        if bench:
+            bench_report = _run_bench(
+                setup, progress, batch=2, seq=64, steps=5, warmup=2, backward=True, seed=choice.seed
+            )
+        progress.step("swapping")
+        handle = swap(setup.model, setup.substitution)
+        swapped = [(name, old.__name__, new.__name__) for name, old, new in handle.swapped]
+        if save is not None:
+            progress.step(f"saving to {save}")
+            save.mkdir(parents=True, exist_ok=True)
+            model_to_save: Any = setup.model
+            model_to_save.save_pretrained(save)
+    passed = report is None or report.passed
+    if json_output:
+        from layerswap.verify.placement import dtype_name
+
+        print_json(
+            {
+                "command": "patch",
+                "passed": passed,
+                "substitution": setup.substitution.name,
+                "device": str(setup.device),
+                "dtype": dtype_name(setup.dtype),
+                "model": setup.describe(),
+                "swapped": [
+                    {"module": name, "original": old, "replacement": new}
+                    for name, old, new in swapped
+                ],
+                "verification": report.to_dict() if report is not None else None,
+                "bench": bench_report.to_dict() if bench_report is not None else None,
+                "saved": str(save) if save is not None else None,
+            }
+        )
+    else:
+        console = Output()
+        kinds = sorted({(old, new) for _, old, new in swapped})
+        render_header(
+            console,
+            setup,
+            "patch",
+            f"{len(swapped)} layers swapped: " + ", ".join(f"{old} -> {new}" for old, new in kinds),
+        )
+        if report is not None:
+            render_verification(console, report)
+        if bench_report is not None:
+            render_bench(console, bench_report)
+        if save is not None:
+            console.print(f"saved the swapped model in the original layout to {save}")
+    if not passed:
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+@model_options
+def verify_command(
+    choice: ModelChoice,
+    backward: Annotated[
+        bool, typer.Option("--backward", help="Also compare the loss and every gradient.")
+    ] = False,
+    generate: Annotated[
+        int, typer.Option("--generate", help="Also compare N greedily generated tokens.", min=0)
+    ] = 0,
+    streaming: Annotated[
+        bool,
+        typer.Option("--streaming", help="Layer by layer: memory near one model plus a layer."),
+    ] = False,
+    tolerance: Annotated[
+        float | None,
+        typer.Option(
+            "--tolerance", help="atol and rtol (default: by dtype).", min=0, show_default=False
+        ),
+    ] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Verify a substitution against the original model, layer by layer."""
+    with exit_codes(), Progress(not json_output) as progress:
+        from layerswap.verify import verify as run_verification
+        from layerswap.verify.inputs import inputs_for
+
+        setup = build(choice, progress)
+        progress.step("verifying against the original")
+        try:
+            report = run_verification(
+                setup.model,
+                setup.substitution,
+                inputs_for(setup.model, seed=choice.seed),
+                backward=backward,
+                generate=generate,
+                tolerance=tolerance,
+                streaming=streaming,
+            )
+        except ValueError as error:
+            raise UsageProblem(error) from error
+    if json_output:
+        print_json(report.to_dict())
+    else:
+        console = Output()
+        render_header(console, setup, "verify")
+        render_verification(console, report)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command("bench")
+@model_options
+def bench_command(
+    choice: ModelChoice,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Sequences per step.")] = 4,
+    seq: Annotated[int, typer.Option("--seq", min=1, help="Tokens per sequence.")] = 128,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Measured steps.")] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured steps.")] = 3,
+    backward: Annotated[
+        bool, typer.Option("--backward/--no-backward", help="Also time forward+backward.")
+    ] = True,
+    json_output: JsonOption = False,
+) -> None:
+    """Time the original and the swapped model (interleaved runs, medians, ratios)."""
+    with exit_codes(), Progress(not json_output) as progress:
+        setup = build(choice, progress)
+        report = _run_bench(
+            setup,
+            progress,
+            batch=batch,
+            seq=seq,
+            steps=steps,
+            warmup=warmup,
+            backward=backward,
+            seed=choice.seed,
+        )
+    if json_output:
+        print_json(report.to_dict())
+        return
+    console = Output()
+    render_header(console, setup, "bench")
+    render_bench(console, report)
+
+
+@app.command()
+def doctor(json_output: JsonOption = False) -> None:
+    """What is installed here and what it enables."""
+    with exit_codes():
+        rows = environment()
+        problems = backend_problems()
+    if json_output:
+        print_json(
+            {
+                "environment": rows,
+                "backends": {
+                    name: {"usable": reason is None, "reason": reason}
+                    for name, reason in problems.items()
+                },
+            }
+        )
+        return
+    render_environment(Output(), rows, problems)
+
+
+def _click_class(name: str) -> type[Exception]:
+    """A click exception class, found through typer (which may vendor its own click)."""
+    for klass in typer.BadParameter.__mro__:
+        if klass.__name__ == name:
+            return klass
+    raise LookupError(name)  # pragma: no cover - every click has these
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Run the command line (``layerswap`` and ``python -m layerswap``); exits.
+
+    Usage errors found while parsing (an unknown option, a bad number) are reported as
+    one line with exit code 2, like every other usage problem; a bare ``layerswap``
+    prints the help.
+    """
+    usage_error, click_exception = _click_class("UsageError"), _click_class("ClickException")
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(
+            args=list(argv) if argv is not None else None,
+            prog_name="layerswap",
+            standalone_mode=False,
+        )
+    except usage_error as error:
+        ctx = getattr(error, "ctx", None)
+        if type(error).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            sys.stdout.write(ctx.get_help() + "\n")
+            sys.exit(0)
+        message = one_line(getattr(error, "format_message", error.__str__)())
+        hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+        print(f"layerswap: error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except click_exception as error:
+        print(f"layerswap: error: {one_line(error)}", file=sys.stderr)
+        sys.exit(getattr(error, "exit_code", 1))
+    except typer.Abort:
+        print("layerswap: aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

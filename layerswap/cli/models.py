@@ -1,0 +1,213 @@
+"""Choosing the family and the substitution, and building the model a command runs on.
+
+``--config`` says where the model comes from: ``tiny`` (the family's embedded config,
+random weights), a config JSON file (that shape, random weights) or a local checkpoint
+directory (its own weights, loaded the transformers way).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from layerswap.cli.options import ModelChoice
+from layerswap.cli.output import Progress
+from layerswap.cli.problems import UsageProblem, one_line
+
+if TYPE_CHECKING:
+    import torch
+
+    from layerswap.substitution import Family, Substitution
+
+__all__ = ["Setup", "build", "find_family"]
+
+
+@dataclass
+class Setup:
+    """The model built for a command, the substitution chosen for it, and where it runs."""
+
+    family: Family
+    substitution: Substitution
+    model: torch.nn.Module
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+
+    def describe(self) -> dict[str, Any]:
+        """The model's family, source and shape, as the header and ``--json`` show it."""
+        from layerswap.verify.inputs import text_config
+
+        config = text_config(self.model)
+        return {
+            "family": self.family.name,
+            "source": self.source,
+            "layers": getattr(config, "num_hidden_layers", None),
+            "hidden_size": getattr(config, "hidden_size", None),
+            "attention_heads": getattr(config, "num_attention_heads", None),
+            "kv_heads": getattr(config, "num_key_value_heads", None),
+            "vocab_size": getattr(config, "vocab_size", None),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+
+def find_family(name: str) -> Family:
+    """The registered family ``name``; an unknown one is a usage problem with suggestions."""
+    from layerswap.substitution import families
+
+    known = families()
+    key = name.strip().lower()
+    if key not in known:
+        close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise UsageProblem(
+            f"unknown model family {name!r}{hint} (known: {', '.join(sorted(known))})"
+        )
+    return known[key]
+
+
+def _choose_substitution(choice: ModelChoice) -> tuple[Family, Substitution]:
+    from layerswap.substitution import get, substitutions
+
+    model, backend, substitution = choice.model, choice.backend, choice.substitution
+    if choice.fp8:
+        if substitution is not None or backend not in ("te", "te_fp8"):
+            raise UsageProblem("--fp8 runs TransformerEngine layers: use it with --backend te")
+        from layerswap.backends.te import fp8_substitution_for
+
+        family = find_family(model if model is not None else _family_of_config(choice.config))
+        fp8 = fp8_substitution_for(family, recipe=choice.fp8_recipe)
+        if fp8 is None:
+            raise UsageProblem(f"TransformerEngine cannot express the {family.name} family")
+        return family, fp8
+    if substitution is not None:
+        sub = get(substitution)
+        family = find_family(sub.family)
+        if model is not None and find_family(model).name != family.name:
+            raise UsageProblem(
+                f"--substitution {sub.name} is for {family.name}, not --model {model}"
+            )
+        return family, sub
+    if model is None:
+        model = _family_of_config(choice.config)
+    family = find_family(model)
+    name = f"{family.name}.decoder.{backend}"
+    matches = [s for s in substitutions(family=family.name) if s.backend == backend]
+    if not matches:
+        backends = sorted({s.backend for s in substitutions(family=family.name)})
+        raise UsageProblem(
+            f"no {backend!r} substitution for {family.name} "
+            f"(backends for {family.name}: {', '.join(backends) or 'none'})"
+        )
+    preferred = [s for s in matches if s.name == name]
+    return family, (preferred or matches)[0]
+
+
+def _family_of_config(config: str) -> str:
+    """The family named by a config file's ``model_type``, when --model is left out."""
+    path = _config_file(config)
+    if path is None:
+        raise UsageProblem("--model is required with --config tiny (e.g. --model llama)")
+    from layerswap.substitution import families
+
+    model_type = _read_json(path).get("model_type")
+    if not isinstance(model_type, str):
+        raise UsageProblem(f"{path} has no model_type; pass --model")
+    for family in families().values():
+        if family.model_type == model_type:
+            return family.name
+    return model_type  # unknown: find_family() reports it with suggestions
+
+
+def _config_file(config: str) -> Path | None:
+    if config == "tiny":
+        return None
+    path = Path(config)
+    if not path.exists():
+        raise UsageProblem(f"--config {config}: no such file or directory")
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise UsageProblem(f"--config {config}: directory has no config.json")
+    return path
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UsageProblem(f"cannot read {path}: {one_line(error)}") from error
+    if not isinstance(data, dict):
+        raise UsageProblem(f"{path} does not hold a JSON object")
+    return data
+
+
+def _placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    from layerswap.verify.placement import resolve_device, resolve_dtype
+
+    try:
+        resolved_dtype = resolve_dtype(dtype)
+    except ValueError as error:
+        raise UsageProblem(error) from error
+    if device.strip().lower() not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise UsageProblem(f"unknown device {device!r}; choose auto, cpu or cuda")
+    resolved_device = resolve_device(device)
+    assert resolved_device is not None and resolved_dtype is not None
+    return resolved_device, resolved_dtype
+
+
+def build(choice: ModelChoice, progress: Progress) -> Setup:
+    """Validate everything cheap first, then build the original model."""
+    target_device, target_dtype = _placement(choice.device, choice.dtype)
+    _quiet_transformers()
+    family, sub = _choose_substitution(choice)
+    reason = sub.unmet_requirement()
+    if reason is not None:
+        raise UsageProblem(f"{sub.name} cannot run here: {reason}")
+    if target_device.type != "cuda" and sub.backend.startswith("te"):
+        raise UsageProblem(f"{sub.name} needs CUDA; pass --device cuda on a GPU machine")
+    config_file = _config_file(choice.config)
+    progress.step(f"building {family.name} model")
+    built, source = _build_model(family, choice.config, config_file, choice.seed)
+    built.to(device=target_device, dtype=target_dtype)
+    built.eval()
+    return Setup(family, sub, built, source, target_device, target_dtype)
+
+
+def _quiet_transformers() -> None:
+    """No tqdm bars from transformers: progress is ours (and only on a terminal)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
+def _build_model(
+    family: Family, config: str, config_file: Path | None, seed: int
+) -> tuple[torch.nn.Module, str]:
+    config_class = family.config_type()
+    if config_file is not None:
+        declared = _read_json(config_file).get("model_type")
+        if declared is not None and declared != family.model_type:
+            raise UsageProblem(
+                f"{config_file} describes a {declared!r} model, not {family.name} "
+                f"({family.model_type!r})"
+            )
+    if config_file is not None and config_file.parent == Path(config):
+        # a checkpoint directory: its own weights, loaded the transformers way
+        try:
+            loaded = family.causal_lm_class().from_pretrained(config, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise UsageProblem(f"cannot load checkpoint {config}: {one_line(error)}") from error
+        return loaded, f"checkpoint {config}"
+    if config_file is None:
+        model_config = family.tiny_config()
+        source = "tiny config, random weights"
+    else:
+        try:
+            model_config = config_class.from_json_file(str(config_file))
+        except (OSError, ValueError, TypeError) as error:
+            raise UsageProblem(f"cannot read config {config_file}: {one_line(error)}") from error
+        source = f"config {config_file}, random weights"
+    return family.build(model_config, seed=seed), f"{source} (seed {seed})"

@@ -1,0 +1,160 @@
+"""The human-readable rendering of each command's results (``--json`` skips it)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from layerswap.cli.output import Output
+
+if TYPE_CHECKING:
+    from layerswap.bench import BenchReport
+    from layerswap.cli.models import Setup
+    from layerswap.verify import VerificationReport
+
+__all__ = [
+    "render_bench",
+    "render_environment",
+    "render_header",
+    "render_substitutions",
+    "render_verification",
+]
+
+
+def _table(*columns: str) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for column in columns:
+        table.add_column(column)
+    return table
+
+
+def render_header(console: Output, setup: Setup, what: str, swapped: str | None = None) -> None:
+    """What ran: the substitution (and what it swapped), the model, the device."""
+    from layerswap.verify.placement import dtype_name
+
+    info = setup.describe()
+    console.print(f"{what}: {setup.substitution.name}" + (f" ({swapped})" if swapped else ""))
+    console.print(
+        f"model: {info['family']}, {info['source']}: {info['layers']} layers, "
+        f"hidden {info['hidden_size']}, heads {info['attention_heads']}/{info['kv_heads']} "
+        f"(q/kv), vocab {info['vocab_size']}, {info['parameters'] / 1e6:.2f}M parameters"
+    )
+    console.print(f"device: {setup.device}, {dtype_name(setup.dtype)}")
+
+
+def _verdict(passed: bool) -> Text:
+    return Text("PASS", style="bold green") if passed else Text("FAIL", style="bold red")
+
+
+def render_verification(console: Output, report: VerificationReport) -> None:
+    """One row per decoder layer and the logits, then the extra checks and the verdict."""
+    table = _table()
+    table.add_column("layer", justify="right")
+    table.add_column("module")
+    for column in ("max abs error", "max rel error", "cosine"):
+        table.add_column(column, justify="right")
+    table.add_column("")
+    for layer in report.layers:
+        mark = _verdict(layer.passed)
+        if layer.index == report.first_divergent_layer:
+            mark.append("  <- first divergent layer", style="red")
+        table.add_row(
+            str(layer.index),
+            layer.name,
+            f"{layer.max_abs_error:.2e}",
+            f"{layer.max_rel_error:.2e}",
+            f"{layer.cosine:.7f}",
+            mark,
+        )
+    table.add_row(
+        "",
+        "logits",
+        f"{report.max_abs_error:.2e}",
+        f"{report.max_rel_error:.2e}",
+        f"{report.cosine:.7f}",
+        _verdict(report.logits_passed),
+    )
+    console.emit(table)
+    extras = [f"{report.batch}x{report.seq_len} tokens, padding excluded"]
+    if report.top1_agreement is not None:
+        extras.append(f"top-1 agreement {report.top1_agreement:.1%}")
+    if report.kl is not None:
+        extras.append(f"KL {report.kl:.2e}")
+    console.print("logits: " + ", ".join(extras))
+    tol = report.tolerance
+    console.print(
+        f"tolerance ({report.dtype}): max abs error <= {tol.atol:g} + {tol.rtol:g} x "
+        f"max|reference|, cosine >= {tol.min_cosine:g}"
+    )
+    if report.backward is not None:
+        bw = report.backward
+        scope = "per layer" if bw.local else "whole model"
+        console.print(
+            Text.assemble(
+                f"backward ({scope}): loss {bw.loss_reference:.6g} vs {bw.loss_candidate:.6g}, "
+                f"{len(bw.gradients)} gradients, max rel error {bw.max_rel_error:.2e}, "
+                f"min cosine {bw.cosine:.7f}  ",
+                _verdict(bw.passed),
+                f"  (first divergent: {bw.first_divergent_parameter})"
+                if bw.first_divergent_parameter
+                else "",
+            )
+        )
+    if report.generation is not None:
+        gen = report.generation
+        console.print(
+            Text.assemble(
+                f"generate: {gen.new_tokens} greedy tokens, agreement {gen.agreement:.0%}"
+                + (
+                    f", first mismatch at {gen.first_mismatch}"
+                    if gen.first_mismatch is not None
+                    else ""
+                )
+                + "  ",
+                _verdict(gen.passed),
+            )
+        )
+    if report.passed:
+        console.print(Text.assemble(_verdict(True), ": the swapped model matches the original"))
+    else:
+        console.print(Text.assemble(_verdict(False), ": ", report.failure_message()))
+
+
+def render_bench(console: Output, report: BenchReport) -> None:
+    """One row per metric: original, swapped, ratio."""
+    table = _table("metric")
+    for column in ("original", "swapped", "ratio"):
+        table.add_column(column, justify="right")
+    for row in report.rows():
+        table.add_row(*row)
+    console.print(
+        f"timing: batch {report.batch} x seq {report.seq_len}, median of {report.steps} "
+        f"interleaved steps after {report.warmup} warm-up (time ratio: original/swapped)"
+    )
+    console.emit(table)
+
+
+def render_substitutions(console: Output, rows: list[dict[str, Any]]) -> None:
+    """One row per substitution: name, family, backend, and whether it can run here."""
+    table = _table("substitution", "family", "backend", "usable here")
+    for row in rows:
+        usable = Text("yes", style="green") if row["usable"] else Text(f"no: {row['reason']}")
+        table.add_row(row["name"], row["family"], row["backend"], usable)
+    console.emit(table)
+
+
+def render_environment(
+    console: Output, rows: list[dict[str, str]], backends: dict[str, str | None]
+) -> None:
+    """What is installed and what it enables, then each backend's usability."""
+    table = _table("component", "status", "enables")
+    for row in rows:
+        table.add_row(row["component"], row["status"], row["enables"])
+    console.emit(table)
+    for name, reason in sorted(backends.items()):
+        console.print(
+            f"backend {name}: " + ("usable here" if reason is None else f"not usable: {reason}")
+        )

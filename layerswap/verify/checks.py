@@ -1,0 +1,130 @@
+"""The two checks: :func:`verify` a substitution on a model, :func:`assert_equivalent`
+two models."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from layerswap.errors import VerificationError
+from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
+from layerswap.verify.compare import Comparison
+from layerswap.verify.forward import forward
+from layerswap.verify.gradients import gradients_to_original
+from layerswap.verify.inputs import InputsLike, prepare_inputs
+from layerswap.verify.placement import (
+    DeviceLike,
+    DTypeLike,
+    model_placement,
+    target_placement,
+    working_copy,
+)
+from layerswap.verify.report import VerificationReport
+from layerswap.verify.streaming import verify_streaming
+from layerswap.verify.tolerance import Tolerance
+
+__all__ = ["assert_equivalent", "verify"]
+
+
+def verify(
+    model: nn.Module,
+    substitution: SubstitutionLike,
+    inputs: InputsLike = None,
+    *,
+    dtype: DTypeLike = None,
+    device: DeviceLike = None,
+    backward: bool = False,
+    generate: int = 0,
+    tolerance: float | Tolerance | None = None,
+    streaming: bool = False,
+) -> VerificationReport:
+    """Compare ``model`` with ``model`` swapped by ``substitution``, on the same inputs.
+
+    ``substitution`` is a registered name or a :class:`~layerswap.Substitution` (so a
+    variant made with ``dataclasses.replace`` can be checked before it is registered).
+    ``inputs`` defaults to :func:`default_inputs` for the model's vocabulary; a tensor of
+    token ids or a mapping with ``input_ids`` (and ``attention_mask``) is accepted.
+    ``dtype`` / ``device`` cast a copy (``device="auto"``: CUDA when present); ``None``
+    keeps the model's. ``tolerance`` is a number (atol and rtol) or a :class:`Tolerance`;
+    the default depends on the dtype. ``streaming=True`` keeps memory near one model
+    plus one layer (see :mod:`layerswap.verify`); it does not support ``generate``.
+
+    The model is left exactly as it was. Raises
+    :class:`~layerswap.errors.RequirementError` when the substitution cannot run here.
+
+    Example::
+
+        report = layerswap.verify(model, "llama.decoder.fused", backward=True, generate=4)
+        if not report.passed:
+            print(report.summary())      # names the first divergent layer
+    """
+    sub = resolve_substitution(substitution)
+    if generate < 0:
+        raise ValueError(f"generate must be >= 0, got {generate}")
+    if streaming and generate:
+        raise ValueError(
+            "generate= needs the whole swapped model; use streaming=False to compare generation"
+        )
+    target_device, target_dtype = target_placement(model, device, dtype)
+    comparison = Comparison.prepare(model, sub, target_device, target_dtype, tolerance, inputs)
+    if streaming:
+        return verify_streaming(model, sub, comparison, backward=backward)
+
+    from layerswap.swap import swap
+
+    # the copy runs as the reference, is swapped in place, and runs again as the
+    # candidate, which therefore holds exactly the reference's weights, converted
+    work = working_copy(model, target_device, target_dtype, trainable=backward)
+    batch = comparison.batch
+    reference = forward(work, batch, backward=backward, generate=generate)
+    swap(work, sub)
+    candidate = forward(
+        work, batch, backward=backward, generate=generate, context=candidate_context(sub)
+    )
+    if candidate.gradients is not None:
+        candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
+    return comparison.report(reference, candidate, mode="full")
+
+
+def assert_equivalent(
+    reference: nn.Module,
+    candidate: nn.Module,
+    inputs: InputsLike = None,
+    *,
+    tolerance: float | Tolerance | None = None,
+    substitution: SubstitutionLike | None = None,
+    backward: bool = False,
+    generate: int = 0,
+) -> VerificationReport:
+    """Raise :class:`~layerswap.errors.VerificationError` unless ``candidate`` matches.
+
+    For tests: both models run on ``inputs`` (default :func:`default_inputs`) on the
+    reference's device; their logits and every decoder layer's output are compared. The
+    error message names the first divergent layer and its errors. ``substitution`` lets
+    ``backward=True`` map the candidate's gradients to the original layout (needed when
+    the candidate is swapped). Neither model is modified. Returns the report on success.
+
+    Example::
+
+        candidate = copy.deepcopy(model)
+        layerswap.swap(candidate, "llama.decoder.fused")
+        layerswap.assert_equivalent(model, candidate, tolerance=1e-4)
+    """
+    __tracebackhide__ = True
+    sub = resolve_substitution(substitution) if substitution is not None else None
+    device, dtype = model_placement(reference)
+    comparison = Comparison.prepare(reference, sub, device, dtype, tolerance, inputs)
+    ref_run = forward(reference, comparison.batch, backward=backward, generate=generate)
+    cand_batch = prepare_inputs(comparison.batch, candidate, model_placement(candidate)[0])
+    cand_run = forward(
+        candidate,
+        cand_batch,
+        backward=backward,
+        generate=generate,
+        context=candidate_context(sub),
+    )
+    if sub is not None and cand_run.gradients is not None:
+        cand_run.gradients = gradients_to_original(candidate, cand_run.gradients, sub)
+    report = comparison.report(ref_run, cand_run, mode="models")
+    if not report.passed:
+        raise VerificationError(report.failure_message())
+    return report

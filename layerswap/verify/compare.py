@@ -1,0 +1,280 @@
+"""Turning a reference run and a candidate run into a :class:`VerificationReport`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from layerswap.errors import VerificationError
+from layerswap.verify.forward import Run
+from layerswap.verify.inputs import InputsLike, prepare_inputs
+from layerswap.verify.placement import dtype_name
+from layerswap.verify.report import (
+    BackwardReport,
+    GenerationReport,
+    GradientReport,
+    LayerReport,
+    VerificationReport,
+)
+from layerswap.verify.tolerance import Tolerance, precision
+
+if TYPE_CHECKING:
+    from layerswap.substitution import Substitution
+
+__all__ = ["Comparison", "Diff", "compare_generation", "compare_gradients", "diff"]
+
+
+@dataclass(frozen=True)
+class Diff:
+    """How far one tensor is from its reference (see :func:`diff`)."""
+
+    max_abs_error: float
+    max_rel_error: float
+    cosine: float
+    scale: float
+
+    def passes(self, tolerance: Tolerance, *, gradient: bool = False) -> bool:
+        """Whether the errors and the cosine are within ``tolerance``."""
+        return tolerance.allows(self.max_abs_error, self.scale, gradient=gradient) and (
+            self.cosine >= tolerance.min_cosine
+        )
+
+
+def _as_float(value: torch.Tensor) -> float:
+    number = float(value)
+    return number if not math.isnan(number) else math.inf
+
+
+def diff(reference: torch.Tensor, candidate: torch.Tensor, *, rowwise: bool) -> Diff:
+    """Errors of ``candidate`` against ``reference``, computed in float32.
+
+    ``rowwise`` takes the cosine of every last-dimension vector (one per token) and
+    keeps the lowest; otherwise the cosine of the two flattened tensors.
+    """
+    if reference.shape != candidate.shape:
+        raise VerificationError(
+            f"shapes differ: reference {tuple(reference.shape)}, candidate {tuple(candidate.shape)}"
+        )
+    ref = reference.detach().to(torch.float32)
+    cand = candidate.detach().to(device=ref.device, dtype=torch.float32)
+    if ref.numel() == 0:
+        return Diff(0.0, 0.0, 1.0, 0.0)
+    max_abs = _as_float((ref - cand).abs().max())
+    if not torch.isfinite(cand).all():
+        max_abs = math.inf
+    scale = float(ref.abs().max())
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    # float64 for the cosine: in float32 two equal vectors come out at 0.9999998
+    width = ref.shape[-1] if rowwise and ref.dim() > 1 else ref.numel()
+    ref_rows = ref.reshape(-1, width).to(torch.float64)
+    cand_rows = cand.reshape(-1, width).to(torch.float64)
+    cosines = torch.nn.functional.cosine_similarity(ref_rows, cand_rows, dim=-1, eps=1e-12)
+    # two all-zero vectors are identical, though cosine_similarity calls them orthogonal
+    both_zero = (ref_rows.abs().amax(-1) == 0) & (cand_rows.abs().amax(-1) == 0)
+    cosines = torch.where(both_zero, torch.ones_like(cosines), cosines)
+    cosine = float(cosines.min()) if torch.isfinite(cosines).all() else -math.inf
+    return Diff(max_abs, max_rel, cosine, scale)
+
+
+def compare_generation(
+    reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tolerance
+) -> GenerationReport:
+    """Token agreement of two greedy generations (``[batch, new_tokens]`` each)."""
+    width = min(reference.shape[1], candidate.shape[1])
+    same = reference[:, :width] == candidate[:, :width]
+    agreement = float(same.float().mean()) if same.numel() else 1.0
+    if reference.shape != candidate.shape:
+        agreement = min(agreement, width / max(reference.shape[1], candidate.shape[1]))
+    mismatched = (~same).any(dim=0).nonzero()
+    first_mismatch = int(mismatched[0]) if len(mismatched) else None
+    if first_mismatch is None and reference.shape != candidate.shape:
+        first_mismatch = width
+    exact = first_mismatch is None
+    return GenerationReport(
+        passed=exact or agreement >= tolerance.min_token_agreement,
+        new_tokens=int(reference.shape[1]),
+        agreement=agreement,
+        first_mismatch=first_mismatch,
+        reference_tokens=tuple(tuple(int(t) for t in row) for row in reference),
+        candidate_tokens=tuple(tuple(int(t) for t in row) for row in candidate),
+    )
+
+
+def compare_gradients(
+    reference: Mapping[str, torch.Tensor],
+    candidate: Mapping[str, torch.Tensor],
+    loss_reference: float,
+    loss_candidate: float,
+    tolerance: Tolerance,
+    *,
+    local: bool,
+) -> BackwardReport:
+    """Loss and every gradient of ``reference``, keyed as in the original model."""
+    missing = [name for name in reference if name not in candidate]
+    if missing:
+        raise VerificationError(
+            f"the candidate has no gradient for {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + "; pass substitution= so its gradients can be mapped to the original layout"
+        )
+    reports = []
+    for name, ref_grad in reference.items():
+        gradient = diff(ref_grad, candidate[name], rowwise=False)
+        reports.append(
+            GradientReport(
+                name=name,
+                max_abs_error=gradient.max_abs_error,
+                max_rel_error=gradient.max_rel_error,
+                cosine=gradient.cosine,
+                passed=gradient.passes(tolerance, gradient=True),
+            )
+        )
+    first = next((r.name for r in reports if not r.passed), None)
+    loss_error = abs(loss_reference - loss_candidate)
+    if math.isnan(loss_error):
+        loss_error = math.inf
+    loss_ok = tolerance.allows(loss_error, abs(loss_reference))
+    return BackwardReport(
+        passed=loss_ok and first is None,
+        loss_reference=loss_reference,
+        loss_candidate=loss_candidate,
+        loss_abs_error=loss_error,
+        max_abs_error=max((r.max_abs_error for r in reports), default=0.0),
+        max_rel_error=max((r.max_rel_error for r in reports), default=0.0),
+        cosine=min((r.cosine for r in reports), default=1.0),
+        gradients=tuple(reports),
+        first_divergent_parameter=first,
+        local=local,
+    )
+
+
+def _compare_layers(reference: Run, candidate: Run, tolerance: Tolerance) -> list[LayerReport]:
+    if len(reference.layers) != len(candidate.layers):
+        raise VerificationError(
+            f"the reference ran {len(reference.layers)} decoder layers, "
+            f"the candidate {len(candidate.layers)}"
+        )
+    layers = []
+    for index, ((name, ref_out), (_, cand_out)) in enumerate(
+        zip(reference.layers, candidate.layers, strict=True)
+    ):
+        output = diff(ref_out, cand_out, rowwise=True)
+        layers.append(
+            LayerReport(
+                index=index,
+                name=name,
+                max_abs_error=output.max_abs_error,
+                max_rel_error=output.max_rel_error,
+                cosine=output.cosine,
+                passed=output.passes(tolerance),
+            )
+        )
+    return layers
+
+
+def _top1_and_kl(reference: Run, candidate: Run) -> tuple[float | None, float | None]:
+    """Top-1 agreement and mean KL(reference || candidate) of the next-token predictions."""
+    if not (reference.is_logits and reference.logits.numel()):
+        return None, None
+    ref_logits = reference.logits.to(torch.float32)
+    cand_logits = candidate.logits.to(device=ref_logits.device, dtype=torch.float32)
+    top1 = float((ref_logits.argmax(-1) == cand_logits.argmax(-1)).float().mean())
+    ref_logp = torch.log_softmax(ref_logits, dim=-1)
+    cand_logp = torch.log_softmax(cand_logits, dim=-1)
+    kl_rows = (ref_logp.exp() * (ref_logp - cand_logp)).sum(-1)
+    kl = max(_as_float(kl_rows.mean()), 0.0)  # rounding can make a zero KL negative
+    return top1, kl
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What the reference and the candidate runs share: the substitution (by name),
+    where they run, the tolerance and the inputs. :meth:`report` judges two runs."""
+
+    substitution: str | None
+    device: torch.device
+    dtype: torch.dtype
+    tolerance: Tolerance
+    batch: dict[str, torch.Tensor]
+
+    @classmethod
+    def prepare(
+        cls,
+        model: nn.Module,
+        substitution: Substitution | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        tolerance: float | Tolerance | None,
+        inputs: InputsLike,
+    ) -> Comparison:
+        """The tolerance for the substitution's precision, ``inputs`` on ``device``."""
+        tol = Tolerance.coerce(tolerance, precision(substitution, dtype))
+        batch = prepare_inputs(inputs, model, device)
+        name = substitution.name if substitution is not None else None
+        return cls(name, device, dtype, tol, batch)
+
+    def report(
+        self,
+        reference: Run,
+        candidate: Run,
+        *,
+        mode: Literal["full", "streaming", "models"],
+        local_gradients: bool = False,
+    ) -> VerificationReport:
+        """The verdict on ``candidate`` against ``reference``.
+
+        Gradients and generated tokens are compared when both runs have them;
+        ``local_gradients`` says the gradients are per layer (streaming mode).
+        """
+        tolerance = self.tolerance
+        backward = None
+        if reference.gradients is not None and candidate.gradients is not None:
+            assert reference.loss is not None and candidate.loss is not None
+            backward = compare_gradients(
+                reference.gradients,
+                candidate.gradients,
+                reference.loss,
+                candidate.loss,
+                tolerance,
+                local=local_gradients,
+            )
+        generation = None
+        if reference.tokens is not None and candidate.tokens is not None:
+            generation = compare_generation(reference.tokens, candidate.tokens, tolerance)
+        layers = _compare_layers(reference, candidate, tolerance)
+        logits = diff(reference.logits, candidate.logits, rowwise=True)
+        top1, kl = _top1_and_kl(reference, candidate)
+        logits_passed = logits.passes(tolerance)
+        first = next((layer.index for layer in layers if not layer.passed), None)
+        passed = (
+            logits_passed
+            and first is None
+            and (backward is None or backward.passed)
+            and (generation is None or generation.passed)
+        )
+        ids = self.batch["input_ids"]
+        return VerificationReport(
+            passed=passed,
+            substitution=self.substitution,
+            mode=mode,
+            device=str(self.device),
+            dtype=dtype_name(self.dtype),
+            tolerance=tolerance,
+            max_abs_error=logits.max_abs_error,
+            max_rel_error=logits.max_rel_error,
+            cosine=logits.cosine,
+            top1_agreement=top1,
+            kl=kl,
+            logits_passed=logits_passed,
+            layers=tuple(layers),
+            first_divergent_layer=first,
+            batch=int(ids.shape[0]),
+            seq_len=int(ids.shape[1]),
+            backward=backward,
+            generation=generation,
+        )

@@ -1,0 +1,189 @@
+"""One model's pass over the verification inputs: logits, layer outputs, loss, gradients."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from layerswap.verify.inputs import pad_token_id, text_config
+
+__all__ = [
+    "ContextFactory",
+    "HookFactory",
+    "Run",
+    "capture_layers",
+    "evaluation",
+    "forward",
+    "generate_tokens",
+    "layer_hooks",
+    "layer_output",
+]
+
+ContextFactory: TypeAlias = Callable[[], contextlib.AbstractContextManager[Any]]
+# (position, decoder layer) -> the handle of the hook it registered on that layer
+HookFactory: TypeAlias = Callable[[int, nn.Module], RemovableHandle]
+
+
+@dataclass
+class Run:
+    """What one model produced on the verification inputs (valid positions only).
+
+    ``gradients`` are keyed and shaped as in the original model once the caller has
+    mapped a swapped model's gradients back.
+    """
+
+    logits: torch.Tensor
+    is_logits: bool
+    layers: list[tuple[str, torch.Tensor]]
+    loss: float | None = None
+    gradients: dict[str, torch.Tensor] | None = None
+    tokens: torch.Tensor | None = None
+
+
+def layer_output(output: Any) -> torch.Tensor:
+    """The hidden states a decoder layer returned."""
+    # transformers 5 decoder layers return a tensor; older ones and some replacements
+    # return a tuple whose first element is the hidden states
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"a decoder layer returned {type(output).__name__}, expected a tensor")
+
+
+@contextlib.contextmanager
+def layer_hooks(layers: Sequence[tuple[str, nn.Module]], register: HookFactory) -> Iterator[None]:
+    """``register(position, layer)`` for every decoder layer; the hooks removed on exit."""
+    handles: list[RemovableHandle] = []
+    try:
+        for position, (_, layer) in enumerate(layers):
+            handles.append(register(position, layer))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def capture_layers(
+    layers: Sequence[tuple[str, nn.Module]], valid: torch.Tensor
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Record each decoder layer's output at the valid positions; hooks removed on exit.
+
+    Forward hooks run in the order they were registered: hooks registered before these
+    (one replacing a layer's output, say) have their effect recorded.
+    """
+    captured: list[tuple[str, torch.Tensor]] = []
+
+    def recorder(position: int, layer: nn.Module) -> RemovableHandle:
+        name = layers[position][0]
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            captured.append((name, layer_output(output).detach()[valid].clone()))
+
+        return layer.register_forward_hook(hook)
+
+    with layer_hooks(layers, recorder):
+        yield captured
+
+
+@contextlib.contextmanager
+def evaluation(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the duration; every module's own flag restored after."""
+    flags = [(module, module.training) for module in model.modules()]
+    try:
+        model.eval()
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    # A label is predicted from the position before it: with left padding, the first
+    # real token is predicted from a padded row, whose value differs between attention
+    # kernels and means nothing. Mask those labels as well as the padding itself.
+    mask = batch["attention_mask"] == 0
+    labels = batch["input_ids"].masked_fill(mask, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1], -100)
+    return labels
+
+
+def forward(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    backward: bool = False,
+    loss: bool = False,
+    generate: int = 0,
+    context: ContextFactory = contextlib.nullcontext,
+) -> Run:
+    """One forward pass, capturing every decoder layer's output, in ``context``.
+
+    ``loss`` records the language-modelling loss; ``backward`` also takes its gradient
+    for every trainable parameter, by ``torch.autograd.grad`` rather than
+    ``loss.backward()``, which leaves every ``.grad`` as it was. ``generate`` then
+    greedily generates that many tokens.
+    """
+    from layerswap.swap import decoder_layers
+
+    valid = batch["attention_mask"].bool()
+    labels = {"labels": _labels(batch)} if loss or backward else {}
+    gradients = None
+    with capture_layers(decoder_layers(model), valid) as captured, evaluation(model):
+        if not backward:
+            with torch.no_grad(), context():
+                output = model(**batch, **labels, use_cache=False)
+        else:
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            with torch.enable_grad(), context():
+                output = model(**batch, **labels, use_cache=False)
+                grads = torch.autograd.grad(output.loss, [p for _, p in params], allow_unused=True)
+            # kept in host memory: a model's worth of gradients must not crowd the GPU
+            gradients = {
+                name: (grad if grad is not None else torch.zeros_like(param)).detach().cpu()
+                for (name, param), grad in zip(params, grads, strict=True)
+            }
+    logits = getattr(output, "logits", None)
+    is_logits = logits is not None
+    if logits is None:
+        logits = output.last_hidden_state
+    return Run(
+        logits.detach()[valid],
+        is_logits,
+        list(captured),
+        loss=float(output.loss.detach()) if labels else None,
+        gradients=gradients,
+        tokens=generate_tokens(model, batch, generate, context) if generate else None,
+    )
+
+
+def generate_tokens(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    new_tokens: int,
+    context: ContextFactory = contextlib.nullcontext,
+) -> torch.Tensor:
+    """``new_tokens`` greedily generated tokens per sequence, on the host."""
+    config = text_config(model)
+    generate = getattr(model, "generate", None)
+    if generate is None:
+        raise TypeError(f"{type(model).__name__} cannot generate; use a *ForCausalLM model")
+    with evaluation(model), torch.no_grad(), context():
+        sequences = generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=pad_token_id(config),
+        )
+    result: torch.Tensor = sequences[:, batch["input_ids"].shape[1] :].detach().cpu()
+    return result

@@ -1,0 +1,113 @@
+"""The token batch both models run on: deterministic defaults, or the caller's."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+from layerswap.verify.placement import DeviceLike, resolve_device
+
+__all__ = [
+    "InputsLike",
+    "default_inputs",
+    "inputs_for",
+    "pad_token_id",
+    "prepare_inputs",
+    "text_config",
+]
+
+InputsLike: TypeAlias = "torch.Tensor | Mapping[str, Any] | None"
+
+
+def default_inputs(
+    vocab_size: int,
+    *,
+    batch: int = 2,
+    seq_len: int = 16,
+    padding: int = 4,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    device: DeviceLike = None,
+) -> dict[str, torch.Tensor]:
+    """Deterministic random token ids with a left-padded attention mask.
+
+    The first sequence is full; every other sequence starts with ``padding`` pad tokens
+    (masked out), so the masking path of the attention is exercised as well. The same
+    seed gives the same tokens on every machine (a private CPU generator is used).
+
+    Example::
+
+        >>> batch = default_inputs(512)
+        >>> batch["input_ids"].shape, int(batch["attention_mask"].sum())
+        (torch.Size([2, 16]), 28)
+    """
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab_size, (batch, seq_len), generator=generator)
+    attention_mask = torch.ones(batch, seq_len, dtype=torch.long)
+    pad = min(padding, seq_len - 1)
+    if pad > 0:
+        attention_mask[1:, :pad] = 0
+        input_ids[1:, :pad] = pad_token_id
+    target = resolve_device(device)
+    if target is not None:
+        input_ids, attention_mask = input_ids.to(target), attention_mask.to(target)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def text_config(model: nn.Module) -> Any:
+    """The model's config, or its text part for a composite (vision-language) model."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__} has no .config; pass a transformers model")
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
+
+
+def pad_token_id(config: Any) -> int:
+    """The config's padding token, 0 where it declares none."""
+    pad = getattr(config, "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def inputs_for(model: nn.Module, **options: Any) -> dict[str, torch.Tensor]:
+    """:func:`default_inputs` for ``model``'s vocabulary and padding token.
+
+    ``options`` (``batch``, ``seq_len``, ``padding``, ``seed``, ``device``) go to
+    :func:`default_inputs`.
+    """
+    config = text_config(model)
+    return default_inputs(config.vocab_size, pad_token_id=pad_token_id(config), **options)
+
+
+def prepare_inputs(
+    inputs: InputsLike, model: nn.Module, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """``inputs`` as a batch with ``input_ids`` and ``attention_mask``, on ``device``."""
+    if inputs is None:
+        batch = inputs_for(model)
+    elif isinstance(inputs, torch.Tensor):
+        batch = {"input_ids": inputs}
+    elif isinstance(inputs, Mapping):
+        batch = dict(inputs)
+    else:
+        raise TypeError(
+            "inputs must be None, a tensor of token ids or a mapping such as "
+            f"{{'input_ids': ..., 'attention_mask': ...}}, not {type(inputs).__name__}"
+        )
+    if "input_ids" not in batch:
+        raise ValueError("inputs must contain 'input_ids'")
+    ids = batch["input_ids"]
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    batch["input_ids"] = ids
+    if batch.get("attention_mask") is None:
+        batch["attention_mask"] = torch.ones_like(ids)
+    return {
+        key: value.to(device) if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+    }

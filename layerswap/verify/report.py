@@ -1,0 +1,189 @@
+"""What :func:`~layerswap.verify` measured: the report and its parts, as plain data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from layerswap.verify.tolerance import Tolerance
+
+__all__ = [
+    "BackwardReport",
+    "GenerationReport",
+    "GradientReport",
+    "LayerReport",
+    "VerificationReport",
+]
+
+
+def _finite_or_str(value: Any) -> Any:
+    """Strict JSON has no NaN or infinity: write those as strings, keep everything else."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite_or_str(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_str(item) for item in value]
+    return value
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """The comparison of one decoder layer's output (valid, non-padded positions only)."""
+
+    index: int
+    name: str
+    max_abs_error: float
+    max_rel_error: float
+    cosine: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class GradientReport:
+    """The comparison of one parameter's gradient, in the original layout."""
+
+    name: str
+    max_abs_error: float
+    max_rel_error: float
+    cosine: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class BackwardReport:
+    """Loss and gradients of the candidate against the reference.
+
+    In streaming mode the gradients are per layer ("local"): each layer gets the
+    reference's input for that layer and the same upstream gradient, so a difference
+    points at that layer alone; the loss is still the whole model's.
+    """
+
+    passed: bool
+    loss_reference: float
+    loss_candidate: float
+    loss_abs_error: float
+    max_abs_error: float
+    max_rel_error: float
+    cosine: float
+    gradients: tuple[GradientReport, ...]
+    first_divergent_parameter: str | None
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationReport:
+    """Greedy generation of ``new_tokens`` tokens by both models from the same prompt."""
+
+    passed: bool
+    new_tokens: int
+    agreement: float
+    first_mismatch: int | None
+    reference_tokens: tuple[tuple[int, ...], ...]
+    candidate_tokens: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    """Everything :func:`verify` measured; ``passed`` is the verdict.
+
+    ``max_abs_error``, ``max_rel_error``, ``cosine``, ``top1_agreement`` and ``kl`` are
+    about the logits; ``layers`` has one entry per decoder layer, in order, and
+    ``first_divergent_layer`` is the index of the first one over tolerance (or ``None``).
+
+    Example::
+
+        report = layerswap.verify(model, "llama.decoder.fused")
+        print(report.summary())
+        json.loads(report.to_json())["layers"][0]["cosine"]
+    """
+
+    passed: bool
+    substitution: str | None
+    mode: Literal["full", "streaming", "models"]
+    device: str
+    dtype: str
+    tolerance: Tolerance
+    max_abs_error: float
+    max_rel_error: float
+    cosine: float
+    top1_agreement: float | None
+    kl: float | None
+    logits_passed: bool
+    layers: tuple[LayerReport, ...]
+    first_divergent_layer: int | None
+    batch: int
+    seq_len: int
+    backward: BackwardReport | None = None
+    generation: GenerationReport | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (nested dataclasses become dicts, tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kwargs: Any) -> str:
+        """Strict JSON (non-finite numbers written as strings); kwargs go to json.dumps."""
+        return json.dumps(_finite_or_str(self.to_dict()), allow_nan=False, **kwargs)
+
+    @property
+    def first_divergent(self) -> LayerReport | None:
+        """The :class:`LayerReport` of the first divergent layer, if any."""
+        if self.first_divergent_layer is None:
+            return None
+        return self.layers[self.first_divergent_layer]
+
+    def summary(self) -> str:
+        """A few readable lines: verdict, logits metrics, and what diverged first."""
+        verdict = "PASS" if self.passed else "FAIL"
+        what = self.substitution or "candidate"
+        lines = [
+            f"{verdict}: {what} vs original ({self.mode}, {self.device}, {self.dtype}, "
+            f"{self.batch}x{self.seq_len} tokens)",
+            f"logits: max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}, "
+            f"cosine {self.cosine:.6f}"
+            + (f", top-1 {self.top1_agreement:.1%}" if self.top1_agreement is not None else "")
+            + (f", KL {self.kl:.3g}" if self.kl is not None else ""),
+        ]
+        lines.extend(self._problems())
+        return "\n".join(lines)
+
+    def _problems(self) -> list[str]:
+        tol = self.tolerance
+        problems: list[str] = []
+        layer = self.first_divergent
+        if layer is not None:
+            problems.append(
+                f"first divergent layer: {layer.index} ({layer.name}): max abs error "
+                f"{layer.max_abs_error:.3g}, max rel error {layer.max_rel_error:.3g} "
+                f"(rtol {tol.rtol:g}, atol {tol.atol:g}), cosine {layer.cosine:.6f} "
+                f"(min {tol.min_cosine:g})"
+            )
+        elif not self.logits_passed:
+            problems.append(
+                f"logits over tolerance although every decoder layer passed: max rel error "
+                f"{self.max_rel_error:.3g} (rtol {tol.rtol:g}), cosine {self.cosine:.6f}"
+            )
+        if self.backward is not None and not self.backward.passed:
+            bw = self.backward
+            problems.append(
+                f"gradients differ: first divergent parameter {bw.first_divergent_parameter}, "
+                f"max rel error {bw.max_rel_error:.3g} (rtol {tol.gradient_rtol:g}); "
+                f"loss {bw.loss_reference:.6g} vs {bw.loss_candidate:.6g}"
+            )
+        if self.generation is not None and not self.generation.passed:
+            gen = self.generation
+            problems.append(
+                f"generated tokens differ from position {gen.first_mismatch}: agreement "
+                f"{gen.agreement:.1%} (min {tol.min_token_agreement:.0%})"
+            )
+        return problems
+
+    def failure_message(self) -> str:
+        """One line naming what diverged first (empty when the report passed)."""
+        if self.passed:
+            return ""
+        what = self.substitution or "candidate"
+        return f"{what} does not match the original: " + "; ".join(self._problems())
