@@ -49,6 +49,7 @@ __all__ = [
     "SwapHandle",
     "adopt_constructed",
     "build_replacement_layer",
+    "rebuild_originals",
     "conversion_transforms",
     "decoder_layers",
     "family_of",
@@ -364,6 +365,44 @@ def build_replacement_layer(
 
 
 @torch.no_grad()
+def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int:
+    """Put original layers, holding the converted weights, where ``substitution``'s layers are.
+
+    For a model built or loaded inside :func:`layerswap.use`, which has no swap to
+    undo: this makes the original-layout twin that :func:`layerswap.verify` compares
+    it with. It works in place and is not reversible, so call it on a copy. Returns the
+    number of layers rebuilt.
+
+    Example::
+
+        reference = copy.deepcopy(model_built_in_use)
+        rebuild_originals(reference, "llama.decoder.fused")
+    """
+    sub = _choose(substitution, None, family_of(model))
+    target = _unwrap(model)
+    config = _layer_config(target.config)
+    original_cls = sub.original_class()
+    rebuilt = 0
+    for position, (name, layer) in enumerate(decoder_layers(target)):
+        owner = substitution_of(layer)
+        if owner is None:
+            continue
+        if owner.name != sub.name:
+            raise SubstitutionError(
+                f"layer {name!r} was swapped by {owner.name}, not by {sub.name}"
+            )
+        state = {k: v for k, v in layer.state_dict().items() if not is_extra_state(k)}
+        converted = sub.converter.to_original(state, config)
+        with torch.device("meta"):
+            original = original_cls(config, _layer_index(layer, position))
+        original.load_state_dict(converted, strict=True, assign=True)
+        original.train(layer.training)
+        parent, key = _locate(target, name)
+        parent._modules[key] = original
+        rebuilt += 1
+    return rebuilt
+
+
 def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedConfig) -> None:
     replacement = record.replacement
     assert replacement is not None, "restored twice"

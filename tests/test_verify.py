@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import RequirementError, UnknownSubstitutionError, VerificationError
-from layerswap.substitution import Substitution, families, get, get_family
+from layerswap.substitution import Substitution, families, get, get_family, use
 from layerswap.swap import swap
 from layerswap.verify import (
     Tolerance,
@@ -375,3 +375,36 @@ def test_layerswap_verify_is_callable_even_after_its_module_is_imported(llama: A
 
     assert layerswap.verify(llama, FUSED).passed  # type: ignore[operator]
     assert layerswap.assert_equivalent(llama, llama).passed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_model_built_inside_use_is_verified_against_rebuilt_original_layers(family):
+    spec = get_family(family)
+    name = f"{family}.decoder.fused"
+    with use(name):
+        model = spec.build(spec.tiny_config(num_hidden_layers=2), seed=3)
+    layer_types = {type(layer).__name__ for layer in model.model.layers}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = verify(model, name, backward=True)
+    assert report.passed, report.summary()
+    assert len(report.layers) == 2
+    # the model given is untouched: still swapped, same weights
+    assert {type(layer).__name__ for layer in model.model.layers} == layer_types
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_streaming_refuses_a_model_built_inside_use():
+    spec = get_family("llama")
+    with use("llama.decoder.fused"):
+        model = spec.build(spec.tiny_config(num_hidden_layers=2), seed=0)
+    with pytest.raises(ValueError, match="already swapped"):
+        verify(model, "llama.decoder.fused", streaming=True)
+
+
+def test_a_model_built_inside_use_with_a_broken_substitution_fails_at_that_layer(broken):
+    spec = get_family("llama")
+    with use(broken):
+        model = spec.build(seed=0)
+    report = verify(model, broken)
+    assert not report.passed
+    assert report.first_divergent_layer == 2

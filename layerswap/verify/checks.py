@@ -47,6 +47,8 @@ def verify(
     keeps the model's. ``tolerance`` is a number (atol and rtol) or a :class:`Tolerance`;
     the default depends on the dtype. ``streaming=True`` keeps memory near one model
     plus one layer (see :mod:`layerswap.verify`); it does not support ``generate``.
+    A model built inside :func:`layerswap.use` (its layers already swapped) is compared
+    with original layers rebuilt from its converted weights.
 
     The model is left exactly as it was. Raises
     :class:`~layerswap.errors.RequirementError` when the substitution cannot run here.
@@ -64,22 +66,36 @@ def verify(
         raise ValueError(
             "generate= needs the whole swapped model; use streaming=False to compare generation"
         )
+    from layerswap.swap import decoder_layers, rebuild_originals, substitution_of, swap
+
+    already_swapped = any(substitution_of(layer) for _, layer in decoder_layers(model))
+    if already_swapped and streaming:
+        raise ValueError(
+            "streaming mode compares an original model with its swap; this model's layers "
+            "are already swapped (built inside use()?): use streaming=False"
+        )
     target_device, target_dtype = target_placement(model, device, dtype)
     comparison = Comparison.prepare(model, sub, target_device, target_dtype, tolerance, inputs)
     if streaming:
         return verify_streaming(model, sub, comparison, backward=backward)
 
-    from layerswap.swap import swap
-
-    # the copy runs as the reference, is swapped in place, and runs again as the
-    # candidate, which therefore holds exactly the reference's weights, converted
     work = working_copy(model, target_device, target_dtype, trainable=backward)
     batch = comparison.batch
+    context = candidate_context(sub)
+    if already_swapped:
+        # built inside use(): the copy runs as the candidate, then gets original layers
+        # holding its weights converted back, and runs again as the reference
+        candidate = forward(work, batch, backward=backward, generate=generate, context=context)
+        if candidate.gradients is not None:
+            candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
+        rebuild_originals(work, sub)
+        reference = forward(work, batch, backward=backward, generate=generate)
+        return comparison.report(reference, candidate, mode="full")
+    # the copy runs as the reference, is swapped in place, and runs again as the
+    # candidate, which therefore holds exactly the reference's weights, converted
     reference = forward(work, batch, backward=backward, generate=generate)
     swap(work, sub)
-    candidate = forward(
-        work, batch, backward=backward, generate=generate, context=candidate_context(sub)
-    )
+    candidate = forward(work, batch, backward=backward, generate=generate, context=context)
     if candidate.gradients is not None:
         candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
     return comparison.report(reference, candidate, mode="full")
