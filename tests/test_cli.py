@@ -331,6 +331,14 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is availabl
                 get("llama.decoder.te").unmet_requirement() is None, reason="te can run here"
             ),
         ),
+        (["patch", "--model", "llama", "--fp8"], "--fp8 runs TransformerEngine layers"),
+        pytest.param(
+            ["verify", "--model", "qwen2", "--backend", "te", "--fp8", "--fp8-recipe", "current"],
+            "qwen2.decoder.te_fp8 cannot run here",
+            marks=pytest.mark.skipif(
+                get("qwen2.decoder.te_fp8").unmet_requirement() is None, reason="fp8 runs here"
+            ),
+        ),
     ],
 )
 def test_usage_problems_exit_2_with_one_line(
