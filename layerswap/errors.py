@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ConversionError",
     "LayerswapError",
+    "LazyPatchWarning",
     "PatchConflictWarning",
     "PatchError",
     "PatchStateError",
@@ -60,6 +61,10 @@ class PatchStateError(PatchError, RuntimeError):
 
 class PatchConflictWarning(UserWarning):
     """Something outside layerswap rebound an attribute while a patch of it was live."""
+
+
+class LazyPatchWarning(UserWarning):
+    """A ``lazy=True`` patch could not be applied when its module was imported."""
 
 
 # --- substitutions ------------------------------------------------------------

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, final, overload
 
 import pytest
 
-from layerswap.errors import LayerswapError
+from layerswap.errors import LayerswapError, PatchConflictWarning
 from layerswap.patching import (
     DictPatch,
     Patch,
@@ -319,12 +320,20 @@ class LayerswapFixture:
         errors: list[BaseException] = []
         for change in reversed(changes):
             try:
+                coordinated = False
                 if interleave and change.monkeypatch_mark is not None:
                     _undo_monkeypatch_after(self._monkeypatch, change.monkeypatch_mark)
-                if isinstance(change.undo, Scoped):
-                    change.undo.stop()
-                else:
-                    change.undo.undo()
+                    coordinated = any(change.monkeypatch_mark)
+                with warnings.catch_warnings():
+                    if coordinated:
+                        # monkeypatch wrote the same attributes before this change was
+                        # made; layerswap sees those writes as foreign, but the joint
+                        # unwind restores them in order, so there is nothing to report
+                        warnings.simplefilter("ignore", PatchConflictWarning)
+                    if isinstance(change.undo, Scoped):
+                        change.undo.stop()
+                    else:
+                        change.undo.undo()
             except BaseException as exc:  # undo the rest, then report the first
                 errors.append(exc)
         if errors:

@@ -507,3 +507,120 @@ def test_context_scope_rejects_non_callables(mod):
     with pytest.raises(TargetTypeError, match="functions and methods"):
         layerswap.patch(mod, "VALUE", "x", scope="context").start()
     assert mod.VALUE == "original"
+
+
+# --- regressions: objects that decide where values live, lazy races, key spaces -------------
+
+
+def test_object_with_its_own_setattr_is_patched_through_it():
+    from transformers import GPT2Config
+
+    config = GPT2Config()  # hidden_size is an attribute_map alias of n_embd
+    with layerswap.patch(config, "hidden_size", 99):
+        assert config.hidden_size == 99 and config.n_embd == 99
+    assert config.hidden_size == 768 and config.n_embd == 768
+    assert "hidden_size" not in vars(config)
+
+
+def test_unset_slot_member_needs_create_and_is_unset_again_after():
+    class Slotted:
+        __slots__ = ("x",)
+
+    obj = Slotted()
+    with pytest.raises(TargetAttributeError, match="create=True"):
+        layerswap.patch(obj, "x", 1).start()
+    with layerswap.patch(obj, "x", 1, create=True):
+        assert obj.x == 1
+    assert not hasattr(obj, "x")
+
+
+def test_new_child_module_created_on_a_module_is_registered_then_removed():
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    extra = torch.nn.Linear(1, 1)
+    with layerswap.patch(model, "extra", extra, create=True):
+        assert dict(model.named_children())["extra"] is extra
+    assert "extra" not in dict(model.named_children()) and not hasattr(model, "extra")
+
+
+def test_dict_item_and_attribute_of_the_same_name_are_separate_places():
+    class Record(dict):
+        pass
+
+    record = Record(a="item")
+    record.a = "attribute"
+    with layerswap.patch_dict(record, {"a": "item2"}), layerswap.patch(record, "a", "attr2"):
+        assert (record["a"], record.a) == ("item2", "attr2")
+    assert (record["a"], record.a) == ("item", "attribute")
+
+
+def test_foreign_write_under_a_later_patch_still_warns(mod):
+    first = layerswap.patch(mod, "VALUE", "first").start()
+    mod.VALUE = "foreign"
+    second = layerswap.patch(mod, "VALUE", "second").start()
+    with pytest.warns(PatchConflictWarning, match="'foreign'") as seen:
+        second.stop()
+        first.stop()
+    assert len(seen) == 1
+    assert mod.VALUE == "original"
+
+
+def test_context_scope_accepts_a_classmethod_replacement(mod):
+    with layerswap.patch(mod.Base, "klass", classmethod(lambda cls: "ctx"), scope="context"):
+        assert mod.Child.klass() == "ctx"
+    assert mod.Child.klass() == "Child"
+
+
+def test_warning_turned_error_does_not_replace_the_blocks_exception(mod):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PatchConflictWarning)
+        with pytest.raises(KeyboardInterrupt), layerswap.patch(mod, "VALUE", "x"):
+            mod.VALUE = "foreign"
+            raise KeyboardInterrupt
+    assert mod.VALUE == "original"
+
+
+def test_lazy_patch_that_cannot_apply_lets_the_import_succeed_and_warns(make_module):
+    from layerswap.errors import LazyPatchWarning
+
+    name = make_module("lazy_missing", "OTHER = 1\n")
+    p = layerswap.patch(f"{name}:MISSING", "x", lazy=True).start()
+    with pytest.warns(LazyPatchWarning, match="MISSING"):
+        module = __import__(name)
+    assert module.OTHER == 1 and not hasattr(module, "MISSING")
+    assert not p.is_active and layerswap.active_patches() == []
+    p.stop()  # a no-op
+
+
+def test_lazy_patch_stopped_while_its_import_hook_runs_is_undone(make_module):
+    entered, release = threading.Event(), threading.Event()
+    name = make_module(
+        "lazy_race",
+        """
+        import sys
+
+        class Slow:
+            attr = "original"
+
+        def __getattr__(name):  # the hook resolves "Gate.attr": block it halfway
+            if name == "Gate":
+                sys.modules["ls_race_events"][0].set()
+                sys.modules["ls_race_events"][1].wait(5)
+                return Slow
+            raise AttributeError(name)
+        """,
+    )
+    sys.modules["ls_race_events"] = (entered, release)  # type: ignore[assignment]
+    try:
+        p = layerswap.patch(f"{name}:Gate.attr", "patched", lazy=True).start()
+        importer = threading.Thread(target=__import__, args=(name,))
+        importer.start()
+        assert entered.wait(5)
+        stopper = threading.Thread(target=p.stop)
+        stopper.start()  # waits for the hook, then undoes what it applied
+        release.set()
+        importer.join(5)
+        stopper.join(5)
+        assert sys.modules[name].Slow.attr == "original"
+        assert layerswap.active_patches() == []
+    finally:
+        sys.modules.pop("ls_race_events", None)

@@ -148,10 +148,37 @@ def test_wrap_composes_with_an_existing_patch_and_unwinds_in_any_order(mod):
     patch = layerswap.patch(mod, "scale", lambda x, factor=2: x + factor).start()
     wrap = layerswap.wrap(mod, "scale", lambda w, i, a, k: ("wrapped", w(*a, **k))).start()
     assert mod.scale(1) == ("wrapped", 3)
-    patch.stop()  # non-LIFO: the wrap (built over the patch) stays the top layer
-    assert mod.scale(1) == ("wrapped", 3)
+    patch.stop()  # non-LIFO: the wrap stays on top, now around the original
+    assert mod.scale(1) == ("wrapped", 2)
     wrap.stop()
     assert mod.scale(1) == 2
+    assert mod.scale.__name__ == "scale" and not hasattr(mod.scale, "__wrapped__")
+
+
+def test_stopping_the_lower_of_two_wraps_leaves_only_the_upper(mod):
+    calls = []
+
+    def tag(name):
+        def advice(wrapped, instance, args, kwargs):
+            calls.append(name)
+            return wrapped(*args, **kwargs)
+
+        return advice
+
+    for owner, attribute, call in [
+        (mod, "scale", lambda: mod.scale(1)),
+        (mod.Thing, "method", lambda: mod.Thing().method(1)),
+    ]:
+        lower = layerswap.wrap(owner, attribute, tag("lower")).start()
+        upper = layerswap.wrap(owner, attribute, tag("upper")).start()
+        lower.stop()
+        calls.clear()
+        call()
+        assert calls == ["upper"]
+        upper.stop()
+        calls.clear()
+        call()
+        assert calls == []
 
 
 def test_wrap_accepts_objects_with_layerswap_advice(mod):

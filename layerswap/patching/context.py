@@ -43,10 +43,22 @@ class ContextDispatch:
         impl = self._var.get()
         if impl is not NOTSET:
             return impl
-        below = self._below
+        below = self._value_below()
         if below is NOTSET:  # the original was inherited: look it up past the site
             return _inherited(self._site)
         return below
+
+    def _value_below(self) -> Any:
+        # Looked up at call time, not fixed when pushed: a layer below this one may
+        # have been stopped since (any stop order is allowed).
+        from layerswap.patching.stack import _STACKS
+
+        stack = _STACKS.get(self._site.key)
+        if stack is not None:
+            for index, layer in enumerate(stack.layers):
+                if layer.value is self:
+                    return stack.value_below(index)
+        return self._below
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         impl = self._current()

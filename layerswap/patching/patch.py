@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from layerswap.errors import TargetTypeError
+from layerswap.errors import LazyPatchWarning, TargetTypeError
 from layerswap.patching import stack as _stack
 from layerswap.patching.context import ContextDispatch
-from layerswap.patching.scoped import Scoped
+from layerswap.patching.scoped import _ACTIVE, Scoped
 from layerswap.patching.sites import NOTSET, Site, make_site
 from layerswap.patching.target import ParsedTarget
 
@@ -161,7 +162,7 @@ class Patch(Scoped):
     def _context_factory(self) -> Callable[[Site, Any], Any]:
         if self._factory is not None:
             raise TargetTypeError("scope='context' cannot be combined with wrap()")
-        if not callable(self._new):
+        if not (callable(self._new) or isinstance(self._new, (staticmethod, classmethod))):
             raise TargetTypeError(
                 f"scope='context' replaces functions and methods; {self._label()} "
                 f"cannot be replaced by the non-callable {self._new!r}"
@@ -175,14 +176,22 @@ class Patch(Scoped):
                 )
             return ContextDispatch(below, site)
 
+        make_dispatch.rebuild = False  # type: ignore[attr-defined]  # finds its below itself
         return make_dispatch
 
     def _revert(self) -> None:
-        if self._pending_flag:
-            self._pending_flag = False
-            if self._hook_cancelled is not None:
-                self._hook_cancelled[0] = True
+        if not self._lazy:
+            self._remove_layers()
             return
+        with _stack.LOCK:  # an import hook may be applying this very patch right now
+            if self._pending_flag:
+                self._pending_flag = False
+                if self._hook_cancelled is not None:
+                    self._hook_cancelled[0] = True
+                return
+            self._remove_layers()
+
+    def _remove_layers(self) -> None:
         layers, self._layers = self._layers, []
         if len(layers) == 1 and not self._tokens:
             message = _stack.remove(layers[0])
@@ -209,9 +218,22 @@ class Patch(Scoped):
             with _stack.LOCK:
                 if cancelled[0] or not self._pending_flag:
                     return
-                owner, name = parsed.resolve()
-                self._apply_to(owner, name)
                 self._pending_flag = False
+                try:
+                    owner, name = parsed.resolve()
+                    self._apply_to(owner, name)
+                except Exception as exc:
+                    # The import itself must go on: the failure belongs to the patch,
+                    # which ends here (inactive, nothing changed) and says why.
+                    cancelled[0] = True
+                    self._active = False
+                    _ACTIVE.pop(id(self), None)
+                    warnings.warn(
+                        f"lazy patch of {self._label()} could not be applied when {module!r} "
+                        f"was imported, so it is not active: {exc}",
+                        LazyPatchWarning,
+                        stacklevel=2,
+                    )
 
         wrapt.register_post_import_hook(apply_on_import, module)
 

@@ -159,8 +159,15 @@ class Scoped:
             self._start(manual=False, origin=(code.co_filename, frame.f_lineno, code.co_name))
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()  # returns None: the exception, if any, propagates
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if exc_type is None:
+            self.stop()
+            return
+        try:
+            self.stop()  # restores first; only a warning turned error can raise here
+        except Exception:
+            pass  # the block's own exception is the one that propagates
+        # returns None: the exception propagates unchanged
 
     # -- decorator ---------------------------------------------------------------------
     def __call__(self, func: F) -> F:

@@ -167,7 +167,11 @@ class DescriptorSite(Site):
         return getattr(self.owner, self.name, NOTSET)
 
     def snapshot(self) -> Original:
-        return Original("descriptor", getattr(self.owner, self.name))
+        value = getattr(self.owner, self.name, NOTSET)  # an unset __slots__ member: NOTSET
+        return Original(None if value is NOTSET else "descriptor", value)
+
+    def same(self, current: Any, written: Any) -> bool:
+        return _same_value(current, written)
 
     def write(self, value: Any, original: Original) -> None:
         if value is DELETED:
@@ -176,7 +180,63 @@ class DescriptorSite(Site):
             setattr(self.owner, self.name, value)
 
     def restore(self, original: Original) -> None:
-        setattr(self.owner, self.name, original.value)
+        if original.container is None:
+            if getattr(self.owner, self.name, NOTSET) is not NOTSET:
+                delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, original.value)
+
+
+class AttributeSite(Site):
+    """An attribute of an object with its own ``__setattr__``/``__getattribute__``.
+
+    Such objects (transformers configs with an ``attribute_map``, torch's backend
+    flag modules, proxies) decide where a value lives; writing their ``__dict__``
+    directly would do nothing. Values go through ``setattr``/``getattr``; an
+    attribute the class provides (not the instance) is deleted on restore.
+    """
+
+    __slots__ = ()
+
+    def read(self) -> Any:
+        return getattr(self.owner, self.name, NOTSET)
+
+    def same(self, current: Any, written: Any) -> bool:
+        return _same_value(current, written)
+
+    def snapshot(self) -> Original:
+        own = getattr(self.owner, "__dict__", None)
+        in_own_dict = isinstance(own, dict) and self.name in own
+        if not in_own_dict and _type_attribute(type(self.owner), self.name) is not NOTSET:
+            return Original(None, NOTSET)  # inherited from the class
+        value = getattr(self.owner, self.name, NOTSET)
+        return Original(None if value is NOTSET else "attribute", value)
+
+    def write(self, value: Any, original: Original) -> None:
+        if value is DELETED:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, value)
+
+    def restore(self, original: Original) -> None:
+        if original.container is not None:
+            setattr(self.owner, self.name, original.value)
+            return
+        own = getattr(self.owner, "__dict__", None)
+        if (isinstance(own, dict) and self.name in own) or (
+            _type_attribute(type(self.owner), self.name) is NOTSET
+            and getattr(self.owner, self.name, NOTSET) is not NOTSET
+        ):
+            delattr(self.owner, self.name)
+
+
+def _same_value(current: Any, written: Any) -> bool:
+    # getattr through a property or a C setter may hand out a new, equal object
+    if current is written:
+        return True
+    if type(current) is type(written) and isinstance(current, (str, bytes, int, float)):
+        return bool(current == written)
+    return False
 
 
 class ModuleSite(Site):
@@ -238,8 +298,18 @@ class ModuleSite(Site):
                 _insert_at(store, self.name, value, original.position)
             return
         self._discard()
-        if value is not DELETED:
-            d[self.name] = value
+        if value is DELETED:
+            return
+        if container is None:  # a new attribute: register it as nn.Module.__setattr__ would
+            import torch
+
+            if isinstance(value, torch.nn.Parameter):
+                d["_parameters"][self.name] = value
+                return
+            if isinstance(value, torch.nn.Module):
+                d["_modules"][self.name] = value
+                return
+        d[self.name] = value
 
     def restore(self, original: Original) -> None:
         if original.container is None:
@@ -257,6 +327,11 @@ class ItemSite(Site):
     __slots__ = ()
     kind = "item"
 
+    def __init__(self, owner: Any, name: Any) -> None:
+        super().__init__(owner, name)
+        # an item and an attribute of the same name are different places
+        self.key = (id(owner), ("item", name))
+
     def read(self) -> Any:
         try:
             return self.owner[self.name]
@@ -272,9 +347,7 @@ class ItemSite(Site):
         if written is DELETED:
             return current is NOTSET
         # Some mappings (os.environ) hand out a new, equal object on each read.
-        if type(current) is type(written) and isinstance(current, (str, bytes, int, float)):
-            return bool(current == written)
-        return False
+        return _same_value(current, written)
 
     def snapshot(self) -> Original:
         raw = self.read()
@@ -309,6 +382,14 @@ def _is_nn_module(owner: Any) -> bool:
     return torch is not None and isinstance(owner, torch.nn.Module)
 
 
+def _has_custom_access(kind: Any) -> bool:
+    base: Any = object
+    return bool(
+        kind.__setattr__ is not base.__setattr__
+        or kind.__getattribute__ is not base.__getattribute__
+    )
+
+
 def make_site(owner: Any, name: str) -> Site:
     """Pick the site kind for ``owner.name`` (see the module docstring)."""
     if isinstance(owner, (type, types.ModuleType)):
@@ -323,6 +404,9 @@ def make_site(owner: Any, name: str) -> Site:
         return DescriptorSite(owner, name)
     if _is_nn_module(owner):
         return ModuleSite(owner, name)
+    kind: Any = type(owner)
+    if _has_custom_access(kind):
+        return AttributeSite(owner, name)
     if not isinstance(getattr(owner, "__dict__", None), dict):
         from layerswap.errors import TargetTypeError
 

@@ -29,24 +29,36 @@ LOCK = threading.RLock()
 
 
 class Layer:
-    """One live patch of one site: the value it shows while it is the top."""
+    """One live patch of one site: the value it shows while it is the top.
 
-    __slots__ = ("owner", "site", "value")
+    A layer built by a ``factory`` (``wrap``) wraps the value below it; when a layer
+    under it is removed, it is rebuilt around the new value below, so a stopped patch
+    never lives on inside a wrapper that was layered over it.
+    """
 
-    def __init__(self, site: Site, value: Any, owner: object) -> None:
+    __slots__ = ("factory", "owner", "site", "value")
+
+    def __init__(
+        self, site: Site, value: Any, owner: object, factory: Callable[[Site, Any], Any] | None
+    ) -> None:
         self.site = site
         self.value = value
         self.owner = owner  # the Patch (or dict patch) that holds this layer
+        self.factory = factory
 
 
 class _Stack:
-    __slots__ = ("layers", "original", "site", "written")
+    __slots__ = ("conflict", "layers", "original", "site", "written")
 
     def __init__(self, site: Site, original: Original) -> None:
         self.site = site  # keeps the owner alive while patched
         self.original = original
         self.layers: list[Layer] = []
         self.written: Any = NOTSET
+        self.conflict: str | None = None  # a foreign write seen when a layer was pushed
+
+    def value_below(self, index: int) -> Any:
+        return self.layers[index - 1].value if index > 0 else self.original.value
 
 
 _STACKS: dict[tuple[int, Any], _Stack] = {}
@@ -72,6 +84,9 @@ def push(
         if stack is not None:
             site = stack.site  # one Site object per place
             below = site.read()
+            if stack.conflict is None and not site.same(below, stack.written):
+                # remembered, and reported when a layer is removed (see remove())
+                stack.conflict = _conflict_message(site, stack.written, below, 2)
         else:
             original = site.snapshot()
             if original.container is None and not create and site.visible() is NOTSET:
@@ -98,7 +113,7 @@ def push(
                 except Exception:  # the write never happened; nothing to undo
                     pass
             raise TargetTypeError(f"cannot patch {owner._label()}: {exc}") from exc
-        layer = Layer(site, value, owner)
+        layer = Layer(site, value, owner, factory)
         stack.layers.append(layer)
         stack.written = value
         _STACKS[key] = stack
@@ -125,26 +140,36 @@ def remove(layer: Layer) -> str | None:
             else:
                 return None
         current = site.read()
-        conflict = None
+        conflict, stack.conflict = stack.conflict, None
         written = stack.written
         foreign = current is not written and not site.same(current, written)
-        if foreign:
-            conflict = (
-                f"{site.describe()} was rebound outside layerswap while patched: expected "
-                f"{_short(stack.written)}, found {_short(current)}; restoring the value it had "
-                f"before {'the patches' if len(layers) > 1 else 'the patch'}"
-            )
+        if foreign and conflict is None:
+            conflict = _conflict_message(site, written, current, len(layers))
         was_top = index == len(layers) - 1
         del layers[index]
         if not layers:
             del _STACKS[site.key]
             site.restore(stack.original)
             return conflict
-        elif was_top or foreign:
+        # Wrappers above the removed layer were built around it: rebuild them.
+        for position in range(index, len(layers)):
+            above = layers[position]
+            if above.factory is not None and getattr(above.factory, "rebuild", True):
+                above.value = above.factory(site, stack.value_below(position))
+                was_top = was_top or position == len(layers) - 1
+        if was_top or foreign:
             top = layers[-1]
             site.write(top.value, stack.original)
             stack.written = top.value
         return conflict
+
+
+def _conflict_message(site: Site, expected: Any, found: Any, live: int) -> str:
+    return (
+        f"{site.describe()} was rebound outside layerswap while patched: expected "
+        f"{_short(expected)}, found {_short(found)}; restoring the value it had "
+        f"before {'the patches' if live > 1 else 'the patch'}"
+    )
 
 
 def stack_depth(site: Site) -> int:
