@@ -109,6 +109,30 @@ def test_requirement_names_missing_cuda_once_transformer_engine_is_found(
     assert te.fp8_unmet_requirement("delayed") == te.NO_CUDA
 
 
+@without_te
+def test_mixed_cudnn_builds_are_named_with_the_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Seen on the GPU machine: TE imported after torch had run a cuDNN kernel bound the
+    # system's libcudnn_cnn to torch's libcudnn_graph. An installation whose extension
+    # fails the same way is reported with the reason and what to do.
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "pytorch.py").write_text(
+        "raise OSError('/lib/x86_64-linux-gnu/libcudnn_cnn.so.9: undefined symbol: "
+        "_ZTVN5cudnn7backend12OperationSetE, version libcudnn_graph.so.9')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reason = te.unmet_requirement()
+    assert reason is not None
+    assert reason.startswith("TransformerEngine is installed but cannot be imported")
+    assert "libcudnn_graph" in reason and "LD_LIBRARY_PATH" in reason
+    with pytest.raises(RequirementError, match="two cuDNN builds were mixed"):
+        te.fp8_autocast("current")
+
+
 def test_fp8_substitution_is_the_te_layer_with_an_fp8_requirement() -> None:
     family = families()["llama"]
     sub = te.fp8_substitution_for(family, recipe="current")

@@ -117,8 +117,23 @@ def unmet_requirement() -> str | None:
     try:
         importlib.import_module("transformer_engine.pytorch")
     except Exception as exc:  # an ABI mismatch raises OSError or RuntimeError, not ImportError
-        return f"TransformerEngine is installed but cannot be imported: {exc}"
+        return f"TransformerEngine is installed but cannot be imported: {exc}{_import_hint(exc)}"
     return None
+
+
+def _import_hint(exc: BaseException) -> str:
+    """What to do about a known import failure of ``transformer_engine.pytorch``."""
+    message = str(exc)
+    if "undefined symbol" in message and "cudnn" in message.lower():
+        # Seen on a GPU machine with a system cuDNN beside torch's nvidia-cudnn wheel: once
+        # torch had run a cuDNN kernel (SDPA's cuDNN attention), TE's import bound the
+        # system's libcudnn_cnn to torch's already loaded libcudnn_graph.
+        return (
+            " (two cuDNN builds were mixed: import transformer_engine.pytorch before the "
+            "first model runs on the GPU, or put torch's nvidia/cudnn/lib first on "
+            "LD_LIBRARY_PATH)"
+        )
+    return ""
 
 
 def _te() -> Any:

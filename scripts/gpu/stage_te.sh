@@ -5,15 +5,16 @@
 #                       source and the runtime packages TE imports into .stage/, and cut the
 #                       ~276 MB core wheel into 60 MiB parts, one folder per part (a device
 #                       call carries 64 MiB at most)
-#   install [--wait S]  (there) append the carried parts to one file in $TE_WORK, in order;
-#                       once every part and the extras are there, check sha256, pip-install
+#   install [--wait S]  (there) keep the carried parts in $TE_WORK (any order, several per
+#                       call); once every part and the extras are there, join the parts,
+#                       check sha256, pip-install
 #                       the wheels, start building the extension in the background (setsid,
 #                       log in $TE_WORK/build.log) and wait up to S seconds for it
 #   poll [--wait S]     (there) say how far install got, waiting up to S seconds for a
 #                       running build; once it ended, import TE and run a layer on the GPU
 #
 # The device machine keeps /tmp only while it stays warm (about 30 s between calls), so the
-# install calls go back to back; a call that finds a fresh machine says which part is next.
+# install calls go back to back; each call says which parts are still missing.
 # Target: Python 3.12, torch 2.x + CUDA 13, x86-64, Hopper (sm_90). See scripts/gpu/README.md.
 set -euo pipefail
 
@@ -23,13 +24,20 @@ STAGE="${STAGE:-$REPO/.stage}"
 TE_WORK="${TE_WORK:-/tmp/te_stage}"
 PYTHON="${PYTHON:-python3}"
 PART_SIZE="${PART_SIZE:-60m}"
-# what `import transformer_engine.pytorch` needs beyond torch: einops (inference), pydantic
-# (recipes), onnx + onnxscript (export, imported eagerly); pip resolves what they need
-RUNTIME_PACKAGES=(einops pydantic onnx onnxscript)
+PYPI_JSON="${PYPI_JSON:-https://pypi.org/pypi}"
+# What TransformerEngine's Python side needs beyond torch and what the GPU image already has
+# (einops, onnx, onnxscript, packaging, pyyaml are there): pydantic (recipes) with its
+# pinned core, nvdlfw-inspect (imported by the debug hooks), importlib-metadata, and
+# nvidia-cudnn-frontend (its headers, for the extension's build). Pinned so that pydantic
+# and pydantic-core agree and nothing needs a newer typing-extensions than the image's.
+RUNTIME_WHEELS=(pydantic==2.11.7 pydantic-core==2.33.2 annotated-types==0.7.0
+  typing-inspection==0.4.1 importlib-metadata==8.7.0 nvdlfw-inspect==0.2.2
+  nvidia-cudnn-frontend==1.32.0)
+# imported by `import transformer_engine.pytorch`; checked before the build starts
+RUNTIME_MODULES=(einops pydantic onnx onnxscript nvdlfw_inspect packaging yaml)
 TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-ASSEMBLED=0
 
 say() { printf '%s\n' "$*"; }
 die() {
@@ -39,6 +47,21 @@ die() {
 manifest_get() { if [[ -f "$1" ]]; then sed -n "s/^$2=//p" "$1"; fi; }
 count_lines() { if [[ -f "$1" ]]; then wc -l <"$1"; else echo 0; fi; }
 wait_seconds() { if [[ "${1:-}" == "--wait" ]]; then echo "${2:?--wait needs seconds}"; else echo 0; fi; }
+
+fetch_sdist() {
+  # `pip download` of this sdist would first prepare its metadata in an isolated
+  # environment holding a CUDA build of torch (minutes, GBs); the index's JSON API names
+  # the file directly (the URL may be relative to the API's, on a mirror)
+  "$PYTHON" - "$PYPI_JSON/transformer-engine-torch/$TE_VERSION/json" "$1" <<'PY'
+import json, sys, urllib.parse, urllib.request
+api, dest = sys.argv[1], sys.argv[2]
+with urllib.request.urlopen(api) as response:
+    files = json.load(response)["urls"]
+sdist = next(f for f in files if f["packagetype"] == "sdist")
+urllib.request.urlretrieve(urllib.parse.urljoin(api, sdist["url"]), dest)
+print("fetched", sdist["filename"], sdist["size"], "bytes")
+PY
+}
 
 prepare() {
   local download="$STAGE/download"
@@ -51,13 +74,12 @@ prepare() {
   if [[ -n "${TE_SDIST:-}" ]]; then
     cp "$TE_SDIST" "$sdist"
   elif [[ ! -f "$sdist" ]]; then
-    # pip prepares an sdist's metadata in an isolated env holding a CUDA build of torch:
-    # minutes and a few GB of transient download (TE_SDIST=path/to/the.tar.gz skips it)
-    say "== transformer-engine-torch $TE_VERSION source (pip's metadata step is slow)"
-    "$PYTHON" -m pip download --no-deps -d "$download" "transformer-engine-torch==$TE_VERSION"
+    say "== transformer-engine-torch $TE_VERSION source"
+    fetch_sdist "$sdist"
   fi
-  say "== runtime packages: ${RUNTIME_PACKAGES[*]}, with what they need"
-  "$PYTHON" -m pip download "${TARGET[@]}" -d "$download/deps" "${RUNTIME_PACKAGES[@]}"
+  say "== runtime wheels: ${RUNTIME_WHEELS[*]}"
+  rm -f "$download"/deps/*.whl
+  "$PYTHON" -m pip download --no-deps "${TARGET[@]}" -d "$download/deps" "${RUNTIME_WHEELS[@]}"
 
   local core
   core="$(cd "$download" && ls transformer_engine_cu13-"$TE_VERSION"-*.whl)"
@@ -90,17 +112,18 @@ prepare() {
   cp "$manifest" "$STAGE/extras/MANIFEST"
   say "== staged in $STAGE"
   du -sh "$STAGE"/part* "$STAGE/extras"
-  say "Carry one folder per device call (64 MiB each at most), calls back to back, each"
-  say "running: bash scripts/gpu/stage_te.sh install   (the last one: install --wait 540)"
+  say "Carry one or more folders per device call (64 MiB in all), in any order, calls back"
+  say "to back, each running: bash scripts/gpu/stage_te.sh install [--wait 540]"
   local i
   for ((i = 0; i < index; i++)); do say "  carry [\".stage/part$i\"]"; done
-  say "  carry [\".stage/extras\"]   (in any of the calls where it fits, or its own)"
+  say "  carry [\".stage/extras\"]   (with the smallest part, or on its own)"
 }
 
 append_parts() {
-  # append the carried parts that come next; ASSEMBLED=1 once the wheel is whole
+  # keep every carried part whose sha256 matches the MANIFEST, whatever the order; once all
+  # are here, join them and check the whole wheel. ASSEMBLED=1 when the wheel is whole.
   ASSEMBLED=0
-  mkdir -p "$TE_WORK"
+  mkdir -p "$TE_WORK/parts"
   local folder
   for folder in "$STAGE"/part* "$STAGE/extras"; do
     if [[ -f "$folder/MANIFEST" ]]; then cp "$folder/MANIFEST" "$TE_WORK/MANIFEST"; fi
@@ -114,34 +137,34 @@ append_parts() {
     ASSEMBLED=1
     return 0
   fi
-  local appended index name expected
-  appended="$(count_lines "$TE_WORK/appended")"
-  for ((index = appended; index < parts; index++)); do
+  local index name expected file
+  for ((index = 0; index < parts; index++)); do
     name="$(printf '%s.part%02d' "$wheel" "$index")"
-    [[ -f "$STAGE/part$index/$name" ]] || break
+    file="$STAGE/part$index/$name"
+    [[ -f "$file" && ! -f "$TE_WORK/parts/$name" ]] || continue
     expected="$(manifest_get "$TE_WORK/MANIFEST" "$name")"
-    [[ "$(sha256sum "$STAGE/part$index/$name" | cut -d' ' -f1)" == "$expected" ]] ||
+    [[ "$(sha256sum "$file" | cut -d' ' -f1)" == "$expected" ]] ||
       die "$name is corrupt (its sha256 differs from the MANIFEST's); carry .stage/part$index again"
-    cat "$STAGE/part$index/$name" >>"$TE_WORK/$wheel.partial"
-    echo "$name" >>"$TE_WORK/appended"
-    say "appended $name ($((index + 1))/$parts)"
+    cp "$file" "$TE_WORK/parts/$name.tmp" && mv "$TE_WORK/parts/$name.tmp" "$TE_WORK/parts/$name"
+    say "kept $name"
   done
-  appended="$(count_lines "$TE_WORK/appended")"
-  for folder in "$STAGE"/part*; do
-    [[ -d "$folder" ]] || continue
-    index="${folder##*part}"
-    if ((index > appended)); then
-      say "part$index is here but part$appended is not (a fresh machine?)"
-    fi
+  local missing=()
+  for ((index = 0; index < parts; index++)); do
+    name="$(printf '%s.part%02d' "$wheel" "$index")"
+    [[ -f "$TE_WORK/parts/$name" ]] || missing+=(".stage/part$index")
   done
-  if ((appended < parts)); then
-    say "core wheel: $appended/$parts parts here; carry .stage/part$appended next"
+  if ((${#missing[@]})); then
+    say "core wheel: $((parts - ${#missing[@]}))/$parts parts here; still to carry: ${missing[*]}"
     return 0
   fi
+  for ((index = 0; index < parts; index++)); do
+    cat "$TE_WORK/parts/$(printf '%s.part%02d' "$wheel" "$index")"
+  done >"$TE_WORK/$wheel.partial"
   [[ "$(sha256sum "$TE_WORK/$wheel.partial" | cut -d' ' -f1)" == "$sha" ]] ||
     die "the reassembled $wheel fails its sha256; rm -rf $TE_WORK and carry every part again"
   mkdir -p "$TE_WORK/wheels"
   mv "$TE_WORK/$wheel.partial" "$TE_WORK/wheels/$wheel"
+  rm -rf "$TE_WORK/parts"
   say "core wheel reassembled, sha256 ok: $TE_WORK/wheels/$wheel"
   ASSEMBLED=1
 }
@@ -176,8 +199,23 @@ install() {
   fi
   local wheel
   wheel="$(manifest_get "$TE_WORK/MANIFEST" wheel)"
-  say "== runtime packages (installed ones are kept)"
-  "$PYTHON" -m pip install --no-index --find-links "$TE_WORK/extras/deps" "${RUNTIME_PACKAGES[@]}"
+  say "== runtime wheels that are not installed yet (installed ones are kept)"
+  local missing_wheels
+  mapfile -t missing_wheels < <("$PYTHON" - "$TE_WORK/extras/deps" <<'PY'
+import importlib.metadata, pathlib, sys
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    try:
+        importlib.metadata.version(wheel.name.split("-")[0])
+    except importlib.metadata.PackageNotFoundError:
+        print(wheel)
+PY
+  )
+  if ((${#missing_wheels[@]})); then
+    "$PYTHON" -m pip install --no-deps --no-index "${missing_wheels[@]}"
+  fi
+  "$PYTHON" -c "import importlib.util, sys
+missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]
+sys.exit(f'not importable, stage them: {missing}' if missing else 0)" "${RUNTIME_MODULES[@]}"
   say "== TransformerEngine wheels"
   "$PYTHON" -m pip install --no-deps --no-index \
     "$TE_WORK/wheels/$wheel" "$TE_WORK/extras/transformer_engine-$TE_VERSION"-*.whl
@@ -193,6 +231,12 @@ try:
 except ImportError:
     roots = []
 found = {d for r in roots for d in glob.glob(os.path.join(r, "**", "include"), recursive=True)}
+# nvidia-cudnn-frontend puts cudnn_frontend.h in site-packages/include
+from importlib.metadata import PackageNotFoundError, distribution
+try:
+    found.add(str(distribution("nvidia-cudnn-frontend").locate_file("include")))
+except PackageNotFoundError:
+    pass
 print(":".join(sorted(d for d in found if os.path.isdir(d))))
 PY
 )"
@@ -201,11 +245,12 @@ PY
   say "== building the PyTorch extension in the background (log: $TE_WORK/build.log)"
   touch "$TE_WORK/build.started"
   # NVTE_PYTORCH_FORCE_BUILD: the setup script would first try to download a prebuilt wheel
-  # from GitHub, which that machine cannot reach. The inner shell records its own pid
-  # (setsid may fork) and pip's exit code.
+  # from GitHub, which that machine cannot reach. NVTE_WITH_NCCL_EP=0: expert-parallel
+  # support needs nccl_ep.h, which torch's NCCL wheel does not ship (layerswap does not use
+  # it). The inner shell records its own pid (setsid may fork) and pip's exit code.
   # shellcheck disable=SC2016  # $0..$2 belong to the inner shell
   setsid nohup env NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="${NVTE_CUDA_ARCHS:-90}" \
-    MAX_JOBS="${MAX_JOBS:-16}" NVTE_PYTORCH_FORCE_BUILD=TRUE \
+    MAX_JOBS="${MAX_JOBS:-16}" NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_WITH_NCCL_EP=0 \
     bash -c 'echo $$ >"$2/build.pid"
       "$0" -m pip install --no-build-isolation --no-deps --no-index -v "$1" >"$2/build.log" 2>&1
       echo $? >"$2/build.rc"' \
@@ -219,7 +264,11 @@ poll() {
   local wait
   wait="$(wait_seconds "$@")"
   [[ -d "$TE_WORK" ]] || die "$TE_WORK does not exist: nothing was installed on this machine"
-  say "core wheel parts appended: $(count_lines "$TE_WORK/appended")/$(manifest_get "$TE_WORK/MANIFEST" parts)"
+  if [[ -f "$TE_WORK/wheels/$(manifest_get "$TE_WORK/MANIFEST" wheel)" ]]; then
+    say "core wheel: reassembled"
+  else
+    say "core wheel: $(find "$TE_WORK/parts" -name '*.part??' 2>/dev/null | wc -l)/$(manifest_get "$TE_WORK/MANIFEST" parts) parts here"
+  fi
   if [[ ! -f "$TE_WORK/build.started" ]]; then
     say "build: not started"
     return 0

@@ -1,9 +1,10 @@
 """Verify the ``te`` (BF16, FP8) and ``fused`` backends on a GPU, then benchmark them.
 
-1. Verification, tiny models of every family in BF16 on CUDA, with ``layerswap.verify``:
-   logits and every layer's output on left-padded inputs, gradients (unpadded inputs),
-   8 greedily generated tokens with the KV cache; FP8 (te, "current" recipe) on unpadded
-   inputs against the FP8 tolerance. Then the same for the benchmark model.
+1. Verification, tiny models of every family on CUDA, with ``layerswap.verify``: logits and
+   every layer's output on left-padded inputs, gradients (unpadded inputs), 8 greedily
+   generated tokens with the KV cache -- ``fused`` in float32 and BF16, ``te`` in BF16;
+   FP8 (te, "current" recipe) on unpadded inputs against the FP8 tolerance. Then the
+   benchmark model in BF16.
 2. Benchmark, a Llama-shaped model of about a billion parameters (hidden 2048, 16 layers,
    32 heads, 8 key/value heads, intermediate 5632, vocabulary 32000), batch 8 x 512 tokens:
    a forward pass and a full training step (forward, backward, AdamW step) for original,
@@ -135,27 +136,36 @@ def unpadded(vocab_size: int, batch: int, seq_len: int) -> dict[str, torch.Tenso
     return default_inputs(vocab_size, batch=batch, seq_len=seq_len, padding=0)
 
 
-def verify_fresh(family: Any, substitution: Any, **options: Any) -> Any:
-    """``verify`` on a freshly built tiny ``family`` model, bf16 on CUDA."""
-    model = family.build(seed=0).to(DEVICE, torch.bfloat16)
+def verify_fresh(
+    family: Any, substitution: Any, dtype: torch.dtype = torch.bfloat16, **options: Any
+) -> Any:
+    """``verify`` on a freshly built tiny ``family`` model, in ``dtype`` on the device."""
+    model = family.build(seed=0).to(DEVICE, dtype)
     return verify(model, substitution, **options)
 
 
-def verify_tiny(names: list[str], fp8_recipe: str) -> list[Check]:
+# the dtypes each backend is verified in: TransformerEngine's speed is in bf16 (and FP8)
+VERIFY_DTYPES = {"fused": (torch.float32, torch.bfloat16), "te": (torch.bfloat16,)}
+DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def verify_tiny(names: list[str], fp8_recipe: str, backends: list[str]) -> list[Check]:
     checks = []
     for name in names:
         family = families()[name]
         vocab = family.tiny_config().vocab_size
-        for backend in ("fused", "te"):
+        for backend in backends:
             sub = f"{name}.decoder.{backend}"
-            for label, options in (
-                ("bf16 padded", {}),
-                ("bf16 backward", {"inputs": unpadded(vocab, 2, 32), "backward": True}),
-                ("bf16 generate=8", {"generate": 8}),
-            ):
-                action = functools.partial(verify_fresh, family, sub, **options)
-                checks.append(run_check(f"{sub} {label}", action))
-        fp8 = te.fp8_substitution_for(family, recipe=fp8_recipe)
+            for dtype in VERIFY_DTYPES[backend]:
+                label = DTYPE_LABEL[dtype]
+                for what, options in (
+                    ("padded", {}),
+                    ("backward", {"inputs": unpadded(vocab, 2, 32), "backward": True}),
+                    ("generate=8", {"generate": 8}),
+                ):
+                    action = functools.partial(verify_fresh, family, sub, dtype, **options)
+                    checks.append(run_check(f"{sub} {label} {what}", action))
+        fp8 = te.fp8_substitution_for(family, recipe=fp8_recipe) if "te" in backends else None
         if fp8 is not None:
             action = functools.partial(
                 verify_fresh,
@@ -296,21 +306,23 @@ def make_contenders(
     if reason is not None:
         notes.append(f"te contenders skipped: {reason}")
         return contenders, notes
+    # every contender trains its own copy from the same weights, so the losses they print
+    # after the same number of steps are comparable (a check the swap trains the same)
     te_model = copy.deepcopy(original)
     swap(te_model, "llama.decoder.te")
-    # one TE model (and optimizer) serves BF16 and FP8: same weights, only the autocast differs
-    te_optimizer = optimizer(te_model)
-    contenders.append(Contender("te bf16", te_model, te_optimizer))
+    contenders.append(Contender("te bf16", te_model, optimizer(te_model)))
     for recipe in fp8_recipes:
         why_not = te.fp8_unmet_requirement(recipe)
         if why_not is not None:
             notes.append(f"te fp8 {recipe} skipped: {why_not}")
             continue
+        fp8_model = copy.deepcopy(original)
+        swap(fp8_model, "llama.decoder.te")
         contenders.append(
             Contender(
                 f"te fp8 {recipe}",
-                te_model,
-                te_optimizer,
+                fp8_model,
+                optimizer(fp8_model),
                 context=functools.partial(te.fp8_autocast, recipe),
             )
         )
@@ -398,6 +410,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_results"))
     parser.add_argument("--families", default=",".join(sorted(families())))
+    parser.add_argument("--backends", default="fused,te", help="verified backends")
     parser.add_argument("--fp8-recipes", default="delayed,current", help="benchmark columns")
     parser.add_argument("--verify-fp8-recipe", default="current")
     parser.add_argument("--skip-verify", action="store_true")
@@ -418,6 +431,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.fp8_recipes = [name for name in args.fp8_recipes.split(",") if name]
     args.families = [name for name in args.families.split(",") if name]
+    args.backends = [name for name in args.backends.split(",") if name]
+    unknown = sorted(set(args.backends) - set(VERIFY_DTYPES))
+    if unknown:
+        parser.error(f"unknown backend(s) {unknown}; known: {sorted(VERIFY_DTYPES)}")
     return args
 
 
@@ -435,8 +452,8 @@ def main() -> int:
     checks: list[Check] = []
     try:
         if not args.skip_verify:
-            log("\n== verification: tiny models, every family, bf16")
-            checks += verify_tiny(args.families, args.verify_fp8_recipe)
+            log("\n== verification: tiny models, every family")
+            checks += verify_tiny(args.families, args.verify_fp8_recipe, args.backends)
         original = build_on_gpu(benchmark_config(args), args.seed)
         if not args.skip_verify:
             log("\n== verification: the benchmark model")
