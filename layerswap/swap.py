@@ -565,16 +565,16 @@ class _CaptureHook:
     """
 
     def __init__(self, key: str, index: int, initial: bool) -> None:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+
         self.key, self.index, self.initial = key, index, initial
-        self._hook: Any = None
+        # made now, not on first call: a hook that changes its own state while
+        # torch.compile traces it breaks the graph on every layer
+        holder = nn.Module()
+        install_output_capuring_hook(holder, key, index, initial)
+        (self._hook,) = holder._forward_hooks.values()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self._hook is None:
-            from transformers.utils.output_capturing import install_output_capuring_hook
-
-            holder = nn.Module()
-            install_output_capuring_hook(holder, self.key, self.index, self.initial)
-            (self._hook,) = holder._forward_hooks.values()
         return self._hook(module, args, output)
 
     def __getstate__(self) -> dict[str, Any]:
