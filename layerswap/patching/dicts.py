@@ -1,8 +1,20 @@
-"""``patch_dict``: reversible changes to a mapping (``os.environ``, registries, config dicts).
+"""``patch_dict``: reversible changes to a mapping (``os.environ``, ``sys.modules``, registries).
 
-Each key is its own site with its own layered stack, so overlapping dict patches
-may stop in any order. When the last dict patch of a mapping stops, the keys that
-existed before are put back in their original insertion order.
+Each dict patch takes a snapshot of the whole mapping when it starts — every key,
+value and the insertion order — and puts exactly that back when it stops: keys the
+block itself added, changed or deleted are restored too, as ``unittest.mock.patch.dict``
+does. Values are written back only where they differ, so an unchanged
+``sys.modules`` entry keeps its module object.
+
+Dict patches of one mapping form a stack, like attribute patches, and may stop in
+any order:
+
+* stopping the newest live one restores its snapshot;
+* stopping an older one (not LIFO) takes back its own values at once, where no
+  newer live patch set the same key and the value is still the one it wrote; the
+  other changes made while it was the newest stay until the patches above it stop,
+  and the one just above it now restores the state from before the stopped one;
+* so when the last one stops, the mapping is exactly as it was before the first.
 """
 
 from __future__ import annotations
@@ -13,13 +25,13 @@ from typing import Any
 from layerswap.errors import TargetTypeError
 from layerswap.patching import stack as _stack
 from layerswap.patching.scoped import Scoped
-from layerswap.patching.sites import DELETED, ItemSite
+from layerswap.patching.sites import DELETED, NOTSET, _same_value
 from layerswap.patching.target import ParsedTarget
 
 __all__ = ["DictPatch", "patch_dict"]
 
-# id(mapping) -> [mapping, original key order, number of live dict patches]
-_ORDERS: dict[int, list[Any]] = {}
+# id(mapping) -> (mapping, live dict patches of it, oldest first)
+_STACKS: dict[int, tuple[Any, list[DictPatch]]] = {}
 
 
 class DictPatch(Scoped):
@@ -36,8 +48,9 @@ class DictPatch(Scoped):
         self._parsed = parsed
         self._values = dict(values or {})
         self._clear = clear
-        self._layers: list[_stack.Layer] = []
-        self._mapping: MutableMapping[Any, Any] | None = None
+        self._mapping: Any = None
+        self._before: list[tuple[Any, Any]] = []  # the snapshot, in insertion order
+        self._written: dict[Any, Any] = {}  # what this patch set (DELETED: removed)
 
     def _label(self) -> str:
         if self._parsed is not None:
@@ -45,7 +58,11 @@ class DictPatch(Scoped):
         return f"patch_dict(<{type(self._target).__qualname__} at {id(self._target):#x}>)"
 
     def _site_texts(self) -> tuple[str, ...]:
-        return tuple(layer.site.describe() for layer in self._layers)
+        mapping = self._mapping
+        if mapping is None:
+            return ()
+        where = f"<{type(mapping).__qualname__} at {id(mapping):#x}>"
+        return tuple(f"{where}[{key!r}]" for key in self._written)
 
     def _new_text(self) -> str:
         return _stack._short(self._values)
@@ -53,7 +70,7 @@ class DictPatch(Scoped):
     def _copy(self) -> DictPatch:
         return DictPatch(self._target, self._values, self._clear, self._parsed)
 
-    def _resolve(self) -> MutableMapping[Any, Any]:
+    def _resolve(self) -> Any:
         mapping = self._target
         if self._parsed is not None:
             owner, name = self._parsed.resolve()
@@ -65,73 +82,131 @@ class DictPatch(Scoped):
                 raise _attribute_error(self._parsed.text, name, suggest(name, dir(owner))) from None
         if not isinstance(mapping, MutableMapping) and not _duck_mapping(mapping):
             raise TargetTypeError(
-                f"{self._label()}: the target is a {type(mapping).__qualname__}, not a mutable mapping"
+                f"{self._label()}: the target is a {type(mapping).__qualname__}, not a mutable "
+                "mapping (needs __getitem__, __setitem__, __delitem__ and iteration over keys)"
             )
-        return mapping  # type: ignore[no-any-return]
+        return mapping
 
     def _apply(self) -> None:
         mapping = self._resolve()  # outside the lock: resolving may import
         with _stack.LOCK:
-            entry = _ORDERS.get(id(mapping))
-            order_before = list(mapping.keys()) if entry is None else None
-            changes: dict[Any, Any] = {}
+            before = _snapshot(mapping)
+            written: dict[Any, Any] = {}
             if self._clear:
-                changes = dict.fromkeys(list(mapping.keys()), DELETED)
-            changes.update(self._values)
-            layers: list[_stack.Layer] = []
+                written = dict.fromkeys((key for key, _ in before), DELETED)
+            written.update(self._values)
             try:
-                for key, value in changes.items():
-                    layers.append(_stack.push(ItemSite(mapping, key), value, None, self, True))
+                for key, value in written.items():
+                    if value is DELETED:
+                        del mapping[key]
+                    else:
+                        mapping[key] = value
             except BaseException:
-                for layer in reversed(layers):
-                    _stack.remove(layer)
-                if order_before is not None:
-                    _reorder(mapping, order_before)
+                _restore(mapping, before)  # a failed start changes nothing
                 raise
+            entry = _STACKS.get(id(mapping))
             if entry is None:
-                entry = _ORDERS[id(mapping)] = [mapping, order_before, 0]
-            entry[2] += 1
-        self._layers = layers
-        self._mapping = mapping
+                entry = _STACKS[id(mapping)] = (mapping, [])
+            entry[1].append(self)
+        self._mapping, self._before, self._written = mapping, before, written
 
     def _revert(self) -> None:
         mapping = self._mapping
-        conflicts: list[str] = []
         with _stack.LOCK:
-            for layer in reversed(self._layers):
-                message = _stack.remove(layer)
-                if message is not None:
-                    conflicts.append(message)
-            self._layers = []
-            if mapping is not None:
-                entry = _ORDERS.get(id(mapping))
-                if entry is not None:
-                    entry[2] -= 1
-                    if entry[2] == 0:
-                        del _ORDERS[id(mapping)]
-                        _reorder(mapping, entry[1])
-        self._mapping = None
-        _stack.warn_conflicts(conflicts, stacklevel=4)
+            entry = _STACKS.get(id(mapping))
+            live = entry[1] if entry is not None else [self]
+            index = live.index(self) if self in live else len(live) - 1
+            above = live[index + 1 :]
+            if not above:
+                _restore(mapping, self._before)
+            else:
+                self._take_back_own_values(mapping, above)
+                self._forget_in_snapshots_above(above)
+                above[0]._before = self._before
+            if self in live:
+                live.remove(self)
+            if entry is not None and not live:
+                del _STACKS[id(mapping)]
+        self._mapping, self._before, self._written = None, [], {}
+
+    def _take_back_own_values(self, mapping: Any, above: list[DictPatch]) -> None:
+        before = dict(self._before)
+        for key, value in self._written.items():
+            if any(key in later._written for later in above):
+                continue  # a newer patch decides what this key shows
+            current = _get(mapping, key)
+            if value is DELETED:
+                if current is not NOTSET:
+                    continue  # set again meanwhile: not ours to undo
+            elif not _same_value(current, value):
+                continue
+            old = before.get(key, NOTSET)
+            if old is NOTSET:
+                if current is not NOTSET:
+                    del mapping[key]
+            else:
+                mapping[key] = old
 
 
-def _reorder(mapping: MutableMapping[Any, Any], order: list[Any]) -> None:
-    keys = list(mapping.keys())
-    present = [k for k in order if k in mapping]
-    known = set(order)
-    extra = [k for k in keys if k not in known]
-    if keys == present + extra:
+    def _forget_in_snapshots_above(self, above: list[DictPatch]) -> None:
+        # The snapshots of newer patches were taken with this one's values in them;
+        # each key this one set shows, in them, what it held before this one instead
+        # (unless a patch in between set that key too).
+        before = dict(self._before)
+        set_between: set[Any] = set()
+        for later in above:
+            snapshot = dict(later._before)
+            for key in self._written:
+                if key in set_between:
+                    continue
+                old = before.get(key, NOTSET)
+                if old is NOTSET:
+                    snapshot.pop(key, None)
+                else:
+                    snapshot[key] = old
+            later._before = list(snapshot.items())
+            set_between.update(later._written)
+
+
+def _get(mapping: Any, key: Any) -> Any:
+    try:
+        return mapping[key]
+    except KeyError:
+        return NOTSET
+
+
+def _snapshot(mapping: Any) -> list[tuple[Any, Any]]:
+    items = getattr(mapping, "items", None)
+    if items is not None:
+        return list(items())
+    return [(key, mapping[key]) for key in list(iter(mapping))]
+
+
+def _restore(mapping: Any, before: list[tuple[Any, Any]]) -> None:
+    """Make ``mapping`` hold exactly ``before``: keys, values (by identity) and order."""
+    wanted = dict(before)
+    for key in [key for key in list(iter(mapping)) if key not in wanted]:
+        del mapping[key]
+    for key, value in before:
+        current = _get(mapping, key)
+        if current is not value and not _same_value(current, value):
+            mapping[key] = value
+    order = [key for key, _ in before]
+    keys = list(iter(mapping))
+    if keys == order:
         return
-    items = [(k, mapping[k]) for k in present + extra]
-    for k in keys:
-        del mapping[k]
-    for k, v in items:
-        mapping[k] = v
+    # Re-insert only from the first key out of place, so that a long mapping
+    # (sys.modules) is never emptied while other threads may read it.
+    first = next(i for i, (a, b) in enumerate(zip(keys, order, strict=False)) if a != b)
+    for key in keys[first:]:
+        del mapping[key]
+    for key in order[first:]:
+        mapping[key] = wanted[key]
 
 
 def _duck_mapping(obj: Any) -> bool:
-    return all(
-        hasattr(obj, m) for m in ("__getitem__", "__setitem__", "__delitem__", "keys", "pop")
-    )
+    kind = type(obj)
+    return all(hasattr(kind, m) for m in ("__getitem__", "__setitem__", "__delitem__", "__iter__"))
 
 
 def _attribute_error(target: str, name: str, hint: str) -> Exception:
@@ -145,11 +220,16 @@ def patch_dict(
     values: Mapping[Any, Any] | None = None,
     *,
     clear: bool = False,
+    **items: Any,
 ) -> DictPatch:
-    """Reversibly update a mapping: added keys removed, changed and deleted keys restored.
+    """Reversibly update a mapping; on stop it is exactly as it was before.
 
-    ``target`` is the mapping itself or a target string naming it. With
-    ``clear=True`` every existing key is removed first. Insertion order is kept.
+    ``target`` is the mapping itself, any object with ``__getitem__``,
+    ``__setitem__``, ``__delitem__`` and iteration over its keys, or a target
+    string naming one (resolved at start). ``values`` (a mapping or key/value
+    pairs) and keyword ``items`` are set; with ``clear=True`` every existing key is
+    removed first. On stop the whole mapping goes back to its state at start —
+    keys the block added, changed or deleted included, insertion order kept.
 
     Example::
 
@@ -171,4 +251,6 @@ def patch_dict(
             raise TargetTypeError(
                 f"patch_dict() values must be a mapping, got {type(values).__qualname__}"
             ) from None
+    if items:
+        values = {**(values or {}), **items}
     return DictPatch(target, values, clear, parsed)
