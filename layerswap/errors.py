@@ -21,6 +21,7 @@ __all__ = [
     "SwapWarning",
     "TargetAttributeError",
     "TargetImportError",
+    "TargetReadOnlyError",
     "TargetTypeError",
     "UnknownSubstitutionError",
     "UpstreamDriftError",
@@ -53,6 +54,11 @@ class TargetAttributeError(PatchTargetError, AttributeError):
 
 class TargetTypeError(PatchTargetError, TypeError):
     """The target (or the replacement) is of a kind that cannot be patched."""
+
+
+class TargetReadOnlyError(PatchTargetError, AttributeError):
+    """The attribute exists but refuses the write (a read-only property, a frozen
+    dataclass field, an object without ``__dict__``): Python raises AttributeError here too."""
 
 
 class PatchStateError(PatchError, RuntimeError):

@@ -1,4 +1,4 @@
-"""Sites: one attribute (or mapping key) of one object, read and written *raw*.
+"""Sites: one attribute of one object, read and written *raw*.
 
 A site knows where a value really lives, so that restoring is exact:
 
@@ -10,8 +10,7 @@ A site knows where a value really lives, so that restoring is exact:
   the instance ``__dict__`` meanwhile and the child is put back at its position;
 * special attributes backed by a data descriptor of the type (``__defaults__``,
   ``__doc__`` of a function, ``__slots__`` members): read with ``getattr`` and set
-  back with ``setattr`` — never deleted;
-* mapping keys (for :func:`patch_dict`).
+  back with ``setattr`` — never deleted.
 
 An attribute absent from the owner's own storage (inherited from a class, or
 created by ``create=True``) is *deleted* on restore, not copied down.
@@ -19,6 +18,7 @@ created by ``create=True``) is *deleted* on restore, not copied down.
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any, Final
 
@@ -76,6 +76,8 @@ class Site:
     __slots__ = ("key", "name", "owner")
 
     kind = "attribute"
+    raw_reads = False
+    """True when ``read()`` hands back the stored object itself (identity is exact)."""
 
     def __init__(self, owner: Any, name: Any) -> None:
         self.owner = owner
@@ -118,6 +120,7 @@ class DictSite(Site):
     """An attribute stored in the owner's ``__dict__`` (classes, modules, instances)."""
 
     __slots__ = ("_is_class",)
+    raw_reads = True
 
     def __init__(self, owner: Any, name: str) -> None:
         self.owner = owner
@@ -230,19 +233,25 @@ class AttributeSite(Site):
             delattr(self.owner, self.name)
 
 
-def _same_value(current: Any, written: Any) -> bool:
-    # getattr through a property or a C setter may hand out a new, equal object
-    if current is written:
+def _same_value(current: Any, observed: Any) -> bool:
+    # getattr through a property or a C setter may hand out a new, equal object on
+    # each read (a copy of a list, a decoded string): equal and of the same type is
+    # "unchanged". A comparison that is not a plain True (arrays) counts as a change.
+    if current is observed:
         return True
-    if type(current) is type(written) and isinstance(current, (str, bytes, int, float)):
-        return bool(current == written)
-    return False
+    if type(current) is not type(observed):
+        return False
+    try:
+        return (current == observed) is True
+    except Exception:
+        return False
 
 
 class ModuleSite(Site):
     """An attribute of a ``torch.nn.Module`` instance: parameters, buffers, children."""
 
     __slots__ = ()
+    raw_reads = True
 
     def _containers(self) -> list[dict[str, Any]]:
         d = self.owner.__dict__
@@ -268,7 +277,7 @@ class ModuleSite(Site):
 
     @staticmethod
     def _fits(container: str, value: Any) -> bool:
-        import torch
+        torch = sys.modules["torch"]  # loaded: the owner is an nn.Module
 
         if value is None:
             return True
@@ -301,7 +310,7 @@ class ModuleSite(Site):
         if value is DELETED:
             return
         if container is None:  # a new attribute: register it as nn.Module.__setattr__ would
-            import torch
+            torch = sys.modules["torch"]
 
             if isinstance(value, torch.nn.Parameter):
                 d["_parameters"][self.name] = value
@@ -321,54 +330,6 @@ class ModuleSite(Site):
             self.write(original.value, original)
 
 
-class ItemSite(Site):
-    """A key of a mutable mapping (``patch_dict``)."""
-
-    __slots__ = ()
-    kind = "item"
-
-    def __init__(self, owner: Any, name: Any) -> None:
-        super().__init__(owner, name)
-        # an item and an attribute of the same name are different places
-        self.key = (id(owner), ("item", name))
-
-    def read(self) -> Any:
-        try:
-            return self.owner[self.name]
-        except KeyError:
-            return NOTSET
-
-    def visible(self) -> Any:
-        return self.read()
-
-    def same(self, current: Any, written: Any) -> bool:
-        if current is written:
-            return True
-        if written is DELETED:
-            return current is NOTSET
-        # Some mappings (os.environ) hand out a new, equal object on each read.
-        return _same_value(current, written)
-
-    def snapshot(self) -> Original:
-        raw = self.read()
-        return Original(None if raw is NOTSET else "item", raw)
-
-    def write(self, value: Any, original: Original) -> None:
-        if value is DELETED:
-            self.owner.pop(self.name, None)
-        else:
-            self.owner[self.name] = value
-
-    def restore(self, original: Original) -> None:
-        if original.container is None:
-            self.owner.pop(self.name, None)
-        else:
-            self.owner[self.name] = original.value
-
-    def describe(self) -> str:
-        return f"<{type(self.owner).__qualname__} at {id(self.owner):#x}>[{self.name!r}]"
-
-
 def _insert_at(store: dict[str, Any], key: str, value: Any, position: int) -> None:
     items = list(store.items())
     position = len(items) if position < 0 else min(position, len(items))
@@ -378,7 +339,7 @@ def _insert_at(store: dict[str, Any], key: str, value: Any, position: int) -> No
 
 
 def _is_nn_module(owner: Any) -> bool:
-    torch = __import__("sys").modules.get("torch")
+    torch = sys.modules.get("torch")
     return torch is not None and isinstance(owner, torch.nn.Module)
 
 
@@ -408,10 +369,13 @@ def make_site(owner: Any, name: str) -> Site:
     if _has_custom_access(kind):
         return AttributeSite(owner, name)
     if not isinstance(getattr(owner, "__dict__", None), dict):
-        from layerswap.errors import TargetTypeError
+        from layerswap.errors import TargetReadOnlyError
 
-        raise TargetTypeError(
+        # An AttributeError, as Python's own ``obj.name = value`` raises here.
+        raise TargetReadOnlyError(
             f"cannot patch attribute {name!r} of {type(owner).__qualname__} object: it has no "
-            "__dict__ and no settable descriptor for that name"
+            "__dict__ and no settable descriptor for that name",
+            name=name,
+            obj=owner,
         )
     return DictSite(owner, name)

@@ -11,17 +11,30 @@ last one restores the original exactly.
 
 One re-entrant lock guards all stacks: starts and stops from many threads are
 serialised, and a value is fully built before the single write that exposes it.
+Nothing that can import runs under that lock: target resolution happens before it
+is taken, and so does the first ``getattr`` of an attribute that is not in the
+owner's own storage (a lazy module's ``__getattr__`` imports). An import holds the
+interpreter's per-module import lock, and a post-import hook (``lazy=True``) takes
+this lock while holding it; taking them in the other order would deadlock.
 """
 
 from __future__ import annotations
 
+import builtins
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from layerswap.errors import PatchConflictWarning, TargetAttributeError, TargetTypeError
+from layerswap.errors import (
+    PatchConflictWarning,
+    TargetAttributeError,
+    TargetReadOnlyError,
+    TargetTypeError,
+)
 from layerswap.patching.sites import NOTSET, Original, Site
+from layerswap.patching.target import suggest
 
 __all__ = ["LOCK", "Layer", "push", "remove", "stack_depth"]
 
@@ -48,13 +61,16 @@ class Layer:
 
 
 class _Stack:
-    __slots__ = ("conflict", "layers", "original", "site", "written")
+    __slots__ = ("conflict", "layers", "observed", "original", "site", "written")
 
     def __init__(self, site: Site, original: Original) -> None:
         self.site = site  # keeps the owner alive while patched
         self.original = original
         self.layers: list[Layer] = []
         self.written: Any = NOTSET
+        # What reading the site gave right after the write: a property setter may
+        # store a normalised value (2 -> 2.0, a copy of a list), which is no foreign write.
+        self.observed: Any = NOTSET
         self.conflict: str | None = None  # a foreign write seen when a layer was pushed
 
     def value_below(self, index: int) -> Any:
@@ -62,6 +78,12 @@ class _Stack:
 
 
 _STACKS: dict[tuple[int, Any], _Stack] = {}
+
+
+# A module attribute that shadows a builtin (``mod.open = ...``) does not exist until it
+# is set, yet code in the module sees the builtin: patching it needs no create=True,
+# and the shadow is removed on stop (as unittest.mock does).
+_BUILTIN_NAMES = frozenset(name for name in dir(builtins) if not name.startswith("_"))
 
 
 def push(
@@ -79,27 +101,24 @@ def push(
     false, or when the owner refuses the write.
     """
     key = site.key
+    visible = None
+    if key not in _STACKS and site.read() is NOTSET:
+        # Not in the owner's own storage: getattr may run a lazy module's __getattr__,
+        # which imports. Done before the lock is taken (see the module docstring).
+        visible = site.visible()
     with LOCK:
         stack = _STACKS.get(key)
         if stack is not None:
             site = stack.site  # one Site object per place
             below = site.read()
-            if stack.conflict is None and not site.same(below, stack.written):
+            if stack.conflict is None and not site.same(below, stack.observed):
                 # remembered, and reported when a layer is removed (see remove())
-                stack.conflict = _conflict_message(site, stack.written, below, 2)
+                stack.conflict = _conflict_message(site, stack.observed, below, 2)
         else:
             original = site.snapshot()
-            if original.container is None and not create and site.visible() is NOTSET:
-                owner_desc = _owner_text(site.owner)
-                from layerswap.patching.target import suggest
-
-                raise TargetAttributeError(
-                    f"cannot patch {owner._label()}: {owner_desc} has no attribute {site.name!r}"
-                    f"{suggest(str(site.name), _names(site.owner))}; pass create=True to add it "
-                    "for the duration of the patch",
-                    name=str(site.name),
-                    obj=site.owner,
-                )
+            if original.container is None and not create and visible is NOTSET:
+                if not (isinstance(site.owner, types.ModuleType) and site.name in _BUILTIN_NAMES):
+                    raise _missing(site, owner)
             stack = _Stack(site, original)
             below = original.value
         if factory is not None:
@@ -112,12 +131,28 @@ def push(
                     site.restore(stack.original)
                 except Exception:  # the write never happened; nothing to undo
                     pass
-            raise TargetTypeError(f"cannot patch {owner._label()}: {exc}") from exc
+            kind = TargetReadOnlyError if isinstance(exc, AttributeError) else TargetTypeError
+            raise kind(f"cannot patch {owner._label()}: {exc}") from exc
         layer = Layer(site, value, owner, factory)
         stack.layers.append(layer)
         stack.written = value
+        stack.observed = value if site.raw_reads else site.read()
         _STACKS[key] = stack
         return layer
+
+
+def _missing(site: Site, owner: Any) -> TargetAttributeError:
+    names = [n for n in _names(site.owner) if n != site.name]
+    if getattr(owner, "_factory", None) is not None:  # wrap(): nothing to create
+        advice = "; there is nothing to wrap"
+    else:
+        advice = "; pass create=True to add it for the duration of the patch"
+    return TargetAttributeError(
+        f"cannot patch {owner._label()}: {_owner_text(site.owner)} has no attribute "
+        f"{site.name!r}{suggest(str(site.name), names)}{advice}",
+        name=str(site.name),
+        obj=site.owner,
+    )
 
 
 def remove(layer: Layer) -> str | None:
@@ -141,10 +176,10 @@ def remove(layer: Layer) -> str | None:
                 return None
         current = site.read()
         conflict, stack.conflict = stack.conflict, None
-        written = stack.written
-        foreign = current is not written and not site.same(current, written)
+        observed = stack.observed
+        foreign = current is not observed and not site.same(current, observed)
         if foreign and conflict is None:
-            conflict = _conflict_message(site, written, current, len(layers))
+            conflict = _conflict_message(site, observed, current, len(layers))
         was_top = index == len(layers) - 1
         del layers[index]
         if not layers:
@@ -161,6 +196,7 @@ def remove(layer: Layer) -> str | None:
             top = layers[-1]
             site.write(top.value, stack.original)
             stack.written = top.value
+            stack.observed = top.value if site.raw_reads else site.read()
         return conflict
 
 

@@ -19,9 +19,12 @@ __all__ = ["ParsedTarget", "import_module", "suggest"]
 
 
 def suggest(name: str, candidates: Any) -> str:
-    """Return ``" (did you mean `X`?)"`` for the closest candidates, or ``""``."""
+    """Return ``" (did you mean `X`?)"`` for the closest candidates, or ``""``.
+
+    ``name`` itself is never suggested, and each candidate is named once.
+    """
     try:
-        pool = [c for c in candidates if isinstance(c, str)]
+        pool = list(dict.fromkeys(c for c in candidates if isinstance(c, str) and c != name))
     except TypeError:
         return ""
     close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
@@ -33,9 +36,26 @@ def suggest(name: str, candidates: Any) -> str:
     return " (did you mean " + " or ".join(f"`{c}`" for c in close) + "?)"
 
 
+def loaded_module(name: str) -> Any:
+    """``sys.modules[name]`` once its import has finished, else None.
+
+    A module another thread is still importing is already in ``sys.modules``, half
+    built. ``importlib.import_module`` waits for that import to finish (it takes the
+    module's import lock), so a half-built module goes through it; a finished one is
+    returned at the cost of a dictionary lookup.
+    """
+    module = sys.modules.get(name)
+    if module is None:
+        return None
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and getattr(spec, "_initializing", False):
+        return importlib.import_module(name)
+    return module
+
+
 def import_module(name: str, *, target: str) -> Any:
     """Import ``name``; on failure raise TargetImportError naming the missing part."""
-    module = sys.modules.get(name)
+    module = loaded_module(name)
     if module is not None:
         return module
     try:
@@ -57,6 +77,10 @@ def import_module(name: str, *, target: str) -> Any:
         raise TargetImportError(
             f"cannot patch {target!r}: module {missing!r} cannot be imported{hint}",
             name=missing,
+        ) from exc
+    except ImportError as exc:  # the module exists but its own imports fail
+        raise TargetImportError(
+            f"cannot patch {target!r}: importing {name!r} failed: {exc}", name=name
         ) from exc
 
 
@@ -144,19 +168,27 @@ class ParsedTarget:
         first_error: ImportError | None = None
         for cut in range(len(parts), 0, -1):
             name = ".".join(parts[:cut])
-            module = sys.modules.get(name)
+            module = loaded_module(name)
             if module is None:
                 try:
                     module = importlib.import_module(name)
                 except ModuleNotFoundError as exc:
-                    # Only "this very name is not a module" means: try a shorter prefix.
-                    if exc.name is not None and not name.startswith(exc.name) and exc.name != name:
+                    # Only "this very name (or a package above it) is not a module"
+                    # means: try a shorter prefix. A module that exists but imports a
+                    # missing dependency is an error to report as it is.
+                    missing = exc.name
+                    if missing is not None and missing != name and not name.startswith(missing + "."):
                         raise TargetImportError(
                             f"cannot patch {self.text!r}: importing {name!r} failed: {exc}",
-                            name=exc.name,
+                            name=missing,
                         ) from exc
                     first_error = first_error or exc
                     continue
+                except ImportError as exc:
+                    raise TargetImportError(
+                        f"cannot patch {self.text!r}: importing {name!r} failed: {exc}",
+                        name=name,
+                    ) from exc
             return module, name, parts[cut:]
         try:
             import_module(parts[0], target=self.text)
