@@ -355,7 +355,12 @@ def test_report_round_trips_through_json(llama: Any) -> None:
         "max_rel_error",
         "cosine",
         "passed",
+        "min_cosine",
+        "rtol",
+        "floor_cosine",
     }
+    assert data["layers"][0]["min_cosine"] == report.tolerance.min_cosine
+    assert data["layers"][0]["floor_cosine"] is None  # no FP8, no noise floor
     assert data["backward"]["passed"] is True
     assert data["generation"]["new_tokens"] == 2
 

@@ -3,12 +3,16 @@ two models."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
 from torch import nn
 
 from layerswap.errors import VerificationError
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.compare import Comparison
-from layerswap.verify.forward import forward
+from layerswap.verify.forward import Run, forward
+from layerswap.verify.fp8 import ideal_fp8
 from layerswap.verify.gradients import gradients_to_original
 from layerswap.verify.inputs import InputsLike, prepare_inputs
 from layerswap.verify.placement import (
@@ -20,9 +24,27 @@ from layerswap.verify.placement import (
 )
 from layerswap.verify.report import VerificationReport
 from layerswap.verify.streaming import verify_streaming
-from layerswap.verify.tolerance import Tolerance
+from layerswap.verify.tolerance import Tolerance, precision
+
+if TYPE_CHECKING:
+    from layerswap.substitution import Substitution
 
 __all__ = ["assert_equivalent", "verify"]
+
+
+def _fp8_floor(model: nn.Module, batch: dict[str, torch.Tensor]) -> Run:
+    """``model`` (original layers) run with its decoder GEMMs on FP8-rounded operands."""
+    from layerswap.swap import decoder_layers
+
+    with ideal_fp8(layer for _, layer in decoder_layers(model)):
+        return forward(model, batch)
+
+
+def _calibrates(
+    sub: Substitution | None, dtype: torch.dtype, tolerance: float | Tolerance | None
+) -> bool:
+    """FP8 with the default tolerance is judged against ideal FP8 rounding too."""
+    return tolerance is None and precision(sub, dtype) == "fp8"
 
 
 def verify(
@@ -82,6 +104,7 @@ def verify(
     work = working_copy(model, target_device, target_dtype, trainable=backward)
     batch = comparison.batch
     context = candidate_context(sub)
+    calibrate = _calibrates(sub, target_dtype, tolerance)
     if already_swapped:
         # built inside use(): the copy runs as the candidate, then gets original layers
         # holding its weights converted back, and runs again as the reference
@@ -90,15 +113,17 @@ def verify(
             candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
         rebuild_originals(work, sub)
         reference = forward(work, batch, backward=backward, generate=generate)
-        return comparison.report(reference, candidate, mode="full")
+        floor = _fp8_floor(work, batch) if calibrate else None
+        return comparison.report(reference, candidate, mode="full", floor=floor)
     # the copy runs as the reference, is swapped in place, and runs again as the
     # candidate, which therefore holds exactly the reference's weights, converted
     reference = forward(work, batch, backward=backward, generate=generate)
+    floor = _fp8_floor(work, batch) if calibrate else None
     swap(work, sub)
     candidate = forward(work, batch, backward=backward, generate=generate, context=context)
     if candidate.gradients is not None:
         candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
-    return comparison.report(reference, candidate, mode="full")
+    return comparison.report(reference, candidate, mode="full", floor=floor)
 
 
 def assert_equivalent(
@@ -140,7 +165,8 @@ def assert_equivalent(
     )
     if sub is not None and cand_run.gradients is not None:
         cand_run.gradients = gradients_to_original(candidate, cand_run.gradients, sub)
-    report = comparison.report(ref_run, cand_run, mode="models")
+    floor = _fp8_floor(reference, comparison.batch) if _calibrates(sub, dtype, tolerance) else None
+    report = comparison.report(ref_run, cand_run, mode="models", floor=floor)
     if not report.passed:
         raise VerificationError(report.failure_message())
     return report

@@ -12,6 +12,7 @@ from torch import nn
 
 from layerswap.errors import VerificationError
 from layerswap.verify.forward import Run
+from layerswap.verify.fp8 import FLOOR_FACTOR, FLOOR_SLACK
 from layerswap.verify.inputs import InputsLike, prepare_inputs
 from layerswap.verify.placement import dtype_name
 from layerswap.verify.report import (
@@ -153,17 +154,36 @@ def compare_gradients(
     )
 
 
-def _compare_layers(reference: Run, candidate: Run, tolerance: Tolerance) -> list[LayerReport]:
+def _against_floor(
+    reference: torch.Tensor, floor: torch.Tensor | None, tolerance: Tolerance
+) -> tuple[Tolerance, float | None]:
+    """The tolerance for one tensor: calibrated to the noise floor's errors there, if any."""
+    if floor is None:
+        return tolerance, None
+    measured = diff(reference, floor, rowwise=True)
+    calibrated = tolerance.calibrated(
+        measured.max_rel_error, measured.cosine, FLOOR_FACTOR, FLOOR_SLACK
+    )
+    return calibrated, measured.cosine
+
+
+def _compare_layers(
+    reference: Run, candidate: Run, tolerance: Tolerance, floor: Run | None
+) -> list[LayerReport]:
     if len(reference.layers) != len(candidate.layers):
         raise VerificationError(
             f"the reference ran {len(reference.layers)} decoder layers, "
             f"the candidate {len(candidate.layers)}"
         )
+    floors = [out for _, out in floor.layers] if floor is not None else None
     layers = []
     for index, ((name, ref_out), (_, cand_out)) in enumerate(
         zip(reference.layers, candidate.layers, strict=True)
     ):
         output = diff(ref_out, cand_out, rowwise=True)
+        allowed, floor_cosine = _against_floor(
+            ref_out, floors[index] if floors is not None else None, tolerance
+        )
         layers.append(
             LayerReport(
                 index=index,
@@ -171,7 +191,10 @@ def _compare_layers(reference: Run, candidate: Run, tolerance: Tolerance) -> lis
                 max_abs_error=output.max_abs_error,
                 max_rel_error=output.max_rel_error,
                 cosine=output.cosine,
-                passed=output.passes(tolerance),
+                passed=output.passes(allowed),
+                min_cosine=allowed.min_cosine,
+                rtol=allowed.rtol,
+                floor_cosine=floor_cosine,
             )
         )
     return layers
@@ -225,11 +248,14 @@ class Comparison:
         *,
         mode: Literal["full", "streaming", "models"],
         local_gradients: bool = False,
+        floor: Run | None = None,
     ) -> VerificationReport:
         """The verdict on ``candidate`` against ``reference``.
 
         Gradients and generated tokens are compared when both runs have them;
-        ``local_gradients`` says the gradients are per layer (streaming mode).
+        ``local_gradients`` says the gradients are per layer (streaming mode). ``floor``
+        is the reference run under :func:`~layerswap.verify.fp8.ideal_fp8`: each layer and
+        the logits are then held to :data:`FLOOR_FACTOR` times its errors there.
         """
         tolerance = self.tolerance
         backward = None
@@ -246,10 +272,13 @@ class Comparison:
         generation = None
         if reference.tokens is not None and candidate.tokens is not None:
             generation = compare_generation(reference.tokens, candidate.tokens, tolerance)
-        layers = _compare_layers(reference, candidate, tolerance)
+        layers = _compare_layers(reference, candidate, tolerance, floor)
         logits = diff(reference.logits, candidate.logits, rowwise=True)
         top1, kl = _top1_and_kl(reference, candidate)
-        logits_passed = logits.passes(tolerance)
+        logits_allowed, logits_floor = _against_floor(
+            reference.logits, floor.logits if floor is not None else None, tolerance
+        )
+        logits_passed = logits.passes(logits_allowed)
         first = next((layer.index for layer in layers if not layer.passed), None)
         passed = (
             logits_passed
@@ -277,4 +306,7 @@ class Comparison:
             seq_len=int(ids.shape[1]),
             backward=backward,
             generation=generation,
+            logits_min_cosine=logits_allowed.min_cosine,
+            logits_rtol=logits_allowed.rtol,
+            logits_floor_cosine=logits_floor,
         )

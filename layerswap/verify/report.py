@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from layerswap.verify.fp8 import FLOOR_FACTOR as _FLOOR_FACTOR
 from layerswap.verify.tolerance import Tolerance
 
 __all__ = [
@@ -32,7 +33,12 @@ def _finite_or_str(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class LayerReport:
-    """The comparison of one decoder layer's output (valid, non-padded positions only)."""
+    """The comparison of one decoder layer's output (valid, non-padded positions only).
+
+    ``min_cosine`` and ``rtol`` are what this layer was held to: the report's tolerance,
+    or, for FP8, that tolerance calibrated to the ideal-FP8 noise floor measured at this
+    layer, whose cosine is ``floor_cosine`` (see :mod:`layerswap.verify.fp8`).
+    """
 
     index: int
     name: str
@@ -40,6 +46,9 @@ class LayerReport:
     max_rel_error: float
     cosine: float
     passed: bool
+    min_cosine: float | None = None
+    rtol: float | None = None
+    floor_cosine: float | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,15 @@ class VerificationReport:
     seq_len: int
     backward: BackwardReport | None = None
     generation: GenerationReport | None = None
+    # what the logits were held to, and the ideal-FP8 noise floor's cosine there (FP8)
+    logits_min_cosine: float | None = None
+    logits_rtol: float | None = None
+    logits_floor_cosine: float | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the tolerance was calibrated to an ideal-FP8 noise floor."""
+        return self.logits_floor_cosine is not None
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (nested dataclasses become dicts, tuples become lists)."""
@@ -147,6 +165,11 @@ class VerificationReport:
             + (f", top-1 {self.top1_agreement:.1%}" if self.top1_agreement is not None else "")
             + (f", KL {self.kl:.3g}" if self.kl is not None else ""),
         ]
+        if self.calibrated:
+            lines.append(
+                f"FP8: held to {_FLOOR_FACTOR:g}x the error of ideal FP8 rounding at each layer "
+                f"(ideal FP8 logits cosine {self.logits_floor_cosine:.6f})"
+            )
         lines.extend(self._problems())
         return "\n".join(lines)
 
@@ -155,16 +178,24 @@ class VerificationReport:
         problems: list[str] = []
         layer = self.first_divergent
         if layer is not None:
+            rtol = tol.rtol if layer.rtol is None else layer.rtol
+            min_cosine = tol.min_cosine if layer.min_cosine is None else layer.min_cosine
+            floor = (
+                f"; ideal FP8 rounding: cosine {layer.floor_cosine:.6f}"
+                if layer.floor_cosine is not None
+                else ""
+            )
             problems.append(
                 f"first divergent layer: {layer.index} ({layer.name}): max abs error "
                 f"{layer.max_abs_error:.3g}, max rel error {layer.max_rel_error:.3g} "
-                f"(rtol {tol.rtol:g}, atol {tol.atol:g}), cosine {layer.cosine:.6f} "
-                f"(min {tol.min_cosine:g})"
+                f"(rtol {rtol:g}, atol {tol.atol:g}), cosine {layer.cosine:.6f} "
+                f"(min {min_cosine:g}){floor}"
             )
         elif not self.logits_passed:
+            rtol = tol.rtol if self.logits_rtol is None else self.logits_rtol
             problems.append(
                 f"logits over tolerance although every decoder layer passed: max rel error "
-                f"{self.max_rel_error:.3g} (rtol {tol.rtol:g}), cosine {self.cosine:.6f}"
+                f"{self.max_rel_error:.3g} (rtol {rtol:g}), cosine {self.cosine:.6f}"
             )
         if self.backward is not None and not self.backward.passed:
             bw = self.backward

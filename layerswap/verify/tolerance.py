@@ -47,6 +47,27 @@ class Tolerance:
         rtol = self.gradient_rtol if gradient else self.rtol
         return max_abs_error <= self.atol + rtol * scale
 
+    def calibrated(
+        self, floor_max_rel: float, floor_cosine: float, factor: float, slack: float
+    ) -> Tolerance:
+        """This tolerance held to ``factor`` times a measured noise floor's errors.
+
+        The relative error allowed is ``factor`` times the floor's, the cosine deficit
+        (``1 - cosine``) ``factor`` times the floor's plus ``slack``; ``atol`` and the
+        gradient and token thresholds stay. Used for FP8, whose rounding errors depend
+        on the model's width and depth (see :mod:`layerswap.verify.fp8`).
+
+        Example::
+
+            >>> Tolerance.for_dtype("fp8").calibrated(0.1, 0.99, 2.0, 1e-4).min_cosine
+            0.9799
+        """
+        return dataclasses.replace(
+            self,
+            rtol=factor * floor_max_rel,
+            min_cosine=round(1.0 - factor * (1.0 - floor_cosine) - slack, 12),
+        )
+
     @classmethod
     def for_dtype(cls, dtype: DTypeLike) -> Tolerance:
         """The default tolerance for computations in ``dtype`` (``"fp8"`` is accepted)."""

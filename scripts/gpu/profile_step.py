@@ -110,7 +110,10 @@ def fp8_noise_floor(original: Any, args: Any) -> None:
     vb.log("\n== FP8 noise floor: cosine to the original's layer output (bf16), 2 x 256 tokens")
     vb.log("layer " + "".join(f"{name:>16}" for name in columns))
     for index, ref in enumerate(reference):
-        vb.log(f"{index:>5} " + "".join(f"{cosine(out[index], ref):>16.4f}" for out in columns.values()))
+        vb.log(
+            f"{index:>5} "
+            + "".join(f"{cosine(out[index], ref):>16.4f}" for out in columns.values())
+        )
 
 
 def profile(original: Any, args: Any) -> None:
@@ -140,7 +143,9 @@ def profile(original: Any, args: Any) -> None:
             f"\n== profile: {contender.name}: wall {wall:.2f} ms/step, GPU kernels "
             f"{kernel_us / steps / 1000:.2f} ms/step"
         )
-        vb.log(averages.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
+        vb.log(
+            averages.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70)
+        )
         contender.model.to("meta")  # free its memory before the next one
         del contender.optimizer
         torch.cuda.empty_cache()
