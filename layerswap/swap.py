@@ -38,6 +38,7 @@ from layerswap.errors import (
     UnknownSubstitutionError,
 )
 from layerswap.substitution import Family, Substitution, families, get
+from layerswap.state import install_load_hook
 from layerswap.weights import is_extra_state
 
 if TYPE_CHECKING:
@@ -306,6 +307,7 @@ def _swap_layer(
     except Exception as exc:
         raise ConversionError(f"{where}: {type(exc).__name__}: {exc}") from exc
     _carry_state(layer, replacement, sub)
+    install_load_hook(replacement, sub, _layer_config(config))
     name_in_owner, owner = _owner(root, name)
     installed = _capture_installed(owner)
     if owner is not None and not installed:
@@ -361,6 +363,7 @@ def build_replacement_layer(
     )
     replacement.train(layer.training)
     setattr(replacement, _MARK, sub)
+    install_load_hook(replacement, sub, _layer_config(config))
     return replacement
 
 
@@ -635,6 +638,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
         original_cls = sub.original_class()
         for _, layer in fresh:
             setattr(layer, _MARK, sub)
+            install_load_hook(layer, sub, _layer_config(model.config))
             _capture_like_original(layer, model, original_cls)
     if model in _ADOPTED:
         return  # nested use() of the same substitution: done once

@@ -179,6 +179,10 @@ class Concat:
     def targets(self) -> tuple[str, ...]:
         return (self.target,)
 
+    def part_sizes(self, config: PreTrainedConfig) -> list[int]:
+        """Each part's extent along ``dim`` for ``config``; checked against the parts' count."""
+        return self._expected(config)
+
     def _expected(self, config: PreTrainedConfig) -> list[int]:
         sizes = [int(size) for size in self.sizes(config)]
         if len(sizes) != len(self.sources):

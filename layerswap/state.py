@@ -1,0 +1,247 @@
+"""Loading state into swapped layers in either layout: ``load_state_dict`` converts on load.
+
+A swapped model's ``state_dict()`` is in the replacement layout (``qkv_proj``), but the
+checkpoints around it are in the original one (``save_pretrained`` writes it, and
+transformers' ``Trainer`` reads a checkpoint back with plain ``model.load_state_dict``,
+with no weight conversion: transformers 5 has the same gap for its own fused MoE
+layouts). So every replacement layer carries a ``load_state_dict`` pre-hook,
+:class:`LayoutLoadHook`, which runs inside torch's own loading, whatever calls it
+(``Trainer`` resume and ``load_best_model_at_end``, accelerate ``load_state``, a
+user), and converts the layer's part of the incoming state:
+
+- keys in the replacement layout load as they are;
+- keys in the original layout are converted with the substitution's converter rules;
+  a concatenated tensor given in part (a sharded checkpoint, ``strict=False``) fills
+  its given slices, and the parts not given are reported missing;
+- missing and unexpected keys are reported in the layout the caller gave: a layer
+  given original-layout keys reports ``q_proj.weight`` missing, never ``qkv_proj``;
+  a layer given nothing that tells the layouts apart reports the model's own
+  (``state_dict()``) names;
+- a key that cannot be mapped raises :class:`~layerswap.errors.ConversionError`
+  naming it: a layer given both layouts at once, adapter (LoRA) state for a module
+  the replacement fused away, a part of a tensor no rule can split.
+
+Example::
+
+    layerswap.swap(model, backend="fused")
+    model.load_state_dict(original_layout_state_dict)      # converted on load
+    model.load_state_dict(model.state_dict())              # the swapped layout too
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from layerswap.errors import ConversionError
+from layerswap.weights import Concat, Converter, describe, is_extra_state
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.substitution import Substitution
+
+__all__ = ["LayoutLoadHook", "fused_modules", "install_load_hook"]
+
+
+class LayoutLoadHook:
+    """``load_state_dict`` pre-hook of one replacement layer: original-layout keys convert.
+
+    Holds the substitution (whose converter it runs) and the layer's config (which
+    gives the sizes of concatenated parts). Picklable and copyable with its module.
+    """
+
+    def __init__(self, substitution: Substitution, config: PreTrainedConfig) -> None:
+        self.substitution = substitution
+        self.config = config
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: MutableMapping[str, Any],
+        prefix: str,
+        local_metadata: Mapping[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        convert_incoming(module, state_dict, prefix, self.substitution, self.config, missing_keys)
+
+    def __repr__(self) -> str:
+        return f"<LayoutLoadHook {self.substitution.name}>"
+
+
+def install_load_hook(
+    layer: nn.Module, substitution: Substitution, config: PreTrainedConfig
+) -> None:
+    """Give ``layer`` (a replacement) the hook that converts original-layout state on load.
+
+    Idempotent: a layer that has one already keeps it.
+    """
+    for hook in layer._load_state_dict_pre_hooks.values():
+        if isinstance(getattr(hook, "hook", None), LayoutLoadHook):
+            return
+    layer.register_load_state_dict_pre_hook(LayoutLoadHook(substitution, config))  # type: ignore[no-untyped-call]
+
+
+def fused_modules(converter: Any) -> dict[str, tuple[str, ...]]:
+    """Module paths the converter fuses: replacement module -> original modules, in order.
+
+    Read from the converter's :class:`~layerswap.weights.Concat` rules over ``.weight``
+    tensors, e.g. ``{"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj",
+    "self_attn.v_proj"), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}``.
+    """
+    found: dict[str, tuple[str, ...]] = {}
+    for rule in getattr(converter, "rules", ()):
+        if isinstance(rule, Concat) and rule.target.endswith(".weight") and rule.dim == 0:
+            found[rule.target.removesuffix(".weight")] = tuple(
+                source.removesuffix(".weight") for source in rule.sources
+            )
+    return found
+
+
+def _layouts(converter: Converter) -> tuple[set[str], set[str]]:
+    """Keys only the original layout has, and keys only the replacement layout has."""
+    sources = {key for rule in converter.rules for key in rule.sources}
+    targets = {key for rule in converter.rules for key in rule.targets}
+    return sources - targets, targets - sources
+
+
+def convert_incoming(
+    module: nn.Module,
+    state_dict: MutableMapping[str, Any],
+    prefix: str,
+    substitution: Substitution,
+    config: PreTrainedConfig,
+    missing_keys: list[str],
+) -> None:
+    """Rewrite, in place, ``module``'s original-layout keys of ``state_dict`` (see module doc)."""
+    converter = substitution.converter
+    if not isinstance(converter, Converter):
+        _convert_whole(module, state_dict, prefix, converter, config)
+        return
+    given = {key[len(prefix) :] for key in state_dict if key.startswith(prefix)}
+    original_only, replacement_only = _layouts(converter)
+    name = type(module).__name__
+    _refuse_fused_away_state(given, original_only, prefix, name, substitution)
+    original_given = sorted(given & original_only)
+    if not original_given:
+        return
+    replacement_given = sorted(given & replacement_only)
+    if replacement_given:
+        raise ConversionError(
+            f"loading {prefix.rstrip('.') or name}: the state mixes the original layout "
+            f"({prefix + original_given[0]!r}) and {substitution.name}'s layout "
+            f"({prefix + replacement_given[0]!r}); give one layout per layer"
+        )
+    current = {
+        key: value
+        for key, value in module.state_dict(keep_vars=True).items()
+        if not is_extra_state(key)
+    }
+    for rule in converter.rules:
+        present = [key in given for key in rule.sources]
+        if not all(target in current for target in rule.targets):
+            # the layer has no such tensor (a bias the config turns off): torch reports
+            # the given keys as unexpected, under the caller's names
+            continue
+        if not any(present):
+            # the layer has it and none of its parts came: missing, in the caller's layout
+            for target in rule.targets:
+                state_dict[prefix + target] = current[target]
+            missing_keys.extend(prefix + source for source in rule.sources)
+            continue
+        try:
+            if all(present):
+                tensors = [state_dict.pop(prefix + key) for key in rule.sources]
+                results = list(rule.to_replacement(tensors, config))
+            else:
+                results = _fill_parts(rule, state_dict, prefix, present, current, config)
+                missing_keys.extend(
+                    prefix + key for key, ok in zip(rule.sources, present, strict=True) if not ok
+                )
+        except ConversionError as exc:
+            raise ConversionError(f"loading {prefix.rstrip('.') or name}: {exc}") from exc
+        for target, result in zip(rule.targets, results, strict=True):
+            state_dict[prefix + target] = result
+
+
+def _fill_parts(
+    rule: Any,
+    state_dict: MutableMapping[str, Any],
+    prefix: str,
+    present: list[bool],
+    current: Mapping[str, torch.Tensor],
+    config: PreTrainedConfig,
+) -> list[torch.Tensor]:
+    """A concatenated tensor from the parts given and the layer's current values of the rest."""
+    missing = [key for key, ok in zip(rule.sources, present, strict=True) if not ok]
+    if not isinstance(rule, Concat):
+        raise ConversionError(
+            f"tensor {prefix + missing[0]!r} is missing, and {describe(rule)} cannot load "
+            f"{prefix + rule.sources[present.index(True)]!r} without it"
+        )
+    given = [state_dict[prefix + key] for key, ok in zip(rule.sources, present, strict=True) if ok]
+    (target,) = rule.targets
+    with torch.no_grad():
+        parts = list(torch.split(current[target].detach(), rule.part_sizes(config), dim=rule.dim))
+    tensors = [
+        state_dict.pop(prefix + key)
+        if ok
+        else part.to(dtype=given[0].dtype, device=given[0].device)
+        for key, ok, part in zip(rule.sources, present, parts, strict=True)
+    ]
+    return list(rule.to_replacement(tensors, config))
+
+
+def _refuse_fused_away_state(
+    given: set[str],
+    original_only: set[str],
+    prefix: str,
+    name: str,
+    substitution: Substitution,
+) -> None:
+    """Raise if state (an adapter's) is given for a module the replacement does not have."""
+    gone = {key.rpartition(".")[0] for key in original_only if key.endswith((".weight", ".bias"))}
+    stranded = sorted(
+        key for key in given - original_only if any(key.startswith(module + ".") for module in gone)
+    )
+    if not stranded:
+        return
+    module = next(m for m in sorted(gone) if stranded[0].startswith(m + "."))
+    fused = {
+        original: replacement
+        for replacement, originals in fused_modules(substitution.converter).items()
+        for original in originals
+    }
+    into = f", which {substitution.name} fuses into {fused[module]!r}" if module in fused else ""
+    raise ConversionError(
+        f"loading {prefix.rstrip('.') or name}: {prefix + stranded[0]!r} is state for {module!r}{into}; "
+        f"{len(stranded)} such key(s) cannot load into this {name}. Adapters (PEFT) move between "
+        "layouts with layerswap.adapters.load_adapter (see docs/integrations.md)"
+    )
+
+
+def _convert_whole(
+    module: nn.Module,
+    state_dict: MutableMapping[str, Any],
+    prefix: str,
+    converter: Any,
+    config: PreTrainedConfig,
+) -> None:
+    """A converter without rules: a layer whose keys are not its own converts as a whole."""
+    expected = set(module.state_dict(keep_vars=True))
+    local = {key[len(prefix) :]: key for key in state_dict if key.startswith(prefix)}
+    if not local or set(local) <= expected:
+        return
+    tensors = {key: state_dict[full] for key, full in local.items() if not is_extra_state(key)}
+    converted = converter.to_replacement(tensors, config)
+    for full in local.values():
+        if not is_extra_state(full[len(prefix) :]):
+            state_dict.pop(full)
+    for key, value in converted.items():
+        state_dict[prefix + key] = value
