@@ -6,6 +6,12 @@ context that started the patch it finds the replacement; everywhere else it find
 nothing and falls through to the value that was below it. New threads start with
 an empty context and asyncio tasks copy the context they were created in, so the
 replacement follows the code that asked for it and nothing else.
+
+On a class the dispatcher is a descriptor (``__get__`` binds whichever function the
+context chose). On a module or one instance, where nothing binds, the site holds a
+plain function made with :func:`forwarder`: it has the original's ``__name__``,
+``__doc__``, ``__module__`` and signature, and ``inspect.iscoroutinefunction`` /
+``isgeneratorfunction`` answer as for the original.
 """
 
 from __future__ import annotations
@@ -14,21 +20,31 @@ import contextvars
 from typing import Any
 
 from layerswap.patching.sites import NOTSET, Site
+from layerswap.patching.wraps import forwarder
 
 __all__ = ["ContextDispatch"]
 
 
 class ContextDispatch:
-    """Calls (or binds) the context's replacement if there is one, else what was below."""
+    """Calls (or binds) the context's replacement if there is one, else what was below.
 
-    __slots__ = ("__weakref__", "_below", "_site", "_var")
+    ``visible`` is what the site holds: the dispatcher itself on a class, else a
+    function that looks like ``like`` (the original) and calls the dispatcher.
+    """
 
-    def __init__(self, below: Any, site: Site) -> None:
+    __slots__ = ("__weakref__", "_below", "_site", "_var", "visible")
+
+    def __init__(self, below: Any, site: Site, like: Any) -> None:
         self._below = below
         self._site = site
         self._var: contextvars.ContextVar[Any] = contextvars.ContextVar(
             f"layerswap:{site.describe()}", default=NOTSET
         )
+        self.visible: Any = self
+        if not isinstance(site.owner, type):
+            function = forwarder(like, self)
+            function.__layerswap_dispatch__ = self  # type: ignore[attr-defined]
+            self.visible = function
 
     def activate(self, new: Any) -> contextvars.Token[Any]:
         return self._var.set(new)
@@ -56,7 +72,7 @@ class ContextDispatch:
         stack = _STACKS.get(self._site.key)
         if stack is not None:
             for index, layer in enumerate(stack.layers):
-                if layer.value is self:
+                if layer.value is self.visible:
                     return stack.value_below(index)
         return self._below
 

@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 from layerswap.errors import LazyPatchWarning, TargetTypeError
 from layerswap.patching import stack as _stack
 from layerswap.patching.context import ContextDispatch
-from layerswap.patching.scoped import _ACTIVE, Scoped
+from layerswap.patching.scoped import Scoped
 from layerswap.patching.sites import NOTSET, Site, make_site
 from layerswap.patching.target import ParsedTarget
 
@@ -30,6 +30,7 @@ class Patch(Scoped):
     _hook_cancelled: list[bool] | None = None
     _layers: list[_stack.Layer] = []  # noqa: RUF012 - replaced, never mutated
     _sites: list[Site] = []  # noqa: RUF012 - replaced, never mutated
+    _bound_before: frozenset[tuple[int, str]] = frozenset()
 
     def __init__(
         self,
@@ -139,7 +140,8 @@ class Patch(Scoped):
             return
         sites = [first]
         if self._aliases:
-            sites.extend(_alias_sites(first))
+            aliases, self._bound_before = _alias_sites(first, self._new)
+            sites.extend(aliases)
         factory = self._context_factory() if self._scope == "context" else self._factory
         layers: list[_stack.Layer] = []
         tokens: list[Any] = []
@@ -147,7 +149,8 @@ class Patch(Scoped):
             for site in sites:
                 layers.append(_stack.push(site, self._new, factory, self, self._create))
                 if self._scope == "context":
-                    dispatch = layers[-1].value
+                    value = layers[-1].value
+                    dispatch = getattr(value, "__layerswap_dispatch__", value)
                     tokens.append((dispatch, dispatch.activate(self._new)))
         except BaseException:
             for dispatch, token in reversed(tokens):
@@ -174,7 +177,7 @@ class Patch(Scoped):
                 raise TargetTypeError(
                     f"scope='context' replaces functions and methods; {self._label()} is {visible!r}"
                 )
-            return ContextDispatch(below, site)
+            return ContextDispatch(below, site, visible).visible
 
         make_dispatch.rebuild = False  # type: ignore[attr-defined]  # finds its below itself
         return make_dispatch
@@ -193,7 +196,7 @@ class Patch(Scoped):
 
     def _remove_layers(self) -> None:
         layers, self._layers = self._layers, []
-        if len(layers) == 1 and not self._tokens:
+        if len(layers) == 1 and not self._tokens and not self._aliases:
             message = _stack.remove(layers[0])
             if message is not None:
                 _stack.warn_conflicts([message], stacklevel=4)
@@ -202,6 +205,8 @@ class Patch(Scoped):
             dispatch.deactivate(token)
         self._tokens = []
         conflicts = [m for m in map(_stack.remove, reversed(layers)) if m is not None]
+        if self._aliases and layers:
+            _unbind_late_aliases(layers, self._bound_before)
         _stack.warn_conflicts(conflicts, stacklevel=4)
 
     # -- lazy (post-import hook) ---------------------------------------------------------
@@ -215,35 +220,52 @@ class Patch(Scoped):
         assert parsed is not None
 
         def apply_on_import(_module: Any) -> None:
+            # This runs inside the import of ``module``, holding its import lock.
+            # Resolution (which may import more) happens before the stack lock is
+            # taken; the lock only guards the pending check and the writes.
+            if cancelled[0]:
+                return
+            failure: Exception | None = None
+            try:
+                owner, name = parsed.resolve()
+            except Exception as exc:
+                failure = exc
             with _stack.LOCK:
                 if cancelled[0] or not self._pending_flag:
                     return
                 self._pending_flag = False
                 try:
-                    owner, name = parsed.resolve()
+                    if failure is not None:
+                        raise failure
                     self._apply_to(owner, name)
+                    return
                 except Exception as exc:
                     # The import itself must go on: the failure belongs to the patch,
                     # which ends here (inactive, nothing changed) and says why.
                     cancelled[0] = True
-                    self._active = False
-                    _ACTIVE.pop(id(self), None)
-                    warnings.warn(
-                        f"lazy patch of {self._label()} could not be applied when {module!r} "
-                        f"was imported, so it is not active: {exc}",
-                        LazyPatchWarning,
-                        stacklevel=2,
-                    )
+                    self._end()
+                    failure = exc
+            warnings.warn(
+                f"lazy patch of {self._label()} could not be applied when {module!r} "
+                f"was imported, so it is not active: {failure}",
+                LazyPatchWarning,
+                stacklevel=2,
+            )
 
         wrapt.register_post_import_hook(apply_on_import, module)
 
 
-def _alias_sites(first: Site) -> list[Site]:
-    """Module globals elsewhere bound to the same object (``from x import Y``)."""
+def _alias_sites(first: Site, new: Any) -> tuple[list[Site], frozenset[tuple[int, str]]]:
+    """Module globals elsewhere bound to the same object (``from x import Y``).
+
+    Also returns which module globals were already bound to ``new`` (its own
+    module, say), so that stop() can tell them from names bound while patched.
+    """
     value = first.visible()
-    if value is NOTSET or isinstance(value, (int, float, str, bytes, bool, type(None))):
-        return []  # interned/shared literals would match unrelated names
+    if value is NOTSET or isinstance(value, _LITERALS):
+        return [], frozenset()  # interned/shared literals would match unrelated names
     found: list[Site] = []
+    bound_to_new: set[tuple[int, str]] = set()
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
@@ -251,7 +273,37 @@ def _alias_sites(first: Site) -> list[Site]:
         for name, candidate in list(namespace.items()):
             if candidate is value and not (module is first.owner and name == first.name):
                 found.append(make_site(module, name))
-    return found
+            elif candidate is new:
+                bound_to_new.add((id(module), name))
+    return found, frozenset(bound_to_new)
+
+
+_LITERALS = (int, float, str, bytes, bool, type(None))
+
+
+def _unbind_late_aliases(layers: list[_stack.Layer], bound_before: frozenset[tuple[int, str]]) -> None:
+    """Rebind module globals that copied the replacement while it was live.
+
+    A module imported during an ``aliases=True`` patch runs ``from x import Y`` and
+    binds the replacement; without this it would keep it after stop.
+    """
+    written = {id(layer.value): layer.value for layer in layers}
+    if any(isinstance(value, _LITERALS) for value in written.values()):
+        return
+    first = layers[0].site
+    restored = first.visible()
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, candidate in list(namespace.items()):
+            if id(candidate) in written and written[id(candidate)] is candidate:
+                if (id(module), name) in bound_before or (module is first.owner and name == first.name):
+                    continue
+                if restored is NOTSET:
+                    namespace.pop(name, None)
+                else:
+                    namespace[name] = restored
 
 
 @overload
@@ -311,7 +363,8 @@ def patch(
             ...
     """
     __tracebackhide__ = True
-    if isinstance(target, str):
+    # A str subclass instance with an attribute name is an object to patch, not a target.
+    if isinstance(target, str) and (type(target) is str or len(args) != 2):
         if len(args) != 1:
             raise TargetTypeError(
                 f"patch({target!r}, new) takes the replacement as its second argument"

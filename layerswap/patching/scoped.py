@@ -5,7 +5,11 @@ A scoped object is usable three ways, with one contract:
 * ``with p: ...`` — started on entry, stopped on every exit, ``BaseException``
   included, and the exception is never swallowed;
 * ``p.start()`` / ``p.stop()`` — ``start()`` on a started object raises
-  :class:`PatchStateError`, ``stop()`` twice is a no-op, start → stop → start works;
+  :class:`PatchStateError`, ``stop()`` twice is a no-op, start → stop → start works.
+  One object is started at most once at a time, also from many threads: a start
+  claims the object with one atomic dictionary operation before applying, so a
+  concurrent second ``start()`` raises, and of two concurrent ``stop()`` calls
+  exactly one undoes;
 * ``@p`` — a decorator for sync, async, generator and async-generator functions. Each
   call runs under a *fresh copy*, so a decorated function may recurse or run in many
   threads at once; a generator is patched for as long as it is being iterated.
@@ -129,26 +133,42 @@ class Scoped:
 
     def stop(self) -> None:
         """Undo the change. A no-op when not started (so calling it twice is safe)."""
-        if not self._active:
+        # pop() is atomic: of two threads stopping at once, one gets True.
+        if self.__dict__.pop("_active", False) is not True:
             return
-        self._active = False
         _ACTIVE.pop(id(self), None)
         self._origin = None
-        self._revert()
+        try:
+            self._revert()
+        finally:
+            self.__dict__.pop("_claim", None)  # startable again
 
     def _start(self, *, manual: bool, origin: tuple[str, int, str]) -> None:
-        if self._active:
+        claim = object()
+        if self.__dict__.setdefault("_claim", claim) is not claim:
+            where = f" (at {self.origin})" if self._origin is not None else " (in another thread)"
             raise PatchStateError(
-                f"{self._label()} is already started (at {self.origin}); stop() it first, "
+                f"{self._label()} is already started{where}; stop() it first, "
                 "or create a new patch to layer another replacement on top"
             )
-        self._apply()
-        self._active = True
+        try:
+            self._apply()
+        except BaseException:
+            del self.__dict__["_claim"]
+            raise
         self._manual = manual
         self._origin = origin
         self._thread = threading.get_ident()
         self._seq = next(_SEQUENCE)
         _ACTIVE[id(self)] = self
+        self._active = True
+
+    def _end(self) -> None:
+        """Mark as stopped without undoing anything (a lazy patch that never applied)."""
+        self.__dict__.pop("_active", None)
+        _ACTIVE.pop(id(self), None)
+        self._origin = None
+        self.__dict__.pop("_claim", None)
 
     def __enter__(self: S) -> S:
         frame = sys._getframe(1)

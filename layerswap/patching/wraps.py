@@ -18,10 +18,11 @@ only *data*: public, non-callable values (markers such as ``pytestmark`` or
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["WRAPPER_ASSIGNMENTS", "safe_update_wrapper", "safe_wraps"]
+__all__ = ["WRAPPER_ASSIGNMENTS", "forwarder", "safe_update_wrapper", "safe_wraps"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -98,3 +99,62 @@ def safe_wraps(
     return functools.partial(  # type: ignore[return-value]
         safe_update_wrapper, wrapped=wrapped, assigned=assigned, exclude=exclude
     )
+
+
+def forwarder(like: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function that passes its arguments to ``call`` and looks like ``like``.
+
+    "Looks like" includes what ``inspect`` reports about the kind of function: a
+    coroutine function gets an ``async def`` forwarder (``iscoroutinefunction`` stays
+    true), a generator function a generator, an async generator function an async
+    generator that relays ``asend``/``athrow``/``aclose``. Metadata and
+    ``__wrapped__`` come from :func:`safe_update_wrapper`, so ``inspect.signature``
+    shows ``like``'s signature.
+    """
+    function: Callable[..., Any]
+    if inspect.iscoroutinefunction(like):
+
+        async def function(*args: Any, **kwargs: Any) -> Any:
+            result = call(*args, **kwargs)
+            # around-advice may answer an async call without awaiting (a cached value)
+            return (await result) if inspect.isawaitable(result) else result
+
+    elif inspect.isasyncgenfunction(like):
+        function = _async_generator_forwarder(call)
+    elif inspect.isgeneratorfunction(like):
+
+        def function(*args: Any, **kwargs: Any) -> Any:
+            return (yield from call(*args, **kwargs))
+
+    else:
+
+        def function(*args: Any, **kwargs: Any) -> Any:
+            return call(*args, **kwargs)
+
+    return safe_update_wrapper(function, like)
+
+
+def _async_generator_forwarder(call: Callable[..., Any]) -> Callable[..., Any]:
+    async def function(*args: Any, **kwargs: Any) -> Any:
+        agen = call(*args, **kwargs)
+        # Full delegation, what ``yield from`` does for sync generators.
+        sent: Any = None
+        thrown: BaseException | None = None
+        while True:
+            try:
+                if thrown is not None:
+                    error, thrown = thrown, None
+                    item = await agen.athrow(error)
+                else:
+                    item = await agen.asend(sent)
+            except StopAsyncIteration:
+                return
+            try:
+                sent = yield item
+            except GeneratorExit:
+                await agen.aclose()
+                raise
+            except BaseException as exc:
+                thrown = exc
+
+    return function
