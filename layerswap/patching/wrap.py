@@ -17,11 +17,16 @@ How the wrapper is built (measured, see docs/benchmarks.md):
 
 * a module-level function gets a plain Python closure made with
   :func:`safe_update_wrapper` — a call costs one extra frame, far less than a
-  generic proxy object;
+  generic proxy object. It has the same kind as the original: an ``async def``
+  closure for a coroutine function, a generator for a generator function, so
+  ``inspect.iscoroutinefunction`` and friends answer as for the original;
 * a class attribute gets a ``wrapt.FunctionWrapper``: it is a descriptor, so it
-  binds exactly like the function/classmethod/staticmethod it wraps;
-* one instance gets the class's function bound through ``__get__`` and stored in the
-  instance ``__dict__`` (removed on stop, so the class's method shows again).
+  binds exactly like the function/classmethod/staticmethod/``partialmethod`` it
+  wraps. A method the class *inherits* is looked up in the bases at each access
+  (not captured at start), so a later patch of the base class shows through;
+* one instance gets a real bound method, what ``new.__get__(obj, cls)`` gives
+  (``inspect.ismethod``, ``__self__``, ``__func__``), stored in the instance
+  ``__dict__`` and removed on stop so the class's method shows again.
 
 Every wrapper keeps ``__name__``, ``__qualname__``, ``__doc__``, ``__module__``,
 ``__wrapped__`` and therefore ``inspect.signature`` of the original.
@@ -29,6 +34,7 @@ Every wrapper keeps ``__name__``, ``__qualname__``, ``__doc__``, ``__module__``,
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any, overload
@@ -37,7 +43,7 @@ from layerswap.errors import TargetAttributeError, TargetTypeError
 from layerswap.patching.patch import Patch
 from layerswap.patching.sites import NOTSET, Site
 from layerswap.patching.target import ParsedTarget
-from layerswap.patching.wraps import safe_update_wrapper
+from layerswap.patching.wraps import forwarder, safe_update_wrapper
 
 __all__ = ["Advice", "wrap"]
 
@@ -55,10 +61,111 @@ def _advice_of(wrapper: Any) -> Advice:
 
 
 def _closure(wrapped: Callable[..., Any], instance: Any, advice: Advice) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return advice(wrapped, instance, args, kwargs)
+    if _plain(wrapped):
 
-    return safe_update_wrapper(wrapper, wrapped)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return advice(wrapped, instance, args, kwargs)
+
+        return safe_update_wrapper(wrapper, wrapped)
+    return forwarder(wrapped, lambda *args, **kwargs: advice(wrapped, instance, args, kwargs))
+
+
+def _plain(func: Any) -> bool:
+    """A sync function that is no generator: the cheap closure fits it."""
+    return not (
+        inspect.iscoroutinefunction(func)
+        or inspect.isgeneratorfunction(func)
+        or inspect.isasyncgenfunction(func)
+    )
+
+
+def _bound_method(
+    wrapped: Callable[..., Any], function: Any, bind_to: Any, advice: Advice
+) -> types.MethodType:
+    """``new.__get__(bind_to)``: a real bound method around ``wrapped`` (already bound).
+
+    ``function`` is the unbound original (with ``self``): it gives the metadata, so
+    ``inspect.signature`` of the bound method drops ``self`` as for the original.
+    """
+    if _plain(wrapped):
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return advice(wrapped, self, args, kwargs)
+
+        new = safe_update_wrapper(method, function)
+    else:
+        forwarded = forwarder(wrapped, lambda *args, **kwargs: advice(wrapped, bind_to, args, kwargs))
+        # the forwarder takes the bound arguments; the method must accept self first
+        new = _drop_self(forwarded, function)
+    return types.MethodType(new, bind_to)
+
+
+def _drop_self(forwarded: Callable[..., Any], function: Any) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(forwarded):
+
+        async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return await forwarded(*args, **kwargs)
+
+    elif inspect.isasyncgenfunction(forwarded):
+
+        async def method(self: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            agen = forwarded(*args, **kwargs)
+            sent: Any = None
+            while True:
+                try:
+                    item = await agen.asend(sent)
+                except StopAsyncIteration:
+                    return
+                sent = yield item
+
+    else:
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return (yield from forwarded(*args, **kwargs))
+
+    return safe_update_wrapper(method, function)
+
+
+class _InheritedWrapper:
+    """``wrap(Sub, "m")`` where ``Sub`` inherits ``m``: wraps whatever the bases hold *now*.
+
+    Capturing the base's method at start would hide a later ``patch(Base, "m")``
+    from ``Sub``; instead the method is looked up past ``Sub`` at each access and a
+    ``wrapt.FunctionWrapper`` is built for it once per distinct object.
+    """
+
+    __slots__ = ("__weakref__", "_advice", "_cache", "_name", "_owner")
+
+    def __init__(self, owner: type, name: str, advice: Advice) -> None:
+        self._owner = owner
+        self._name = name
+        self._advice = advice
+        self._cache: tuple[Any, Any] = (NOTSET, None)
+
+    def _current(self) -> Any:
+        import wrapt
+
+        raw = _class_raw(self._owner, self._name, skip_self=True)
+        cached_raw, wrapper = self._cache  # one tuple: read and replaced atomically
+        if raw is not cached_raw:
+            if raw is NOTSET:
+                raise AttributeError(self._name)
+            wrapper = wrapt.FunctionWrapper(raw, self._advice)
+            self._cache = (raw, wrapper)
+        return wrapper
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        return self._current().__get__(instance, owner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._current()(*args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Any:
+        return self._current().__wrapped__
+
+    def __repr__(self) -> str:
+        return f"<wrap of {self._owner.__qualname__}.{self._name}, inherited>"
 
 
 def _class_raw(klass: type, name: str, skip_self: bool) -> Any:
@@ -74,35 +181,47 @@ def _make_wrapper(advice: Advice, label: Callable[[], str]) -> Callable[[Site, A
     def build(site: Site, below: Any) -> Any:
         owner, name = site.owner, site.name
         if isinstance(owner, type):
-            raw = below if below is not NOTSET else _class_raw(owner, name, skip_self=True)
-            _require_callable(raw, label)
-            return wrapt.FunctionWrapper(raw, advice)
-        if isinstance(owner, types.ModuleType) or below is not NOTSET:
-            raw = below if below is not NOTSET else getattr(owner, name)
-            _require_callable(raw, label)
-            instance = None if isinstance(owner, types.ModuleType) else owner
-            if isinstance(raw, (staticmethod, classmethod)):
-                return wrapt.FunctionWrapper(raw, advice)  # type: ignore[arg-type]
-            return _closure(raw, instance, advice)
-        # One instance, method from its class: bind the class's function to it.
+            if below is NOTSET:
+                _require_wrappable(_class_raw(owner, name, skip_self=True), label)
+                return _InheritedWrapper(owner, name, advice)
+            _require_wrappable(below, label)
+            return wrapt.FunctionWrapper(below, advice)
+        if isinstance(owner, types.ModuleType):
+            raw = below if below is not NOTSET else getattr(owner, name, NOTSET)
+            _require_wrappable(raw, label)
+            return _closure(raw, None, advice)
+        if below is not NOTSET:  # a value in the instance's own __dict__
+            _require_wrappable(below, label)
+            if type(below) is types.MethodType and below.__self__ is owner:
+                return _bound_method(below, below.__func__, owner, advice)  # a wrap below
+            return _closure(below, owner, advice)
+        # One instance, method from its class: bind as the class's method would.
         klass = type(owner)
         raw = _class_raw(klass, name, skip_self=False)
-        if raw is NOTSET:
+        if raw is NOTSET:  # provided by __getattr__
             raw = getattr(owner, name, NOTSET)
-            _require_callable(raw, label)
+            _require_wrappable(raw, label)
             return _closure(raw, owner, advice)
-        _require_callable(raw, label)
+        _require_wrappable(raw, label)
         if isinstance(raw, types.FunctionType):
-            return _closure(raw.__get__(owner, klass), owner, advice)
-        return wrapt.FunctionWrapper(raw, advice).__get__(owner, klass)
+            return _bound_method(raw.__get__(owner, klass), raw, owner, advice)
+        if isinstance(raw, staticmethod):
+            return _closure(raw.__func__, None, advice)
+        if isinstance(raw, classmethod):
+            return _bound_method(raw.__get__(owner, klass), raw.__func__, klass, advice)
+        bind = getattr(type(raw), "__get__", None)
+        bound = raw if bind is None else bind(raw, owner, klass)
+        return _closure(bound, owner, advice)  # partialmethod, callable objects
 
     return build
 
 
-def _require_callable(raw: Any, label: Callable[[], str]) -> None:
+def _require_wrappable(raw: Any, label: Callable[[], str]) -> None:
     if raw is NOTSET:
         raise TargetAttributeError(f"cannot wrap {label()}: there is nothing to wrap")
-    if not (callable(raw) or isinstance(raw, (staticmethod, classmethod))):
+    kind = type(raw)
+    binds = hasattr(kind, "__get__") and not (hasattr(kind, "__set__") or hasattr(kind, "__delete__"))
+    if not (callable(raw) or binds):  # a partialmethod is not callable, but binds to one
         raise TargetTypeError(f"cannot wrap {label()}: {raw!r} is not callable")
 
 
