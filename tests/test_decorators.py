@@ -244,13 +244,96 @@ def test_decorating_above_classmethod_and_staticmethod_keeps_binding(kind: type)
     assert stats["Factory.make"].count == 2
 
 
-def test_decorator_without_parentheses_is_refused_with_the_right_call() -> None:
-    with pytest.raises(TypeError, match=r"@retry\(\)"):
-        retry(scale)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"@ttl_cache\(\)"):
-        ttl_cache(scale)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"@warn_once\(\)"):
-        warn_once(scale)  # type: ignore[arg-type]
+@pytest.mark.parametrize("decorator", [nan_guard, retry, ttl_cache, memory_guard], ids=lambda d: d.__name__)
+def test_bare_decorator_is_the_called_form_with_defaults(decorator: Any) -> None:
+    bare = decorator(scale)
+    called = decorator()(scale)
+    x = torch.ones(2)
+    assert torch.equal(bare(x), called(x)) and torch.equal(bare(x), scale(x))
+    assert bare.__name__ == "scale" and bare.__wrapped__ is scale
+
+
+def test_bare_warn_once_runs_the_body_once_per_distinct_arguments() -> None:
+    # the lru_cache warn-once idiom: the body logs, once per message
+    logged: list[Any] = []
+
+    @warn_once
+    def warn_fallback(kernel: Any, *, dtype: str = "fp32") -> str:
+        logged.append((kernel, dtype))
+        return "warned"
+
+    assert warn_fallback("gelu") == "warned"
+    assert warn_fallback("gelu") is None  # not run again
+    warn_fallback("gelu", dtype="bf16")
+    warn_fallback(["unhashable"])  # lru_cache would raise TypeError here
+    warn_fallback(["unhashable"])
+    assert logged == [("gelu", "fp32"), ("gelu", "bf16"), (["unhashable"], "fp32")]
+    warn_once.reset()
+    warn_fallback("gelu")
+    assert logged[-1] == ("gelu", "fp32") and len(logged) == 4
+
+
+def test_bare_warn_once_body_runs_once_when_threads_race() -> None:
+    import threading
+
+    runs: list[int] = []
+    barrier = threading.Barrier(8)
+
+    @warn_once
+    def note(key: str) -> None:
+        runs.append(1)
+
+    def call() -> None:
+        barrier.wait()
+        note("same")
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert runs == [1]
+
+
+def test_retry_and_ttl_cache_look_up_the_clock_and_sleep_when_called() -> None:
+    import time
+    import unittest.mock
+
+    attempts: list[int] = []
+
+    @retry(max_retries=2, exceptions=ValueError)
+    def flaky() -> str:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise ValueError("not yet")
+        return "ok"
+
+    with unittest.mock.patch.object(time, "sleep") as sleep:  # patched after decoration
+        assert flaky() == "ok"
+    assert sleep.call_count == 2
+
+    now = [100.0]
+
+    @ttl_cache(ttl=10.0)
+    def load(key: str) -> object:
+        return object()
+
+    with unittest.mock.patch.object(time, "monotonic", lambda: now[0]):
+        first = load("k")
+        assert load("k") is first
+        now[0] += 11.0  # past the ttl on the patched clock
+        assert load("k") is not first
+
+
+def test_profiled_needs_its_parentheses_because_a_sink_may_be_a_function() -> None:
+    seen: list[tuple[str, float]] = []
+
+    def sink(key: str, seconds: float) -> None:
+        seen.append((key, seconds))
+
+    decorated = profiled(sink, clock=FakeClock())(scale)
+    decorated(1.0)
+    assert [key for key, _ in seen] == ["scale"]
 
 
 # -- profiled ----------------------------------------------------------------------

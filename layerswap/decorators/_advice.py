@@ -107,6 +107,13 @@ def loaded_torch() -> types.ModuleType | None:
     return sys.modules.get("torch")
 
 
+def _decoratable(obj: Any) -> bool:
+    return (
+        isinstance(obj, (types.FunctionType, types.MethodType, classmethod, staticmethod))
+        or inspect.isbuiltin(obj)
+    )
+
+
 class Answer:
     """What a ``_before`` hook returns to answer a call without making it (a cache hit)."""
 
@@ -233,6 +240,19 @@ class Advice:
     """
 
     __slots__ = ()
+
+    _bare: bool = True
+    """Whether ``@decorator`` without parentheses means ``@decorator()``. False where
+    the first positional parameter may itself be a callable (``profiled``'s sink)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and cls._bare and _decoratable(args[0]):
+            return cls._bare_decorate(args[0])  # @nan_guard: the defaults
+        return super().__new__(cls)
+
+    @classmethod
+    def _bare_decorate(cls, func: Any) -> Any:
+        return cls()(func)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -125,19 +125,18 @@ class ttl_cache(Advice):
         ttl: float = 60.0,
         maxsize: int | None = 128,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         tensors: str = "identity",
     ) -> None:
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
-            hint = " (write @ttl_cache() with the parentheses)" if callable(ttl) else ""
-            raise TypeError(f"ttl must be a number of seconds > 0, got {ttl!r}{hint}")
+            raise TypeError(f"ttl must be a number of seconds > 0, got {ttl!r}")
         if maxsize is not None and (not isinstance(maxsize, int) or maxsize < 0):
             raise ValueError(f"maxsize must be an int >= 0 or None, got {maxsize!r}")
         if tensors not in ("identity", "content"):
             raise ValueError(f"tensors must be 'identity' or 'content', got {tensors!r}")
         self.ttl = float(ttl)
         self.maxsize = maxsize
-        self._clock = clock
+        self._clock = clock  # None: time.monotonic, looked up at each call
         self._by_content = tensors == "content"
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._lock = threading.Lock()
@@ -213,7 +212,7 @@ class ttl_cache(Advice):
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                if self._clock() < entry.expires:
+                if (self._clock or time.monotonic)() < entry.expires:
                     self._entries.move_to_end(key)
                     self._hits += 1
                     return entry
@@ -226,7 +225,7 @@ class ttl_cache(Advice):
         if self.maxsize == 0:
             return
         with self._lock:
-            now = self._clock()
+            now = (self._clock or time.monotonic)()
             self._entries[key] = _Entry(value, now + self.ttl, refs)
             self._entries.move_to_end(key)
             # Expired entries still hold their arguments; drop those in the way cheaply.
@@ -250,7 +249,7 @@ class ttl_cache(Advice):
     def cache_info(self) -> CacheInfo:
         """Hits, misses, maxsize, live entries (expired ones are dropped first) and ttl."""
         with self._lock:
-            now = self._clock()
+            now = (self._clock or time.monotonic)()
             for key in [k for k, e in self._entries.items() if e.expires <= now]:
                 del self._entries[key]
             return CacheInfo(self._hits, self._misses, self.maxsize, len(self._entries), self.ttl)

@@ -255,10 +255,8 @@ class memory_guard(Advice):
         host_probe: Callable[[], MemoryUsage] = host_memory,
         device_probe: Callable[[], MemoryUsage | None] | None = None,
         interval: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        if callable(threshold) and not isinstance(threshold, (int, float)):
-            raise TypeError("write @memory_guard() with the parentheses")
         if not 0.0 < threshold <= 1.0:
             hint = f"; did you mean {threshold / 100:g}?" if 1.0 < threshold <= 100.0 else ""
             raise ValueError(f"threshold is a fraction in (0, 1], got {threshold!r}{hint}")
@@ -269,7 +267,7 @@ class memory_guard(Advice):
         self._host_probe = host_probe
         self._device_probe = device_probe or (lambda: device_memory(device))
         self._interval = interval
-        self._clock = clock
+        self._clock = clock  # None: time.monotonic, looked up at each call
         self._next_check = float("-inf")
 
     def _over(self) -> list[tuple[str, MemoryUsage]]:
@@ -282,7 +280,7 @@ class memory_guard(Advice):
 
     def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> None:
         if self._interval > 0.0:
-            now = self._clock()
+            now = (self._clock or time.monotonic)()
             if now < self._next_check:
                 return
             self._next_check = now + self._interval

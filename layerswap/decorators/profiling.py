@@ -159,6 +159,9 @@ def _cuda_synchronizer() -> Callable[[], None] | None:
 class profiled(Advice):
     """Time each call with ``time.perf_counter`` and send ``(key, seconds)`` to ``sink``.
 
+    Always written with parentheses, ``@profiled()``: a sink may itself be a plain
+    function, so ``profiled(f)`` cannot tell a sink from a function to decorate.
+
     The key is ``name`` if given, else ``Class.method`` for methods (the qualified
     name; through :func:`layerswap.wrap`, the class of the instance) or the
     function's qualified name. Calls that raise are timed too. With
@@ -185,6 +188,8 @@ class profiled(Advice):
 
     __slots__ = ("_clock", "_name", "_record", "_sync")
 
+    _bare = False
+
     def __init__(
         self,
         sink: ProfileSink | None = None,
@@ -192,22 +197,22 @@ class profiled(Advice):
         name: str | None = None,
         cuda_sync: bool = False,
         level: int = logging.DEBUG,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._record = _recorder(sink, level)
         self._name = name
-        self._clock = clock
+        self._clock = clock  # None: time.perf_counter, looked up at each call
         self._sync = _cuda_synchronizer() if cuda_sync else None
 
     def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> float:
         if self._sync is not None:
             self._sync()  # do not bill this call for work queued before it
-        return self._clock()
+        return (self._clock or time.perf_counter)()
 
     def _after(self, wrapped: Wrapped, instance: Any, start: float) -> None:
         if self._sync is not None:
             self._sync()
-        elapsed = self._clock() - start
+        elapsed = (self._clock or time.perf_counter)() - start
         self._record(self._name or describe(wrapped, instance), elapsed)
 
 

@@ -28,7 +28,9 @@ class retry(Advice):
     together from retrying together. Other exceptions propagate at once; when the
     retries are used up the last error is re-raised with its traceback. Each retry
     is logged at WARNING on ``logger``. Async functions sleep with ``async_sleep``.
-    ``sleep``, ``async_sleep`` and ``rng`` are injectable (tests never really sleep).
+    ``sleep``, ``async_sleep`` and ``rng`` are injectable (tests never really sleep);
+    by default ``time.sleep`` / ``asyncio.sleep`` are looked up at each retry, so a
+    test that patches them works. Bare ``@retry`` uses the defaults.
 
     Retry only what is safe to repeat: a call that raised half-way through mutating
     state runs again from the start.
@@ -62,14 +64,13 @@ class retry(Advice):
         *,
         jitter: float = 0.1,
         max_delay: float = 30.0,
-        sleep: Callable[[float], object] = time.sleep,
-        async_sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        sleep: Callable[[float], object] | None = None,
+        async_sleep: Callable[[float], Awaitable[object]] | None = None,
         rng: Callable[[], float] = random.random,
         logger: logging.Logger | None = None,
     ) -> None:
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
-            hint = " (write @retry() with the parentheses)" if callable(max_retries) else ""
-            raise TypeError(f"max_retries must be an int >= 0, got {max_retries!r}{hint}")
+            raise TypeError(f"max_retries must be an int >= 0, got {max_retries!r}")
         if isinstance(exceptions, type):
             exceptions = (exceptions,)
         if not all(isinstance(e, type) and issubclass(e, BaseException) for e in exceptions):
@@ -126,7 +127,7 @@ class retry(Advice):
                 delay = self._schedule_retry(wrapped, instance, retry_number, error)
             # Sleep outside the except block, so a failure while sleeping (Ctrl-C)
             # is not reported as raised "during handling" of the retried error.
-            self._sleep(delay)
+            (self._sleep or time.sleep)(delay)
             retry_number += 1
 
     async def _async_advice(
@@ -140,5 +141,5 @@ class retry(Advice):
                 if retry_number >= self._max_retries:
                     raise
                 delay = self._schedule_retry(wrapped, instance, retry_number, error)
-            await self._async_sleep(delay)
+            await (self._async_sleep or asyncio.sleep)(delay)
             retry_number += 1

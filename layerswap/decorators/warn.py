@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from layerswap.decorators._advice import Advice, describe, external_stacklevel
+from layerswap.patching import safe_wraps
 
 if TYPE_CHECKING:
     from layerswap.decorators._advice import Args, Kwargs, Wrapped
@@ -59,6 +61,17 @@ def warn_once_message(
 class warn_once(Advice):
     """Warn the first time the decorated function is called, and then not again.
 
+    Bare on a function, ``@warn_once`` is the ``@lru_cache`` warn-once idiom made
+    safe: the body (which logs or warns itself) runs once per distinct arguments,
+    later calls with the same arguments return ``None`` without running it. Unlike
+    ``lru_cache`` it holds no reference to the arguments (non-literal arguments are
+    keyed by their ``repr``), accepts unhashable ones, runs the body once even when
+    threads race, and :meth:`reset` re-arms it::
+
+        @warn_once
+        def warn_fallback(kernel: str) -> None:
+            logger.warning("no fused %s kernel, falling back", kernel)
+
     ``message`` may use ``{func}`` (the function's qualified name) and ``{key}``;
     it defaults to ``"{func}() is deprecated"``. ``key`` separates occurrences of
     the same message: a hashable value is fixed, a callable is applied to the call's
@@ -99,6 +112,10 @@ class warn_once(Advice):
         # (function name, key) -> generation it fired in
         self._fired: dict[Hashable, int] = {}
 
+    @classmethod
+    def _bare_decorate(cls, func: Any) -> Any:
+        return _once_per_arguments(func)
+
     @staticmethod
     def reset() -> None:
         """Forget every warning emitted so far (decorators and :func:`warn_once_message`)."""
@@ -119,3 +136,47 @@ class warn_once(Advice):
         self._fired[seen] = _generation[0]
         message = self._message.format(func=func, key=key)
         warn_once_message(message, category=self._category, key=key)
+
+
+_LITERAL = (str, int, float, bool, bytes, type(None))
+
+
+def _arguments_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    def part(value: Any) -> Hashable:
+        if isinstance(value, _LITERAL):
+            return (type(value), value)
+        if type(value) is tuple:
+            return tuple(part(item) for item in value)
+        return ("repr", type(value).__qualname__, repr(value))  # holds no reference
+
+    return (tuple(part(a) for a in args), tuple(sorted((k, part(v)) for k, v in kwargs.items())))
+
+
+def _once_per_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``func`` once per distinct arguments (``@warn_once`` bare)."""
+    seen: set[Hashable] = set()
+    armed = [_generation[0]]
+
+    def first_time(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        key = _arguments_key(args, kwargs)
+        with _lock:
+            if armed[0] != _generation[0]:  # warn_once.reset() since the last call
+                seen.clear()
+                armed[0] = _generation[0]
+            if key in seen:
+                return False
+            seen.add(key)
+            return True
+
+    wrapper: Callable[..., Any]
+    if inspect.iscoroutinefunction(func):
+
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await func(*args, **kwargs) if first_time(args, kwargs) else None
+
+    else:
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return func(*args, **kwargs) if first_time(args, kwargs) else None
+
+    return safe_wraps(func)(wrapper)
