@@ -1,0 +1,170 @@
+"""A swapped model under transformers' Trainer and accelerate: checkpoints restore every weight.
+
+Trainer writes checkpoints in the original layout (``save_pretrained``) and reads them
+back with plain ``model.load_state_dict``; the swapped layers convert on load, so a
+resumed run is the uninterrupted run, loss for loss and weight for weight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import tiny_model
+from safetensors.torch import load_file
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+import layerswap
+
+STEPS = 4
+
+
+class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Random token rows, labels equal to inputs (causal LM)."""
+
+    def __init__(self, vocab_size: int, rows: int = 16, length: int = 12, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, vocab_size, (rows, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def _swapped(name: str) -> PreTrainedModel:
+    model = tiny_model(name, num_hidden_layers=2).train()
+    layerswap.swap(model, backend="fused")
+    return model
+
+
+def _args(out: Path, **overrides: Any) -> TrainingArguments:
+    settings: dict[str, Any] = {
+        "output_dir": str(out),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "save_steps": 2,
+        "save_strategy": "steps",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def _losses(trainer: Trainer) -> dict[int, float]:
+    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_resume_from_checkpoint_continues_the_uninterrupted_run(name: str, tmp_path: Path) -> None:
+    model = _swapped(name)
+    data = _Tokens(model.config.vocab_size)
+    whole = Trainer(model=model, args=_args(tmp_path / "whole"), train_dataset=data)
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.weight" in saved  # the original layout on disk
+    assert not any("qkv_proj" in key for key in saved)
+
+    resumed_model = _swapped(name)  # same initial weights; the checkpoint must replace them all
+    resumed = Trainer(model=resumed_model, args=_args(tmp_path / "resumed"), train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    whole_losses, resumed_losses = _losses(whole), _losses(resumed)
+    assert set(resumed_losses) == set(whole_losses) == {1, 2, 3, 4}
+    for step in (3, 4):  # trained after the resume
+        assert resumed_losses[step] == whole_losses[step], step
+    for (key, expected), (_, actual) in zip(
+        model.state_dict().items(), resumed_model.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=key)
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path: Path) -> None:
+    model = _swapped("qwen2")
+    data = _Tokens(model.config.vocab_size)
+    scores = iter([1.0, 0.0])  # the first evaluation (step 2) is the best: it must come back
+
+    def score(_: Any) -> dict[str, float]:
+        return {"score": next(scores)}
+
+    args = _args(
+        tmp_path,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="score",
+        greater_is_better=True,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data, compute_metrics=score
+    )
+    trainer.train()
+    assert trainer.state.best_model_checkpoint is not None
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    best = tiny_model("qwen2", num_hidden_layers=2)
+    best.load_state_dict(load_file(f"{trainer.state.best_model_checkpoint}/model.safetensors"))
+    final = tiny_model("qwen2", num_hidden_layers=2)
+    final.load_state_dict(load_file(str(tmp_path / "checkpoint-4" / "model.safetensors")))
+    ids = data.ids[:2]
+    model.eval()
+    with torch.no_grad():
+        assert not torch.allclose(final(ids).logits, best(ids).logits, atol=1e-3)
+        torch.testing.assert_close(model(ids).logits, best(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_accelerate_save_state_and_load_state_restore_weights_and_optimizer(
+    tmp_path: Path,
+) -> None:
+    from accelerate import Accelerator
+
+    def step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss)
+
+    ids = _Tokens(512).ids[:4]
+    accelerator = Accelerator(cpu=True)
+    model = _swapped("qwen3")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    step(model, optimizer, ids)
+    accelerator.save_state(str(tmp_path))
+    expected = [step(model, optimizer, ids) for _ in range(2)]
+
+    fresh = _swapped("qwen3")
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    restorer = Accelerator(cpu=True)
+    fresh, fresh_optimizer = restorer.prepare(fresh, fresh_optimizer)
+    restorer.load_state(str(tmp_path))
+    assert [step(fresh, fresh_optimizer, ids) for _ in range(2)] == expected
+
+
+def test_accelerate_load_state_of_an_original_model_fills_a_swapped_one(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    original = tiny_model("llama", num_hidden_layers=2)
+    saver = Accelerator(cpu=True)
+    saver.prepare(original)
+    saver.save_state(str(tmp_path))
+
+    swapped = _swapped("llama")
+    with torch.no_grad():
+        for param in swapped.parameters():
+            param.zero_()
+    loader = Accelerator(cpu=True)
+    loader.prepare(swapped)
+    loader.load_state(str(tmp_path))
+    ids = _Tokens(512).ids[:2]
+    swapped.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(ids).logits, original(ids).logits, atol=1e-5, rtol=0)
