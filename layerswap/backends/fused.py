@@ -75,6 +75,10 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight + self.offset if self.offset else self.weight
+        if torch.onnx.is_in_onnx_export():
+            # the TorchScript ONNX exporter has no rms_norm (ONNX has it from opset 23)
+            scale = torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
+            return hidden_states * scale * weight.to(hidden_states.dtype)
         return F.rms_norm(
             hidden_states, (hidden_states.shape[-1],), weight.to(hidden_states.dtype), self.eps
         )
@@ -157,13 +161,19 @@ class FusedAttention(nn.Module):
         # no mask means plain causal attention (the model drops the mask when that is
         # exact); SDPA's flag is top-left aligned, so drop unused static-cache slots
         is_causal = self.is_causal and mask is None and query_length > 1
+        if isinstance(is_causal, torch.Tensor):
+            # torch.jit.trace records shapes as tensors; SDPA takes a bool (as transformers
+            # does, the trace keeps the flag of the traced length)
+            is_causal = bool(is_causal)
         if is_causal and key.shape[2] > query_length:
             key, value = key[:, :, :query_length], value[:, :, :query_length]
         extra: dict[str, Any] = {}
         if self.num_key_value_groups > 1:
             # measured: on CPU enable_gqa beats expanding k/v with or without a mask; on
             # GPUs a mask with enable_gqa falls back to the slow math kernel
-            if _SDPA_GQA and (mask is None or query.device.type == "cpu"):
+            # the TorchScript ONNX exporter cannot convert enable_gqa
+            native = _SDPA_GQA and not torch.onnx.is_in_onnx_export()
+            if native and (mask is None or query.device.type == "cpu"):
                 extra["enable_gqa"] = True
             else:
                 key = key.repeat_interleave(self.num_key_value_groups, dim=1)
