@@ -212,17 +212,19 @@ def _refuse_fused_away_state(
     )
     if not stranded:
         return
-    module = next(m for m in sorted(gone) if stranded[0].startswith(m + "."))
+    modules = sorted(m for m in gone if any(key.startswith(m + ".") for key in stranded))
     fused = {
         original: replacement
         for replacement, originals in fused_modules(substitution.converter).items()
         for original in originals
     }
-    into = f", which {substitution.name} fuses into {fused[module]!r}" if module in fused else ""
+    into = sorted({fused[m] for m in modules if m in fused})
+    fused_into = f", which {substitution.name} fuses into {', '.join(into)}" if into else ""
     raise ConversionError(
-        f"loading {prefix.rstrip('.') or name}: {prefix + stranded[0]!r} is state for {module!r}{into}; "
-        f"{len(stranded)} such key(s) cannot load into this {name}. Adapters (PEFT) move between "
-        "layouts with layerswap.adapters.load_adapter (see docs/integrations.md)"
+        f"loading {prefix.rstrip('.') or name}: {len(stranded)} key(s) hold state for "
+        f"{', '.join(modules)}{fused_into} (e.g. {prefix + stranded[0]!r}); this {name} has "
+        "no such modules. Adapters (PEFT) move between layouts with "
+        "layerswap.adapters.load_adapter (see docs/integrations.md)"
     )
 
 
