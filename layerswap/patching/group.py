@@ -24,7 +24,7 @@ class PatchGroup(Scoped):
                     f"patches() takes patch objects (patch(), patch_dict(), wrap(), use()...), "
                     f"got {member!r}"
                 )
-        self._started: list[Scoped] = []
+        self._members_started: list[Scoped] = []
 
     @property
     def members(self) -> list[Scoped]:
@@ -47,7 +47,7 @@ class PatchGroup(Scoped):
             for member in reversed(started):
                 member.stop()
             raise
-        self._started = started
+        self._members_started = started
 
     def _origin_for_members(self) -> tuple[str, int, str]:
         from layerswap.patching.scoped import _caller_origin
@@ -55,7 +55,7 @@ class PatchGroup(Scoped):
         return _caller_origin()
 
     def _revert(self) -> None:
-        started, self._started = self._started, []
+        started, self._members_started = self._members_started, []
         errors: list[BaseException] = []
         for member in reversed(started):
             try:

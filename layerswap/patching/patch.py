@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 import types
 import warnings
+from threading import get_ident
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
 from layerswap.errors import LazyPatchWarning, TargetTypeError
 from layerswap.patching import stack as _stack
 from layerswap.patching.context import ContextDispatch
-from layerswap.patching.scoped import Scoped
+from layerswap.patching.scoped import _ACTIVE, _HERE, _SEQUENCE, Scoped
 from layerswap.patching.sites import NOTSET, Site, make_site
 from layerswap.patching.target import ParsedTarget
 
@@ -31,6 +32,15 @@ class Patch(Scoped):
     _layers: list[_stack.Layer] = []  # noqa: RUF012 - replaced, never mutated
     _sites: list[Site] = []  # noqa: RUF012 - replaced, never mutated
     _bound_before: frozenset[tuple[int, str]] = frozenset()
+    # Settings at their defaults live on the class, so a plain patch sets three
+    # attributes when it is created (a patch cycle is measured against mock's).
+    _parsed: ParsedTarget | None = None
+    _create = False
+    _aliases = False
+    _lazy = False
+    _scope: Scope = "process"
+    _factory: ValueFactory | None = None
+    _simple = True  # process scope, no aliases, no factory: the fast path may apply
 
     def __init__(
         self,
@@ -45,17 +55,30 @@ class Patch(Scoped):
         factory: ValueFactory | None = None,
         _parsed: ParsedTarget | None = None,
     ) -> None:
-        if scope not in ("process", "context"):
-            raise TargetTypeError(f"scope must be 'process' or 'context', got {scope!r}")
-        self._parsed = _parsed
         self._owner = owner
         self._attribute = attribute
         self._new = new
+        if create or aliases or lazy or scope != "process" or factory or _parsed is not None:
+            self._configure(create, aliases, lazy, scope, factory, _parsed)
+
+    def _configure(
+        self,
+        create: bool,
+        aliases: bool,
+        lazy: bool,
+        scope: Scope,
+        factory: ValueFactory | None,
+        parsed: ParsedTarget | None,
+    ) -> None:
+        if scope not in ("process", "context"):
+            raise TargetTypeError(f"scope must be 'process' or 'context', got {scope!r}")
+        self._parsed = _parsed = parsed
         self._create = create
         self._aliases = aliases
         self._lazy = lazy
-        self._scope: Scope = scope
+        self._scope = scope
         self._factory = factory
+        self._simple = not aliases and scope == "process" and factory is None
         if lazy and _parsed is None:
             raise TargetTypeError("lazy=True needs a string target ('package.module:Name')")
         if _parsed is not None and lazy:
@@ -76,8 +99,8 @@ class Patch(Scoped):
 
     @property
     def sites(self) -> list[tuple[Any, str]]:
-        """Every ``(owner, attribute)`` this patch wrote while active."""
-        return [(site.owner, site.name) for site in self._sites]
+        """Every ``(owner, attribute)`` this patch writes while it is active."""
+        return [(site.owner, site.name) for site in self._sites or [l.site for l in self._layers]]
 
     def _label(self) -> str:
         if self._parsed is not None:
@@ -112,23 +135,32 @@ class Patch(Scoped):
         )
 
     # -- apply / revert ----------------------------------------------------------------
+    def _set_factory(self, factory: ValueFactory) -> None:
+        """Make this patch a wrap: each layer's value is built by ``factory``."""
+        self._factory = factory
+        self._simple = False
+
     def _apply(self) -> None:
         parsed = self._parsed
-        if parsed is None and not self._aliases and self._scope == "process":
-            # The common case, kept short: one site, one layer.
-            site = make_site(self._owner, self._attribute)  # type: ignore[arg-type]
-            self._layers = [_stack.push(site, self._new, self._factory, self, self._create)]
-            self._sites = [site]
-            return
-        if self._lazy and parsed is not None:
-            module = parsed.module_name_for_lazy()
-            if module not in sys.modules:
-                self._register_lazy(module)
-                return
-        if parsed is not None:
-            owner, name = parsed.resolve()
+        if parsed is None:
+            owner, name = self._owner, self._attribute
         else:
-            owner, name = self._owner, self._attribute  # type: ignore[assignment]
+            if self._lazy:
+                module = parsed.module_name_for_lazy()
+                if module not in sys.modules:
+                    self._register_lazy(module)
+                    return
+            owner, name = parsed.resolve()
+        if self._simple:
+            kind = type(owner)
+            if kind is types.ModuleType or kind is type:
+                # The common case, kept short: one attribute in a module's or a
+                # plain class's own __dict__, not patched yet.
+                layer = _stack.push_own_attribute(owner, name, self._new, self)
+                if layer is not None:
+                    self._layers = [layer]
+                    self._sites = [layer.site]
+                    return
         self._apply_to(owner, name)
 
     def _apply_to(self, owner: Any, name: Any) -> None:
@@ -181,6 +213,52 @@ class Patch(Scoped):
 
         make_dispatch.rebuild = False  # type: ignore[attr-defined]  # finds its below itself
         return make_dispatch
+
+    def __enter__(self) -> Patch:
+        # Scoped.__enter__ and _start, inlined: the common case costs fewer frames.
+        frame = sys._getframe(1)
+        code = frame.f_code
+        if code.co_filename.startswith(_HERE):  # entered by the engine itself (a group)
+            return Scoped.__enter__(self)
+        origin = (code.co_filename, frame.f_lineno, code.co_name)  # new tuple: the claim
+        if self.__dict__.setdefault("_claim", origin) is not origin:
+            self._refuse_start()
+        try:
+            owner = self._owner
+            kind = type(owner)
+            layer = None
+            if self._simple and self._parsed is None and (kind is types.ModuleType or kind is type):
+                layer = _stack.push_own_attribute(owner, self._attribute, self._new, self)
+            if layer is None:
+                self._apply()
+            else:
+                self._layers = [layer]
+        except BaseException:
+            del self.__dict__["_claim"]
+            raise
+        _ACTIVE[id(self)] = self
+        self._started = (origin, get_ident(), next(_SEQUENCE), False)
+        return self
+
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if self.__dict__.pop("_started", None) is None:
+            return
+        _ACTIVE.pop(id(self), None)
+        try:
+            layers = self._layers
+            if self._simple and not self._lazy and len(layers) == 1:
+                self._layers = []
+                message = _stack.remove(layers[0])
+                if message is not None:
+                    _stack.warn_conflicts([message], stacklevel=2)
+            else:
+                self._revert()
+        except Exception:
+            if exc_type is None:
+                raise
+            # the block's own exception is the one that propagates
+        finally:
+            self.__dict__.pop("_claim", None)
 
     def _revert(self) -> None:
         if not self._lazy:
@@ -392,4 +470,6 @@ def patch(
         )
     if not args[0]:
         raise TargetTypeError("the attribute name must be a non-empty string")
-    return Patch(target, args[0], args[1], create=create, aliases=aliases, lazy=lazy, scope=scope)
+    if create or aliases or lazy or scope != "process":
+        return Patch(target, args[0], args[1], create=create, aliases=aliases, lazy=lazy, scope=scope)
+    return Patch(target, args[0], args[1])

@@ -79,13 +79,35 @@ class PatchInfo:
 
 
 class Scoped:
-    """Base of :class:`Patch`, :class:`DictPatch` and :class:`PatchGroup`."""
+    """Base of :class:`Patch`, :class:`DictPatch` and :class:`PatchGroup`.
 
-    _active: bool = False
-    _manual: bool = False
-    _origin: tuple[str, int, str] | None = None
-    _thread: int = 0
-    _seq: int = 0
+    State lives in the instance ``__dict__`` under two keys: ``_claim`` from the
+    moment a start begins until the stop has finished (taken with ``setdefault``,
+    so only one start wins), and ``_started``, ``(origin, thread, sequence,
+    manual)``, while the change is applied (removed with ``pop``, so only one stop
+    undoes it).
+    """
+
+    @property
+    def _active(self) -> bool:
+        return "_started" in self.__dict__
+
+    @property
+    def _origin(self) -> tuple[str, int, str] | None:
+        started = self.__dict__.get("_started")
+        return None if started is None else started[0]  # type: ignore[no-any-return]
+
+    @property
+    def _thread(self) -> int:
+        return self.__dict__.get("_started", (None, 0))[1]  # type: ignore[no-any-return]
+
+    @property
+    def _seq(self) -> int:
+        return self.__dict__.get("_started", (None, 0, 0))[2]  # type: ignore[no-any-return]
+
+    @property
+    def _manual(self) -> bool:
+        return self.__dict__.get("_started", (None, 0, 0, False))[3]  # type: ignore[no-any-return]
 
     # -- subclasses implement ---------------------------------------------------------
     def _apply(self) -> None:
@@ -134,10 +156,9 @@ class Scoped:
     def stop(self) -> None:
         """Undo the change. A no-op when not started (so calling it twice is safe)."""
         # pop() is atomic: of two threads stopping at once, one gets True.
-        if self.__dict__.pop("_active", False) is not True:
+        if self.__dict__.pop("_started", None) is None:
             return
         _ACTIVE.pop(id(self), None)
-        self._origin = None
         try:
             self._revert()
         finally:
@@ -146,28 +167,26 @@ class Scoped:
     def _start(self, *, manual: bool, origin: tuple[str, int, str]) -> None:
         claim = object()
         if self.__dict__.setdefault("_claim", claim) is not claim:
-            where = f" (at {self.origin})" if self._origin is not None else " (in another thread)"
-            raise PatchStateError(
-                f"{self._label()} is already started{where}; stop() it first, "
-                "or create a new patch to layer another replacement on top"
-            )
+            self._refuse_start()
         try:
             self._apply()
         except BaseException:
             del self.__dict__["_claim"]
             raise
-        self._manual = manual
-        self._origin = origin
-        self._thread = threading.get_ident()
-        self._seq = next(_SEQUENCE)
         _ACTIVE[id(self)] = self
-        self._active = True
+        self._started = (origin, threading.get_ident(), next(_SEQUENCE), manual)
+
+    def _refuse_start(self) -> None:
+        where = f" (at {self.origin})" if self._origin is not None else " (in another thread)"
+        raise PatchStateError(
+            f"{self._label()} is already started{where}; stop() it first, "
+            "or create a new patch to layer another replacement on top"
+        )
 
     def _end(self) -> None:
         """Mark as stopped without undoing anything (a lazy patch that never applied)."""
-        self.__dict__.pop("_active", None)
+        self.__dict__.pop("_started", None)
         _ACTIVE.pop(id(self), None)
-        self._origin = None
         self.__dict__.pop("_claim", None)
 
     def __enter__(self: S) -> S:

@@ -33,7 +33,7 @@ from layerswap.errors import (
     TargetReadOnlyError,
     TargetTypeError,
 )
-from layerswap.patching.sites import NOTSET, Original, Site
+from layerswap.patching.sites import NOTSET, DictSite, Original, Site
 from layerswap.patching.target import suggest
 
 __all__ = ["LOCK", "Layer", "push", "remove", "stack_depth"]
@@ -141,6 +141,45 @@ def push(
         return layer
 
 
+def push_own_attribute(owner: Any, name: str, value: Any, patch: Any) -> Layer | None:
+    """:func:`push` for the common case, in fewer steps; None where it does not apply.
+
+    Applies to an attribute held in the own ``__dict__`` of a module or of a class
+    whose metaclass is ``type``, with no live layer. The objects built are those
+    :func:`push` builds, so every later operation treats the layer alike.
+    """
+    key = (id(owner), name)
+    is_class = type(owner) is type
+    LOCK.acquire()  # not ``with``: a third of the cost here, and nothing below can raise
+    try:            # but the TypeError handled in place
+        if key in _STACKS:
+            return None
+        raw = owner.__dict__.get(name, NOTSET)
+        if raw is NOTSET:
+            return None
+        if is_class:
+            try:
+                type.__setattr__(owner, name, value)
+            except TypeError:  # a builtin type: push() reports it
+                return None
+        else:
+            owner.__dict__[name] = value
+        site = DictSite.__new__(DictSite)
+        site.owner, site.name, site.key, site._is_class = owner, name, key, is_class
+        original = Original.__new__(Original)
+        original.container, original.value, original.position = "__dict__", raw, -1
+        stack = _Stack.__new__(_Stack)
+        stack.site, stack.original, stack.conflict = site, original, None
+        stack.written = stack.observed = value
+        layer = Layer.__new__(Layer)
+        layer.site, layer.value, layer.owner, layer.factory = site, value, patch, None
+        stack.layers = [layer]
+        _STACKS[key] = stack
+        return layer
+    finally:
+        LOCK.release()
+
+
 def _missing(site: Site, owner: Any) -> TargetAttributeError:
     names = [n for n in _names(site.owner) if n != site.name]
     if getattr(owner, "_factory", None) is not None:  # wrap(): nothing to create
@@ -162,42 +201,62 @@ def remove(layer: Layer) -> str | None:
     so that a ``warnings`` filter set to "error" cannot leave a patch half-undone.
     """
     site = layer.site
-    with LOCK:
-        stack = _STACKS.get(site.key)
-        if stack is None:
-            return None
-        layers = stack.layers
-        index = len(layers) - 1
-        if layers[index] is not layer:  # not the top: non-LIFO stop
-            for index, candidate in enumerate(layers):  # noqa: B007 - index used below
-                if candidate is layer:
-                    break
-            else:
-                return None
-        current = site.read()
-        conflict, stack.conflict = stack.conflict, None
-        observed = stack.observed
-        foreign = current is not observed and not site.same(current, observed)
-        if foreign and conflict is None:
-            conflict = _conflict_message(site, observed, current, len(layers))
-        was_top = index == len(layers) - 1
-        del layers[index]
-        if not layers:
-            del _STACKS[site.key]
-            site.restore(stack.original)
-            return conflict
-        # Wrappers above the removed layer were built around it: rebuild them.
-        for position in range(index, len(layers)):
-            above = layers[position]
-            if above.factory is not None and getattr(above.factory, "rebuild", True):
-                above.value = above.factory(site, stack.value_below(position))
-                was_top = was_top or position == len(layers) - 1
-        if was_top or foreign:
-            top = layers[-1]
-            site.write(top.value, stack.original)
-            stack.written = top.value
-            stack.observed = top.value if site.raw_reads else site.read()
+    LOCK.acquire()
+    try:
+        return _remove_locked(site, layer)
+    finally:
+        LOCK.release()
+
+
+def _remove_locked(site: Site, layer: Layer) -> str | None:
+    stack = _STACKS.get(site.key)
+    if stack is None:
+        return None
+    layers = stack.layers
+    index = len(layers) - 1
+    if index == 0 and layers[0] is layer and type(site) is DictSite and stack.original.container:
+        # The only layer of an own-__dict__ attribute: the common case, inlined.
+        owner, name = site.owner, site.name
+        current = owner.__dict__.get(name, NOTSET)
+        conflict = stack.conflict
+        if current is not stack.observed and conflict is None:
+            conflict = _conflict_message(site, stack.observed, current, 1)
+        del _STACKS[site.key]
+        if site._is_class:
+            type.__setattr__(owner, name, stack.original.value)
+        else:
+            owner.__dict__[name] = stack.original.value
         return conflict
+    if layers[index] is not layer:  # not the top: non-LIFO stop
+        for index, candidate in enumerate(layers):  # noqa: B007 - index used below
+            if candidate is layer:
+                break
+        else:
+            return None
+    current = site.read()
+    conflict, stack.conflict = stack.conflict, None
+    observed = stack.observed
+    foreign = current is not observed and not site.same(current, observed)
+    if foreign and conflict is None:
+        conflict = _conflict_message(site, observed, current, len(layers))
+    was_top = index == len(layers) - 1
+    del layers[index]
+    if not layers:
+        del _STACKS[site.key]
+        site.restore(stack.original)
+        return conflict
+    # Wrappers above the removed layer were built around it: rebuild them.
+    for position in range(index, len(layers)):
+        above = layers[position]
+        if above.factory is not None and getattr(above.factory, "rebuild", True):
+            above.value = above.factory(site, stack.value_below(position))
+            was_top = was_top or position == len(layers) - 1
+    if was_top or foreign:
+        top = layers[-1]
+        site.write(top.value, stack.original)
+        stack.written = top.value
+        stack.observed = top.value if site.raw_reads else site.read()
+    return conflict
 
 
 def _conflict_message(site: Site, expected: Any, found: Any, live: int) -> str:

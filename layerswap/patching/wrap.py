@@ -271,5 +271,5 @@ def wrap(target: Any, *args: Any, lazy: bool = False, aliases: bool = False) -> 
                 "and a wrapper: wrap(obj, 'method', wrapper)"
             )
         patch = Patch(target, args[0], args[1], lazy=lazy, aliases=aliases)
-    patch._factory = _make_wrapper(_advice_of(args[-1]), patch._label)
+    patch._set_factory(_make_wrapper(_advice_of(args[-1]), patch._label))
     return patch
