@@ -563,8 +563,8 @@ def _capture_installed(owner: nn.Module | None) -> bool:
 class _CaptureHook:
     """transformers' output-capture hook, picklable (transformers' own is a closure).
 
-    The real hook is made on first call by transformers itself, on a throwaway
-    module, so the capture logic stays transformers'; pickling keeps the arguments.
+    The real hook is made by transformers itself, on a throwaway module, so the
+    capture logic stays transformers'; pickling keeps the arguments.
     """
 
     def __init__(self, key: str, index: int, initial: bool) -> None:
