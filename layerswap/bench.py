@@ -36,7 +36,8 @@ from torch import nn
 
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.forward import ContextFactory
-from layerswap.verify.inputs import inputs_for
+from layerswap.verify.heads import head_of
+from layerswap.verify.inputs import inputs_for, text_config
 from layerswap.verify.placement import (
     DeviceLike,
     DTypeLike,
@@ -244,7 +245,11 @@ def bench(
     inputs = inputs_for(
         original, batch=batch, seq_len=seq, padding=0, seed=seed, device=target_device
     )
-    labels = inputs["input_ids"].clone()
+    # the loss of the model's own head: a classifier learns from class labels, a base
+    # model (no head) from a fixed projection of its output
+    head = head_of(original)
+    head.check(original, inputs, generate=0)
+    labels = head.labels(inputs, text_config(original))
     # the swapped layers may need a context to run in (an FP8 autocast, say)
     contexts: Mapping[str, ContextFactory] = {
         "original": contextlib.nullcontext,
@@ -266,8 +271,8 @@ def bench(
             module = models[name]
             module.train()
             with contexts[name]():
-                loss = module(**inputs, labels=labels, use_cache=False).loss
-            loss.backward()
+                loss = head.loss(module(**inputs, **labels, use_cache=False), inputs)
+            loss.backward()  # type: ignore[no-untyped-call]
             module.zero_grad(set_to_none=True)
 
         return run

@@ -24,6 +24,7 @@ __all__ = [
     "TargetReadOnlyError",
     "TargetTypeError",
     "UnknownSubstitutionError",
+    "UnsupportedModelError",
     "UpstreamDriftError",
     "VerificationError",
 ]
@@ -108,3 +109,8 @@ class SwapWarning(UserWarning):
 
 class VerificationError(LayerswapError, AssertionError):
     """A swapped model does not compute what the original computes within tolerance."""
+
+
+class UnsupportedModelError(LayerswapError, TypeError):
+    """Verification or benchmarking cannot run this model: its class, its config or
+    what it returns does not allow the requested check (the message says which)."""

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from layerswap.errors import UnsupportedModelError
+from layerswap.verify.heads import head_of
 from layerswap.verify.inputs import pad_token_id, text_config
 
 __all__ = [
@@ -105,16 +107,6 @@ def evaluation(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    # A label is predicted from the position before it: with left padding, the first
-    # real token is predicted from a padded row, whose value differs between attention
-    # kernels and means nothing. Mask those labels as well as the padding itself.
-    mask = batch["attention_mask"] == 0
-    labels = batch["input_ids"].masked_fill(mask, -100)
-    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1], -100)
-    return labels
-
-
 def forward(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -126,39 +118,44 @@ def forward(
 ) -> Run:
     """One forward pass, capturing every decoder layer's output, in ``context``.
 
-    ``loss`` records the language-modelling loss; ``backward`` also takes its gradient
-    for every trainable parameter, by ``torch.autograd.grad`` rather than
-    ``loss.backward()``, which leaves every ``.grad`` as it was. ``generate`` then
-    greedily generates that many tokens.
+    ``loss`` records the loss of the model's head (:mod:`layerswap.verify.heads`: the
+    language-modelling loss of a causal LM, the classification loss of a classifier...);
+    ``backward`` also takes its gradient for every trainable parameter, by
+    ``torch.autograd.grad`` rather than ``loss.backward()``, which leaves every ``.grad``
+    as it was. ``generate`` then greedily generates that many tokens.
     """
     from layerswap.swap import decoder_layers
 
+    head = head_of(model)
+    head.check(model, batch, generate=generate)
     valid = batch["attention_mask"].bool()
-    labels = {"labels": _labels(batch)} if loss or backward else {}
+    wants_loss = loss or backward
+    labels = head.labels(batch, text_config(model)) if wants_loss else {}
     gradients = None
+    loss_value: torch.Tensor | None = None
     with capture_layers(decoder_layers(model), valid) as captured, evaluation(model):
         if not backward:
             with torch.no_grad(), context():
                 output = model(**batch, **labels, use_cache=False)
+                if wants_loss:
+                    loss_value = head.loss(output, batch)
         else:
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             with torch.enable_grad(), context():
                 output = model(**batch, **labels, use_cache=False)
-                grads = torch.autograd.grad(output.loss, [p for _, p in params], allow_unused=True)
+                loss_value = head.loss(output, batch)
+                grads = torch.autograd.grad(loss_value, [p for _, p in params], allow_unused=True)
             # kept in host memory: a model's worth of gradients must not crowd the GPU
             gradients = {
                 name: (grad if grad is not None else torch.zeros_like(param)).detach().cpu()
                 for (name, param), grad in zip(params, grads, strict=True)
             }
-    logits = getattr(output, "logits", None)
-    is_logits = logits is not None
-    if logits is None:
-        logits = output.last_hidden_state
+    compared, is_logits = head.compared(output, valid)
     return Run(
-        logits.detach()[valid],
+        compared.detach(),
         is_logits,
         list(captured),
-        loss=float(output.loss.detach()) if labels else None,
+        loss=float(loss_value.detach()) if loss_value is not None else None,
         gradients=gradients,
         tokens=generate_tokens(model, batch, generate, context) if generate else None,
     )
@@ -174,7 +171,9 @@ def generate_tokens(
     config = text_config(model)
     generate = getattr(model, "generate", None)
     if generate is None:
-        raise TypeError(f"{type(model).__name__} cannot generate; use a *ForCausalLM model")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot generate; use generate=0 or a *ForCausalLM model"
+        )
     with evaluation(model), torch.no_grad(), context():
         sequences = generate(
             input_ids=batch["input_ids"],
