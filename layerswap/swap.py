@@ -274,6 +274,12 @@ def _release(done: nn.Module, keeper: nn.Module) -> None:
             tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
 
 
+# Converting runs outside inference mode: a tensor made inside torch.inference_mode() can
+# never be trained, so a swap (or an undo) made there would freeze the model for good.
+_NORMAL_TENSORS = torch.inference_mode(False)
+
+
+@_NORMAL_TENSORS
 def _swap_layer(
     root: nn.Module,
     name: str,
@@ -325,6 +331,7 @@ def _layer_config(config: PreTrainedConfig) -> PreTrainedConfig:
     return get_text_config() if callable(get_text_config) else config
 
 
+@_NORMAL_TENSORS
 def build_replacement_layer(
     substitution: str | Substitution,
     layer: nn.Module,
@@ -368,6 +375,7 @@ def build_replacement_layer(
 
 
 @torch.no_grad()
+@_NORMAL_TENSORS
 def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int:
     """Put original layers, holding the converted weights, where ``substitution``'s layers are.
 
@@ -406,6 +414,7 @@ def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int
     return rebuilt
 
 
+@_NORMAL_TENSORS
 def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedConfig) -> None:
     replacement = record.replacement
     assert replacement is not None, "restored twice"
