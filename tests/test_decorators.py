@@ -244,7 +244,9 @@ def test_decorating_above_classmethod_and_staticmethod_keeps_binding(kind: type)
     assert stats["Factory.make"].count == 2
 
 
-@pytest.mark.parametrize("decorator", [nan_guard, retry, ttl_cache, memory_guard], ids=lambda d: d.__name__)
+@pytest.mark.parametrize(
+    "decorator", [nan_guard, retry, ttl_cache, memory_guard], ids=lambda d: d.__name__
+)
 def test_bare_decorator_is_the_called_form_with_defaults(decorator: Any) -> None:
     bare = decorator(scale)
     called = decorator()(scale)

@@ -108,10 +108,9 @@ def loaded_torch() -> types.ModuleType | None:
 
 
 def _decoratable(obj: Any) -> bool:
-    return (
-        isinstance(obj, (types.FunctionType, types.MethodType, classmethod, staticmethod))
-        or inspect.isbuiltin(obj)
-    )
+    return isinstance(
+        obj, (types.FunctionType, types.MethodType, classmethod, staticmethod)
+    ) or inspect.isbuiltin(obj)
 
 
 class Answer:

@@ -147,7 +147,6 @@ class DictPatch(Scoped):
             else:
                 mapping[key] = old
 
-
     def _forget_in_snapshots_above(self, above: list[DictPatch]) -> None:
         # The snapshots of newer patches were taken with this one's values in them;
         # each key this one set shows, in them, what it held before this one instead

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 import types
 import warnings
-from threading import get_ident
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any, Literal, overload
 
 from layerswap.errors import LazyPatchWarning, TargetTypeError
@@ -100,7 +100,10 @@ class Patch(Scoped):
     @property
     def sites(self) -> list[tuple[Any, str]]:
         """Every ``(owner, attribute)`` this patch writes while it is active."""
-        return [(site.owner, site.name) for site in self._sites or [l.site for l in self._layers]]
+        return [
+            (site.owner, site.name)
+            for site in self._sites or [layer.site for layer in self._layers]
+        ]
 
     def _label(self) -> str:
         if self._parsed is not None:
@@ -156,7 +159,7 @@ class Patch(Scoped):
             if kind is types.ModuleType or kind is type:
                 # The common case, kept short: one attribute in a module's or a
                 # plain class's own __dict__, not patched yet.
-                layer = _stack.push_own_attribute(owner, name, self._new, self)
+                layer = _stack.push_own_attribute(owner, name, self._new, self)  # type: ignore[arg-type]
                 if layer is not None:
                     self._layers = [layer]
                     self._sites = [layer.site]
@@ -228,7 +231,7 @@ class Patch(Scoped):
             kind = type(owner)
             layer = None
             if self._simple and self._parsed is None and (kind is types.ModuleType or kind is type):
-                layer = _stack.push_own_attribute(owner, self._attribute, self._new, self)
+                layer = _stack.push_own_attribute(owner, self._attribute, self._new, self)  # type: ignore[arg-type]
             if layer is None:
                 self._apply()
             else:
@@ -359,7 +362,9 @@ def _alias_sites(first: Site, new: Any) -> tuple[list[Site], frozenset[tuple[int
 _LITERALS = (int, float, str, bytes, bool, type(None))
 
 
-def _unbind_late_aliases(layers: list[_stack.Layer], bound_before: frozenset[tuple[int, str]]) -> None:
+def _unbind_late_aliases(
+    layers: list[_stack.Layer], bound_before: frozenset[tuple[int, str]]
+) -> None:
     """Rebind module globals that copied the replacement while it was live.
 
     A module imported during an ``aliases=True`` patch runs ``from x import Y`` and
@@ -376,7 +381,9 @@ def _unbind_late_aliases(layers: list[_stack.Layer], bound_before: frozenset[tup
             continue
         for name, candidate in list(namespace.items()):
             if id(candidate) in written and written[id(candidate)] is candidate:
-                if (id(module), name) in bound_before or (module is first.owner and name == first.name):
+                if (id(module), name) in bound_before or (
+                    module is first.owner and name == first.name
+                ):
                     continue
                 if restored is NOTSET:
                     namespace.pop(name, None)
@@ -471,5 +478,7 @@ def patch(
     if not args[0]:
         raise TargetTypeError("the attribute name must be a non-empty string")
     if create or aliases or lazy or scope != "process":
-        return Patch(target, args[0], args[1], create=create, aliases=aliases, lazy=lazy, scope=scope)
+        return Patch(
+            target, args[0], args[1], create=create, aliases=aliases, lazy=lazy, scope=scope
+        )
     return Patch(target, args[0], args[1])

@@ -116,9 +116,16 @@ def push(
                 stack.conflict = _conflict_message(site, stack.observed, below, 2)
         else:
             original = site.snapshot()
-            if original.container is None and not create and visible is NOTSET:
-                if not (isinstance(site.owner, types.ModuleType) and site.name in _BUILTIN_NAMES):
-                    raise _missing(site, owner)
+            shadows_builtin = (
+                isinstance(site.owner, types.ModuleType) and site.name in _BUILTIN_NAMES
+            )
+            if (
+                original.container is None
+                and not create
+                and visible is NOTSET
+                and not shadows_builtin
+            ):
+                raise _missing(site, owner)
             stack = _Stack(site, original)
             below = original.value
         if factory is not None:
@@ -151,7 +158,7 @@ def push_own_attribute(owner: Any, name: str, value: Any, patch: Any) -> Layer |
     key = (id(owner), name)
     is_class = type(owner) is type
     LOCK.acquire()  # not ``with``: a third of the cost here, and nothing below can raise
-    try:            # but the TypeError handled in place
+    try:  # but the TypeError handled in place
         if key in _STACKS:
             return None
         raw = owner.__dict__.get(name, NOTSET)

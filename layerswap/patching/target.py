@@ -177,7 +177,11 @@ class ParsedTarget:
                     # means: try a shorter prefix. A module that exists but imports a
                     # missing dependency is an error to report as it is.
                     missing = exc.name
-                    if missing is not None and missing != name and not name.startswith(missing + "."):
+                    if (
+                        missing is not None
+                        and missing != name
+                        and not name.startswith(missing + ".")
+                    ):
                         raise TargetImportError(
                             f"cannot patch {self.text!r}: importing {name!r} failed: {exc}",
                             name=missing,

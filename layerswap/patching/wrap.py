@@ -94,13 +94,16 @@ def _bound_method(
 
         new = safe_update_wrapper(method, function)
     else:
-        forwarded = forwarder(wrapped, lambda *args, **kwargs: advice(wrapped, bind_to, args, kwargs))
+        forwarded = forwarder(
+            wrapped, lambda *args, **kwargs: advice(wrapped, bind_to, args, kwargs)
+        )
         # the forwarder takes the bound arguments; the method must accept self first
         new = _drop_self(forwarded, function)
     return types.MethodType(new, bind_to)
 
 
 def _drop_self(forwarded: Callable[..., Any], function: Any) -> Callable[..., Any]:
+    method: Callable[..., Any]
     if inspect.iscoroutinefunction(forwarded):
 
         async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -220,7 +223,9 @@ def _require_wrappable(raw: Any, label: Callable[[], str]) -> None:
     if raw is NOTSET:
         raise TargetAttributeError(f"cannot wrap {label()}: there is nothing to wrap")
     kind = type(raw)
-    binds = hasattr(kind, "__get__") and not (hasattr(kind, "__set__") or hasattr(kind, "__delete__"))
+    binds = hasattr(kind, "__get__") and not (
+        hasattr(kind, "__set__") or hasattr(kind, "__delete__")
+    )
     if not (callable(raw) or binds):  # a partialmethod is not callable, but binds to one
         raise TargetTypeError(f"cannot wrap {label()}: {raw!r} is not callable")
 

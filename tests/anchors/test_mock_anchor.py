@@ -101,7 +101,7 @@ def test_patch_builtins_open_through_the_builtins_module():
 
     @layerswap.patch("builtins.open", lambda *a, **k: replacement)
     def check():
-        return open("no-such-file")  # noqa: SIM115 - the builtin is replaced
+        return open("no-such-file")
 
     assert check() is replacement
     assert open is not replacement  # restored
@@ -265,13 +265,15 @@ def test_nested_patch_failure_leaves_everything_restored():
         f = 1
         g = 2
 
-    with pytest.raises(AttributeError):
-        with layerswap.patches(
+    with (
+        pytest.raises(AttributeError),
+        layerswap.patches(
             layerswap.patch(Foo, "g", 10),
             layerswap.patch(Foo, "missing", 1),
             layerswap.patch(Foo, "f", 10),
-        ):
-            pass
+        ),
+    ):
+        pass
     assert (Foo.f, Foo.g) == (1, 2)
 
 
@@ -301,9 +303,8 @@ def test_patch_imports_lazily():
 
 
 def test_patch_propagates_exc_on_exit(something_module):
-    with pytest.raises(RuntimeError):
-        with layerswap.patch(something_module, "something", PATCHED):
-            raise RuntimeError
+    with pytest.raises(RuntimeError), layerswap.patch(something_module, "something", PATCHED):
+        raise RuntimeError
     assert something_module.something is Original
 
 
@@ -382,7 +383,7 @@ def test_patchobject_with_string_as_target_is_a_clear_error():
 
 
 def test_tracebacks_point_at_the_block(something_module):
-    with pytest.raises(AssertionError) as info:
+    with pytest.raises(AssertionError) as info:  # noqa: SIM117 - the patch is the inner block
         with layerswap.patch(something_module, "something", PATCHED):
             raise AssertionError("in the block")
     assert info.traceback[-1].name == "test_tracebacks_point_at_the_block"
@@ -602,7 +603,7 @@ def test_patch_dict_sys_modules_keeps_module_objects():
 
 
 def test_with_statement_nested(something_module):
-    with layerswap.patch(something_module, "something", "a"):
+    with layerswap.patch(something_module, "something", "a"):  # noqa: SIM117 - nesting is the case
         with layerswap.patch(something_module, "something_else", "b"):
             assert (something_module.something, something_module.something_else) == ("a", "b")
     assert something_module.something is Original and something_module.something_else == "else"
@@ -617,9 +618,8 @@ def test_with_statement_same_attribute(something_module):
 
 
 def test_with_statement_exception_restores(something_module):
-    with pytest.raises(ValueError):
-        with layerswap.patch(something_module, "something", "x"):
-            raise ValueError
+    with pytest.raises(ValueError), layerswap.patch(something_module, "something", "x"):
+        raise ValueError
     assert something_module.something is Original
 
 

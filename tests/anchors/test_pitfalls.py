@@ -133,9 +133,9 @@ def test_6_wrap_of_inherited_method_sees_a_later_base_patch():
     class Sub(Base):
         pass
 
-    with layerswap.wrap(Sub, "m", lambda w, i, a, k: "wrapped:" + w(*a, **k)):
-        with layerswap.patch(Base, "m", lambda self: "later"):
-            assert Sub().m() == "wrapped:later"
+    wrapped = layerswap.wrap(Sub, "m", lambda w, i, a, k: "wrapped:" + w(*a, **k))
+    with wrapped, layerswap.patch(Base, "m", lambda self: "later"):
+        assert Sub().m() == "wrapped:later"
 
 
 def test_7_wrap_keeps_coroutine_kind_at_module_level_and_on_one_instance():
