@@ -5,8 +5,8 @@
 2. Per-call overhead of a layerswap.wrap-ped function against a functools.wraps
    closure doing the same pass-through.
 
-Goals: a cycle at most half of mock's time (both forms); wrap overhead at most
-1.5x the closure's. Run: ``python benchmarks/bench_engine.py``.
+Goals: a cycle at most mock's time in both forms (stretch: half); wrap overhead
+at most 1.5x the closure's. Run: ``python benchmarks/bench_engine.py``.
 """
 
 from __future__ import annotations
