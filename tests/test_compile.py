@@ -141,3 +141,17 @@ def test_fullgraph_training_step_matches_the_original(name: str) -> None:
         assert mapped.keys() == grads["original"].keys()
         for key, want in grads["original"].items():
             torch.testing.assert_close(mapped[key], want, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_layer_compiled_on_its_own_breaks_no_more_than_the_original_layer(name: str) -> None:
+    original = tiny_model(name, num_hidden_layers=1)
+    swapped = _swapped(original)
+    hidden = torch.randn(2, 6, original.config.hidden_size)
+    positions = torch.arange(6).expand(2, -1)
+    rotary = original.model.rotary_emb(hidden, positions)
+    counts = []
+    for model in (original, swapped):
+        layer = model.model.layers[0]
+        counts.append(_breaks(layer, hidden, attention_mask=None, position_embeddings=rotary)[:2])
+    assert counts[1] <= counts[0], counts

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from layerswap.errors import RequirementError
+from layerswap.errors import RequirementError, SwapWarning
 from layerswap.substitution import Family, Substitution, families
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ __all__ = [
     "SUPPORTED_ATTENTION",
     "DecoderLayer",
     "Layout",
+    "attention_weights_sink",
     "decoder_substitution",
     "family_layer_class",
     "family_layer_class_named",
@@ -92,6 +94,9 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
     backend: ClassVar[str] = ""
     #: what the layer is, opening the per-family classes' docstrings ("Fused decoder layer")
     summary: ClassVar[str] = ""
+    #: whether the layer records attention weights when ``output_attentions=True`` asks
+    #: (through :func:`attention_weights_sink`); a layer that cannot warns instead
+    records_attention_weights: ClassVar[bool] = False
 
     @classmethod
     def declared_family(cls) -> Family:
@@ -132,9 +137,16 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
                 f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
                 "transformers 5 models pass to every decoder layer"
             )
+        weights_asked = bool(kwargs.get("output_attentions"))
+        if not self.records_attention_weights and _attention_weights_asked(weights_asked):
+            _warn_no_attention_weights(type(self))
         with self._call_context(hidden_states):
             hidden_states = hidden_states + self._attention(
-                hidden_states, position_embeddings, attention_mask, past_key_values
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                past_key_values,
+                output_attentions=weights_asked,
             )
             return hidden_states + self._feed_forward(hidden_states)
 
@@ -144,8 +156,14 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None,
+        *,
+        output_attentions: bool = False,
     ) -> torch.Tensor:
-        """The attention branch, input norm included, without the residual."""
+        """The attention branch, input norm included, without the residual.
+
+        ``output_attentions`` is the call's own ``output_attentions=True`` (the config's
+        and the model's request are found by :func:`attention_weights_sink`).
+        """
         raise NotImplementedError
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -164,6 +182,59 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
 
 
 # --- attention steps ------------------------------------------------------------------
+
+
+def attention_weights_sink(asked: bool = False) -> list[Any] | None:
+    """The list this forward pass collects attention weights in, ``None`` when none is asked.
+
+    transformers' ``output_attentions=True`` (argument or config) makes the model collect
+    the attention weights of every layer, in call order, through hooks on its original
+    attention class, which a replacement layer is not. A replacement that computes the
+    weights appends them here instead.
+
+    torch.compile traces the lookup when it compiles the whole model (transformers made
+    its collector traceable for its own hooks). A layer compiled on its own cannot read
+    the collector without a graph break, so there it is read only when ``asked`` (the
+    call's or the config's ``output_attentions``) says weights may be wanted.
+
+    Example::
+
+        sink = attention_weights_sink(output_attentions or config.output_attentions)
+        if sink is not None:
+            sink.append(weights)          # (batch, heads, query, key)
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - a transformers without output capturing
+        return None
+    if not asked and torch.compiler.is_compiling() and not _active_collector.compiling:
+        return None
+    collected = _active_collector.get()
+    if collected is None or "attentions" not in collected:
+        return None
+    sink: list[Any] = collected["attentions"]
+    return sink
+
+
+def _attention_weights_asked(asked: bool) -> bool:
+    return asked or attention_weights_sink() is not None
+
+
+_WARNED_NO_WEIGHTS: set[type] = set()
+
+
+def _warn_no_attention_weights(layer: type) -> None:
+    # once per class, as transformers warns once for its own sdpa attention
+    if layer in _WARNED_NO_WEIGHTS:
+        return
+    _WARNED_NO_WEIGHTS.add(layer)
+    warnings.warn(
+        f"{layer.__name__} does not compute attention weights: output_attentions=True "
+        "returns none for its layers. Verify or inspect attention with the fused "
+        "backend, which computes them, or with the original layers",
+        SwapWarning,
+        stacklevel=3,
+    )
 
 
 def split_heads(

@@ -30,6 +30,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from layerswap.backends import _layer
+from layerswap.backends._original import original_numbers
 from layerswap.errors import RequirementError
 from layerswap.substitution import Family, Substitution
 from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, qkv_sizes
@@ -108,7 +109,13 @@ class FusedAttention(nn.Module):
         self.head_dim = head_dim(config)
         self.sizes = list(qkv_sizes(config))
         self.num_key_value_groups = self.sizes[0] // self.sizes[1]
-        self.scaling = self.head_dim**-0.5
+        numbers = original_numbers(family, config, layer_idx)
+        self.scaling = numbers.scaling
+        if numbers.attn_logit_softcapping is not None:
+            raise RequirementError(
+                f"the fused layer has no attention logit soft-capping; this {family.name} "
+                f"config sets attn_logit_softcapping={numbers.attn_logit_softcapping}"
+            )
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
         self.is_causal = not getattr(config, "use_bidirectional_attention", False)
         self.qkv_proj = nn.Linear(
@@ -119,9 +126,14 @@ class FusedAttention(nn.Module):
         )
         self.q_norm: FusedRMSNorm | None = None
         self.k_norm: FusedRMSNorm | None = None
+        # per head (Qwen3) or over all heads at once (OLMo 2)
+        self.qk_norm_across = family.qk_norm == "across"
         if family.qk_norm:
-            self.q_norm = _family_norm(self.head_dim, config, family)
-            self.k_norm = _family_norm(self.head_dim, config, family)
+            q_size, k_size = (
+                (self.sizes[0], self.sizes[1]) if self.qk_norm_across else (self.head_dim,) * 2
+            )
+            self.q_norm = _family_norm(q_size, config, family)
+            self.k_norm = _family_norm(k_size, config, family)
 
     def forward(
         self,
@@ -129,18 +141,28 @@ class FusedAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None = None,
+        *,
+        output_attentions: bool = False,
     ) -> torch.Tensor:
         batch, length, _ = hidden_states.shape
         query, key, value = _layer.split_heads(
             self.qkv_proj(hidden_states), self.sizes, self.head_dim
         )
         if self.q_norm is not None and self.k_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
+            if self.qk_norm_across:
+                query = self.q_norm(query.flatten(-2)).view_as(query)
+                key = self.k_norm(key.flatten(-2)).view_as(key)
+            else:
+                query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bhsd")
-        output = self._attend(query, key, value, attention_mask)
+        asked = output_attentions or bool(getattr(self.config, "output_attentions", False))
+        sink = _layer.attention_weights_sink(asked)
+        output, weights = self._attend(query, key, value, attention_mask, weights=sink is not None)
+        if sink is not None:
+            sink.append(weights)
         projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
         return projected
 
@@ -150,7 +172,12 @@ class FusedAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+        *,
+        weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention output, (batch, heads, query, head_dim), and, when ``weights`` asks
+        (``output_attentions=True``), the attention weights, computed for that call the
+        way transformers' eager attention computes them."""
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
             raise RequirementError(
                 "the fused layer reads 4-D attention masks (attn_implementation 'sdpa' or "
@@ -167,6 +194,8 @@ class FusedAttention(nn.Module):
             is_causal = bool(is_causal)
         if is_causal and key.shape[2] > query_length:
             key, value = key[:, :, :query_length], value[:, :, :query_length]
+        if weights:
+            return self._attend_eagerly(query, key, value, mask, is_causal)
         extra: dict[str, Any] = {}
         if self.num_key_value_groups > 1:
             # measured: on CPU enable_gqa beats expanding k/v with or without a mask; on
@@ -188,7 +217,35 @@ class FusedAttention(nn.Module):
             scale=self.scaling,
             **extra,
         )
-        return output
+        return output, None
+
+    def _attend_eagerly(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention through explicit weights: softmax(q k^T * scale + mask) v, as
+        transformers' eager attention (softmax in float32, dropout on the weights)."""
+        if self.num_key_value_groups > 1:
+            key = key.repeat_interleave(self.num_key_value_groups, dim=1)
+            value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        scores = torch.matmul(query, key.transpose(2, 3)) * self.scaling
+        if is_causal:
+            length = query.shape[2]
+            mask = torch.ones(length, key.shape[2], dtype=torch.bool, device=query.device).tril()
+        elif mask is not None:
+            mask = mask[:, :, :, : key.shape[2]]
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = F.dropout(weights, p=self.attention_dropout, training=self.training)
+        return torch.matmul(weights, value), weights
 
 
 class FusedMLP(nn.Module):
@@ -211,18 +268,32 @@ class FusedDecoderLayer(_layer.DecoderLayer):
     """The fused decoder layer; use the per-family subclass from :func:`layer_class`.
 
     Constructed like the original, ``Layer(config, layer_idx)``, and called like it.
+    With ``output_attentions=True`` it computes the attention weights, as the original's
+    eager attention does, for that call.
     """
 
     backend = "fused"
     summary = "Fused decoder layer"
+    records_attention_weights = True
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         family = self.declared_family()
         self.self_attn = FusedAttention(config, layer_idx, family)
         self.mlp = FusedMLP(config, family)
-        self.input_layernorm = _family_norm(config.hidden_size, config, family)
-        self.post_attention_layernorm = _family_norm(config.hidden_size, config, family)
+        # the norms under the original's names, wherever the family puts them
+        for _, name in family.norms:
+            self.add_module(name, _family_norm(config.hidden_size, config, family))
+        self.residual_multiplier = original_numbers(family, config, layer_idx).residual_multiplier
+
+    def _norm(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        name = self.declared_family().norm_at(place)
+        return hidden_states if name is None else self.get_submodule(name)(hidden_states)
+
+    def _branch_out(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self._norm(place, hidden_states)
+        # Granite scales each branch before the residual sum
+        return out * self.residual_multiplier if self.residual_multiplier != 1.0 else out
 
     def _attention(
         self,
@@ -230,18 +301,21 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None,
+        *,
+        output_attentions: bool = False,
     ) -> torch.Tensor:
         attended: torch.Tensor = self.self_attn(
-            self.input_layernorm(hidden_states),
+            self._norm("attn_in", hidden_states),
             position_embeddings,
             attention_mask,
             past_key_values,
+            output_attentions=output_attentions,
         )
-        return attended
+        return self._branch_out("attn_out", attended)
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mixed: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden_states))
-        return mixed
+        mixed: torch.Tensor = self.mlp(self._norm("mlp_in", hidden_states))
+        return self._branch_out("mlp_out", mixed)
 
 
 def layer_class(family: Family) -> type[FusedDecoderLayer]:

@@ -527,6 +527,8 @@ class TEDecoderLayer(_layer.DecoderLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None,
+        *,
+        output_attentions: bool = False,  # TE computes no weights: the skeleton warns
     ) -> torch.Tensor:
         # the input RMSNorm is fused into self_attention.layernorm_qkv
         attended: torch.Tensor = self.self_attention(
