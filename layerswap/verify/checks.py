@@ -91,6 +91,10 @@ def verify(
     from layerswap.swap import decoder_layers, rebuild_originals, substitution_of, swap
 
     already_swapped = any(substitution_of(layer) for _, layer in decoder_layers(model))
+    if sub.slot == "head":
+        from layerswap.heads import head_substitution_of
+
+        already_swapped = head_substitution_of(model) is not None
     if already_swapped and streaming:
         raise ValueError(
             "streaming mode compares an original model with its swap; this model's layers "

@@ -1,0 +1,446 @@
+"""What every replacement causal-LM head shares: the transformers ``*ForCausalLM`` head contract.
+
+A head substitution keeps the model object and its modules; it changes the model's class
+to a subclass of the original (``model.__class__ = Fused<Name>``) whose ``forward`` runs
+the original's ``forward`` and, in training, takes the loss another way. Nothing is
+converted: ``state_dict``, ``save_pretrained`` (``architectures`` included: the subclass
+keeps the original's ``__name__``), tied embeddings and every parameter are untouched,
+and undo is setting the class back.
+
+What the original's ``forward`` does between ``self.lm_head(...)`` and its ``return`` is
+read from the installed transformers source (:func:`head_contract`): a family's
+``final_logit_softcapping``, ``logits_scaling`` or ``logit_scale`` is found there and
+reproduced; anything else after the projection (a router's auxiliary loss, a second
+head) is refused with :class:`~layerswap.errors.UpstreamDriftError` naming the statement.
+
+The training path (``labels`` given, model in training mode): the original ``forward``
+runs with ``labels=None`` while a pre-hook on ``lm_head`` records its input and hands it
+an empty sequence, so no logits are computed; the backend's ``loss`` then computes the
+language-modelling loss from the recorded hidden states, as transformers'
+``ForCausalLMLoss`` does (label shift, ``shift_labels``, ``ignore_index``,
+``num_items_in_batch``). ``logits`` is then ``None``; pass ``skip_logits=False`` to get
+the original computation (and the logits) instead. Without labels, or in eval mode, the
+original ``forward`` runs untouched.
+
+Example::
+
+    class PlainHead(CausalLMHead):
+        backend = "plain"
+
+        def _loss(self, hidden, weight, bias, targets, transforms, ignore_index):
+            return my_summed_cross_entropy(...)
+
+    sub = head_substitution(family, PlainHead, description="...")
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import contextvars
+import inspect
+import re
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerswap.errors import UnsupportedModelError, UpstreamDriftError
+from layerswap.ops.linear_cross_entropy import LogitTransform
+from layerswap.substitution import Family, Substitution, families
+from layerswap.weights import Converter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+__all__ = [
+    "CausalLMHead",
+    "HeadContract",
+    "HeadSubstitution",
+    "fused_loss_in_eval",
+    "head_class",
+    "head_class_named",
+    "head_contract",
+    "head_substitution",
+]
+
+# --- the original forward's head, read from its source -----------------------------------
+
+_TRANSFORMS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(
+            r"if self\.(?P<path>[\w.]+) is not None:\n"
+            r"    logits = logits / self\.(?P=path)\n"
+            r"    logits = torch\.tanh\(logits\)\n"
+            r"    logits = logits \* self\.(?P=path)"
+        ),
+        "softcap",
+    ),
+    (re.compile(r"logits = logits / self\.(?P<path>[\w.]+)"), "div"),
+    (re.compile(r"logits = logits \* self\.(?P<path>[\w.]+)"), "mul"),
+)
+_LOSS_CALL = re.compile(
+    r"if labels is not None:\n    loss = self\.loss_function\("
+    r"(logits=logits, labels=labels, |logits, labels, )[^\n]*\*\*kwargs\)"
+)
+
+
+@dataclass(frozen=True)
+class HeadContract:
+    """What the original ``forward`` does to the logits: ``(kind, "config.attr")`` steps."""
+
+    steps: tuple[tuple[str, str], ...] = ()
+
+    def transforms(self, model: nn.Module) -> tuple[LogitTransform, ...]:
+        """The steps with their values read from ``model`` (an unset soft-cap is skipped)."""
+        found = []
+        for kind, path in self.steps:
+            value: Any = model
+            for part in path.split("."):
+                value = getattr(value, part)
+            if value is None and kind == "softcap":
+                continue
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            found.append(LogitTransform(kind, float(value)))  # type: ignore[arg-type]
+        return tuple(found)
+
+
+def head_contract(causal_lm: type) -> HeadContract:
+    """Read what ``causal_lm.forward`` does after ``self.lm_head(...)``.
+
+    Raises :class:`UpstreamDriftError` naming the statement layerswap does not know, or
+    saying that the source cannot be read.
+    """
+    version = _transformers_version()
+    where = f"{causal_lm.__name__}.forward in transformers {version}"
+    try:
+        source = textwrap.dedent(inspect.getsource(causal_lm.forward))  # type: ignore[attr-defined]
+    except (OSError, TypeError) as exc:
+        raise UpstreamDriftError(f"{where}: its source cannot be read ({exc})") from exc
+    function = ast.parse(source).body[0]
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        raise UpstreamDriftError(f"{where}: not a plain function")
+    statements = [ast.unparse(statement) for statement in function.body]
+    projection = [
+        i
+        for i, text in enumerate(statements)
+        if re.fullmatch(r"logits = self\.lm_head\(.*\)", text)
+    ]
+    if len(projection) != 1:
+        raise UpstreamDriftError(
+            f"{where} does not compute its logits in one `logits = self.lm_head(...)` "
+            "statement; the head substitution needs that structure"
+        )
+    rest = statements[projection[0] + 1 :]
+    steps: list[tuple[str, str]] = []
+    while rest and rest[0] != "loss = None":
+        for pattern, kind in _TRANSFORMS:
+            match = pattern.fullmatch(rest[0])
+            if match:
+                steps.append((kind, match["path"]))
+                break
+        else:
+            raise UpstreamDriftError(
+                f"{where} transforms its logits in a way the head substitution does not "
+                f"reproduce: `{_first_line(rest[0])}`"
+            )
+        rest = rest[1:]
+    expected = ("loss = None", "the loss statement", "the return")
+    if (
+        len(rest) != 3
+        or rest[0] != "loss = None"
+        or not _LOSS_CALL.fullmatch(rest[1])
+        or not re.fullmatch(r"return \w+\(loss=loss, logits=logits, .*\)", rest[2])
+    ):
+        extra = next(
+            (text for text in rest[1:] if not _LOSS_CALL.fullmatch(text)), rest[-1] if rest else ""
+        )
+        raise UpstreamDriftError(
+            f"{where} does more with the loss than the head substitution reproduces "
+            f"(expected {', '.join(expected)}; found `{_first_line(extra)}`)"
+        )
+    return HeadContract(tuple(steps))
+
+
+def _first_line(text: str) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) < 100 else line[:97] + "..."
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+# --- the replacement class ----------------------------------------------------------------
+
+# set by HeadSubstitution.forward_context(): the fused loss also in eval mode (logits kept)
+_FUSED_IN_EVAL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "layerswap_fused_loss_in_eval", default=False
+)
+
+
+@contextlib.contextmanager
+def fused_loss_in_eval() -> Iterator[None]:
+    """Inside the block a swapped head takes its fused loss in eval mode too, logits kept.
+
+    Verification runs models in eval mode (no dropout); this makes it compare the loss and
+    gradients of the path training takes, next to the logits of the inference path.
+    """
+    token = _FUSED_IN_EVAL.set(True)
+    try:
+        yield
+    finally:
+        _FUSED_IN_EVAL.reset(token)
+
+
+class CausalLMHead(nn.Module):
+    """Mixed in before a family's ``*ForCausalLM``: the head-slot ``forward`` (module docstring).
+
+    A backend subclasses it and implements :meth:`_summed_loss`. The contract is read
+    when the class is made: :func:`head_class` raises :class:`UpstreamDriftError` for a
+    family whose head it cannot reproduce.
+    """
+
+    backend: ClassVar[str] = ""
+    summary: ClassVar[str] = "causal-LM head"
+    _layerswap_original: ClassVar[type[nn.Module]]
+    _layerswap_family: ClassVar[str]
+    _layerswap_contract: ClassVar[HeadContract]
+
+    def _summed_loss(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        transforms: Sequence[LogitTransform],
+        ignore_index: int,
+    ) -> torch.Tensor:
+        """The summed cross-entropy of ``transforms(F.linear(hidden, weight, bias))``."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"head={self._layerswap_family}.head.{self.backend} ({self.summary})"
+
+    def _layerswap_forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self._layerswap_original.forward
+        skip_logits = kwargs.pop("skip_logits", None)
+        signature = inspect.signature(original)
+        bound = signature.bind(self, *args, **kwargs)
+        labels = bound.arguments.get("labels")
+        if labels is None or skip_logits is False:
+            return original(self, *args, **kwargs)
+        if skip_logits is None and not self.training:
+            if not _FUSED_IN_EVAL.get():
+                return original(self, *args, **kwargs)
+            keep_logits = True
+        else:
+            keep_logits = False
+        extra = _var_keyword(signature, bound)
+        config = getattr(self, "config", None)
+        return_dict = extra.pop("return_dict", getattr(config, "return_dict", True))
+        extra["return_dict"] = True
+        bound.arguments["labels"] = None
+        output, projected = self._projected_input(
+            lambda: original(*bound.args, **bound.kwargs), keep_logits
+        )
+        loss = self._causal_lm_loss(projected, labels, extra)
+        fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
+        output = type(output)(loss=loss, logits=output.logits if keep_logits else None, **fields)
+        return output if return_dict is not False else output.to_tuple()
+
+    def _projected_input(
+        self, run: Callable[[], Any], keep_logits: bool
+    ) -> tuple[Any, torch.Tensor]:
+        """Run the original forward; record what ``lm_head`` receives (and skip it unless kept)."""
+        lm_head = self.get_submodule("lm_head")
+        self._check_head(lm_head)
+        recorded: list[torch.Tensor] = []
+        thread = threading.get_ident()
+
+        def record(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            if threading.get_ident() != thread or recorded:
+                return None  # another thread's call on this model, or a second projection
+            (hidden,) = args
+            recorded.append(hidden)
+            return None if keep_logits else (hidden.narrow(-2, 0, 0),)
+
+        handle = lm_head.register_forward_pre_hook(record)
+        try:
+            output = run()
+        finally:
+            handle.remove()
+        if len(recorded) != 1:
+            raise UnsupportedModelError(
+                f"{type(self).__name__}.forward did not call lm_head once; the fused head "
+                "cannot find the hidden states it projects"
+            )
+        return output, recorded[0]
+
+    def _check_head(self, lm_head: nn.Module) -> None:
+        name = f"{self._layerswap_family}.head.{self.backend}"
+        if type(lm_head) is not nn.Linear:
+            raise UnsupportedModelError(
+                f"{name} computes lm_head as a plain nn.Linear, but this model's lm_head is a "
+                f"{type(lm_head).__module__}.{type(lm_head).__qualname__} (an adapter or a "
+                "quantised layer?); its own computation would be bypassed. Undo the head "
+                "swap, or merge the adapter first"
+            )
+        hooks = [
+            hook
+            for attribute in ("_forward_hooks", "_forward_pre_hooks")
+            for hook in getattr(lm_head, attribute).values()
+        ]
+        if hooks:
+            raise UnsupportedModelError(
+                f"{name} does not run lm_head on the full hidden states, so the hooks on it "
+                f"would not see them: {', '.join(map(repr, hooks))}"
+            )
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        loss_function = getattr(self, "loss_function", None)
+        if loss_function is not ForCausalLMLoss:
+            raise UnsupportedModelError(
+                f"{name} reproduces transformers' ForCausalLMLoss, but this model's "
+                f"loss_function is {loss_function!r}"
+            )
+
+    def _causal_lm_loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any]
+    ) -> torch.Tensor:
+        """transformers' ``ForCausalLMLoss`` on the projection of ``hidden``, without logits."""
+        ignore_index = int(extra.get("ignore_index", -100))
+        targets = extra.get("shift_labels")
+        if targets is None:
+            targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = targets.reshape(-1).to(hidden.device)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if rows.shape[0] != targets.shape[0]:
+            raise UnsupportedModelError(
+                f"the head projects {rows.shape[0]} positions (hidden states "
+                f"{tuple(hidden.shape)}) but there are {targets.shape[0]} labels; with "
+                "logits_to_keep, pass labels (or shift_labels) for the kept positions only"
+            )
+        lm_head = self.get_submodule("lm_head")
+        assert isinstance(lm_head, nn.Linear)  # _check_head refused anything else
+        summed = self._summed_loss(
+            rows,
+            lm_head.weight,
+            lm_head.bias,
+            targets,
+            self._layerswap_contract.transforms(self),
+            ignore_index,
+        )
+        num_items = extra.get("num_items_in_batch")
+        if num_items is None:
+            return summed / (targets != ignore_index).sum()
+        if isinstance(num_items, torch.Tensor):
+            num_items = num_items.to(summed.device)
+        result: torch.Tensor = summed / num_items
+        return result
+
+
+def _var_keyword(signature: inspect.Signature, bound: inspect.BoundArguments) -> dict[str, Any]:
+    """The ``**kwargs`` dict of a bound call (created empty when absent)."""
+    for parameter in signature.parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            extra: dict[str, Any] = bound.arguments.setdefault(parameter.name, {})
+            return extra
+    raise UpstreamDriftError(
+        "the original forward takes no **kwargs; the head substitution passes "
+        "return_dict and reads num_items_in_batch through them"
+    )
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def head_class(base: type[CausalLMHead], family: Family) -> type[nn.Module]:
+    """``base`` mixed into ``family``'s causal LM class (made once, then cached).
+
+    The class keeps the original's ``__name__`` (``save_pretrained`` writes it into
+    ``architectures``; the Trainer reads it) and is importable from ``base``'s module under
+    its ``__qualname__``, ``<Backend><Original>`` (``FusedLlamaForCausalLM``), so a pickled
+    model loads.
+    """
+    original = family.causal_lm_class()
+    key = (base, family.name)
+    with _CLASSES_LOCK:
+        made = _CLASSES.get(key)
+        if made is not None and made._layerswap_original is original:  # type: ignore[attr-defined]
+            return made
+        qualname = f"{base.backend.capitalize()}{original.__name__}"
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return CausalLMHead._layerswap_forward(self, *args, **kwargs)
+
+        forward.__signature__ = inspect.signature(original.forward)  # type: ignore[attr-defined]
+        forward.__doc__ = original.forward.__doc__
+        forward.__qualname__ = f"{qualname}.forward"
+        made = type(
+            original.__name__,
+            (base, original),
+            {
+                "__module__": base.__module__,
+                "__qualname__": qualname,
+                "forward": forward,
+                "_layerswap_original": original,
+                "_layerswap_family": family.name,
+                "_layerswap_contract": head_contract(original),
+            },
+        )
+        _CLASSES[key] = made
+        return made
+
+
+def head_class_named(base: type[CausalLMHead], qualname: str) -> type[nn.Module]:
+    """The head class called ``qualname`` (``FusedLlamaForCausalLM``), for unpickling."""
+    prefix = base.backend.capitalize()
+    for family in families().values():
+        if qualname == f"{prefix}{family.causal_lm}":
+            return head_class(base, family)
+    raise AttributeError(f"module {base.__module__!r} has no attribute {qualname!r}")
+
+
+@dataclass(frozen=True)
+class HeadSubstitution(Substitution):
+    """A substitution of the ``head`` slot: a class swap of the family's causal LM."""
+
+    slot: str = "head"
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        """Verification's context: the fused loss in eval mode too (see :func:`fused_loss_in_eval`)."""
+        return fused_loss_in_eval()
+
+
+def check_head(sub: Substitution, config: PreTrainedConfig) -> None:
+    """The original causal LM's ``forward`` still has the head the substitution reproduces."""
+    head_contract(sub.original_class())
+
+
+def head_substitution(
+    family: Family, base: type[CausalLMHead], *, description: str
+) -> HeadSubstitution:
+    """The ``"<family>.head.<backend>"`` substitution for ``base``'s head."""
+    module = sys.modules[base.__module__].__name__
+    original = family.causal_lm
+    return HeadSubstitution(
+        name=f"{family.name}.head.{base.backend}",
+        family=family.name,
+        backend=base.backend,
+        original=f"{family.module}:{original}",
+        replacement=f"{module}:{base.backend.capitalize()}{original}",
+        converter=Converter(),
+        upstream=check_head,
+        description=description,
+    )

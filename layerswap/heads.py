@@ -1,0 +1,160 @@
+"""The ``head`` slot: swapping a causal LM's head (and its loss) on a built model, and undoing it.
+
+A head substitution (:class:`~layerswap.backends._head.HeadSubstitution`) changes the
+class of the model object to the backend's subclass of the family's ``*ForCausalLM``;
+no module, parameter or buffer changes, so ``state_dict``, ``save_pretrained``, tied
+embeddings, optimizers holding the parameters and PEFT keep working, and undo sets the
+class back. It composes with a decoder substitution in either order; each has its
+own handle.
+
+Example::
+
+    decoder = layerswap.swap(model, "llama.decoder.fused")
+    head = layerswap.swap(model, "llama.head.fused")
+    ...
+    head.undo(); decoder.undo()
+
+    with layerswap.use("llama.head.fused"):
+        model = LlamaForCausalLM.from_pretrained(path)   # built with the fused head
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from layerswap.backends._head import CausalLMHead
+from layerswap.errors import SubstitutionError
+from layerswap.swap import SwapHandle
+
+if TYPE_CHECKING:
+    from layerswap.patching import Scoped
+    from layerswap.substitution import Substitution
+
+__all__ = ["HeadSwapHandle", "head_substitution_of", "head_use", "swap_head", "unswap_head"]
+
+
+def head_substitution_of(model: nn.Module) -> str | None:
+    """The name of the head substitution ``model`` runs (``None`` for an original head)."""
+    if isinstance(model, CausalLMHead):
+        return f"{model._layerswap_family}.head.{model.backend}"
+    return None
+
+
+def _check_swappable(model: nn.Module, sub: Substitution) -> type[nn.Module]:
+    original = sub.original_class()
+    current = head_substitution_of(model)
+    if current is not None:
+        raise SubstitutionError(
+            f"the head of this {type(model).__name__} is already swapped by {current}; "
+            "undo that swap first"
+        )
+    if type(model) is not original:
+        raise SubstitutionError(
+            f"{sub.name} swaps the head of a {original.__name__}; this model is a "
+            f"{type(model).__module__}.{type(model).__qualname__}, "
+            + (
+                "a subclass whose own forward it would drop"
+                if isinstance(model, original)
+                else "not one"
+            )
+        )
+    config = getattr(model, "config", None)
+    if config is None:
+        raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
+    sub.check_upstream(config)
+    return sub.replacement_class()
+
+
+class HeadSwapHandle(SwapHandle):
+    """A head swap in effect; ``undo()`` sets the model's class back (nothing else changed)."""
+
+    def __init__(
+        self, model: nn.Module, substitution: Substitution, original: type[nn.Module]
+    ) -> None:
+        self.model = model
+        self.substitution = substitution
+        self._original = original
+        self._replacement = type(model)
+        self._records = []
+        self._active = True
+
+    @property
+    def swapped(self) -> list[tuple[str, type[nn.Module], type[nn.Module]]]:
+        """One row: ``("", original class, replacement class)`` (the model itself)."""
+        return [("", self._original, self._replacement)]
+
+    def undo(self) -> None:
+        """Put the original class back (a no-op when already undone)."""
+        if not self._active:
+            return
+        if type(self.model) is not self._replacement:
+            raise SubstitutionError(
+                f"cannot undo {self.substitution.name}: the model's class is now "
+                f"{type(self.model).__qualname__}, not {self._replacement.__qualname__} "
+                "(it was changed since)"
+            )
+        self.model.__class__ = self._original
+        self._active = False
+
+    def report(self) -> str:
+        """A readable summary: the substitution and the class swapped."""
+        state = "active" if self._active else "undone"
+        return (
+            f"{self.substitution.name}: head swapped ({state})\n"
+            f"  {self._original.__name__} -> {self._replacement.__qualname__}"
+        )
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return f"<HeadSwapHandle {self.substitution.name}: {state}>"
+
+
+def swap_head(model: nn.Module, sub: Substitution) -> HeadSwapHandle:
+    """Give ``model`` (an exact ``*ForCausalLM`` of ``sub``'s family) ``sub``'s head."""
+    original = type(model)
+    replacement = _check_swappable(model, sub)
+    model.__class__ = replacement
+    return HeadSwapHandle(model, sub, original)
+
+
+def unswap_head(model: nn.Module) -> bool:
+    """Give a model with a swapped head its original class back; whether it had one.
+
+    For a model built inside :func:`layerswap.use`, which has no handle to undo.
+    """
+    if not isinstance(model, CausalLMHead):
+        return False
+    restored: Any = model
+    restored.__class__ = model._layerswap_original
+    return True
+
+
+def head_use(sub: Substitution) -> list[Scoped]:
+    """The patches :func:`layerswap.use` starts for a head substitution.
+
+    Every exact ``*ForCausalLM`` of the family constructed inside the block (directly,
+    through an ``Auto`` class or ``from_pretrained``) gets the substitution's head when
+    its ``__init__`` finishes (``post_init``), before any weight is loaded.
+    """
+    from layerswap.patching import wrap
+
+    original = sub.original_class()
+    replacement = sub.replacement_class()
+    checked: list[bool] = []
+
+    def adopt(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        result = wrapped(*args, **kwargs)
+        if type(instance) is original:
+            if not checked:
+                sub.check_upstream(instance.config)
+                checked.append(True)
+            instance.__class__ = replacement
+        return result
+
+    return [wrap("transformers.modeling_utils:PreTrainedModel.post_init", adopt)]
