@@ -36,8 +36,8 @@ from torch import nn
 
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.forward import ContextFactory
-from layerswap.verify.heads import head_of
 from layerswap.verify.inputs import inputs_for, text_config
+from layerswap.verify.model_classes import head_of
 from layerswap.verify.placement import (
     DeviceLike,
     DTypeLike,

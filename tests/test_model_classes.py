@@ -20,7 +20,7 @@ import layerswap
 from layerswap.errors import UnsupportedModelError
 from layerswap.substitution import Substitution, get, use
 from layerswap.verify import default_inputs
-from layerswap.verify.heads import head_of
+from layerswap.verify.model_classes import head_of
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 CLASSES = {

@@ -27,10 +27,10 @@ are as they were when :func:`verify` returns, whatever happened inside.
 
 One module per concern: ``checks`` (:func:`verify`, :func:`assert_equivalent`),
 ``streaming``, ``forward`` (one model's pass: layer outputs, loss, gradients, generated
-tokens), ``heads`` (what each model class outputs and learns from: causal LM, sequence,
-token and question-answering classifiers, base model), ``compare`` (two passes into a
-report), ``gradients`` (a swapped model's gradients in the original layout), ``report``,
-``tolerance``, ``inputs``, and
+tokens), ``model_classes`` (what each model class outputs and learns from: causal LM,
+sequence, token and question-answering classifiers, base model), ``compare`` (two passes
+into a report), ``gradients`` (a swapped model's gradients in the original layout),
+``report``, ``tolerance``, ``inputs``, and
 ``placement`` and ``candidate`` (device and dtype, the working copy, the substitution
 checked for this machine), which :mod:`layerswap.bench` shares.
 

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from layerswap.errors import UnsupportedModelError
-from layerswap.verify.heads import head_of
 from layerswap.verify.inputs import pad_token_id, text_config
+from layerswap.verify.model_classes import head_of
 
 __all__ = [
     "ContextFactory",
@@ -118,7 +118,7 @@ def forward(
 ) -> Run:
     """One forward pass, capturing every decoder layer's output, in ``context``.
 
-    ``loss`` records the loss of the model's head (:mod:`layerswap.verify.heads`: the
+    ``loss`` records the loss of the model's head (:mod:`layerswap.verify.model_classes`: the
     language-modelling loss of a causal LM, the classification loss of a classifier...);
     ``backward`` also takes its gradient for every trainable parameter, by
     ``torch.autograd.grad`` rather than ``loss.backward()``, which leaves every ``.grad``
