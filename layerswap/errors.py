@@ -24,6 +24,7 @@ __all__ = [
     "TargetReadOnlyError",
     "TargetTypeError",
     "UnknownSubstitutionError",
+    "UnsupportedFamilyError",
     "UnsupportedModelError",
     "UpstreamDriftError",
     "VerificationError",
@@ -90,6 +91,11 @@ class UnknownSubstitutionError(SubstitutionError, LookupError):
 
 class RequirementError(SubstitutionError, RuntimeError):
     """A substitution cannot run here (a package, a device or a feature is missing)."""
+
+
+class UnsupportedFamilyError(SubstitutionError, ValueError):
+    """A model family's decoder layer has structure the replacement layers cannot express
+    (the message names it): it gets no declaration rather than a wrong one."""
 
 
 class UpstreamDriftError(SubstitutionError, RuntimeError):

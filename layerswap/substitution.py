@@ -65,6 +65,7 @@ __all__ = [
     "replace_decoder",
     "substitutions",
     "unregister",
+    "unregister_family",
     "use",
 ]
 
@@ -102,6 +103,16 @@ def _suggest(name: str, known: Iterable[str]) -> str:
 
 # --- families -----------------------------------------------------------------------
 
+#: Llama's norms: one before attention, one before the MLP
+PRE_NORMS: tuple[tuple[str, str], ...] = (
+    ("attn_in", "input_layernorm"),
+    ("mlp_in", "post_attention_layernorm"),
+)
+#: the places a norm can have in a decoder layer, in the order they apply
+NORM_PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+
+
+
 
 @dataclass(frozen=True)
 class Family:
@@ -131,11 +142,20 @@ class Family:
     qkv_bias: bool | str = "attention_bias"
     o_bias: bool | str = "attention_bias"
     mlp_bias: bool | str = False
-    qk_norm: bool = False
+    #: q/k RMSNorm: ``True`` over each head (Qwen3), ``"across"`` over all heads before
+    #: they are split (OLMo 2), ``False`` none
+    qk_norm: bool | str = False
     norm_offset: float = 0.0
     activation: str = "hidden_act"
+    #: where the decoder layer's norms sit: (place, module name) pairs, places
+    #: ``attn_in`` / ``attn_out`` (around attention) and ``mlp_in`` / ``mlp_out``
+    norms: tuple[tuple[str, str], ...] = PRE_NORMS
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = ""
+
+    def norm_at(self, place: str) -> str | None:
+        """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""
+        return dict(self.norms).get(place)
 
     def flag(self, feature: str, config: PreTrainedConfig) -> bool:
         """Whether ``feature`` (e.g. ``"qkv_bias"``) is on for ``config``."""
@@ -248,6 +268,22 @@ def register_family(family: Family, *, replace: bool = False) -> list[Substituti
             register(sub, replace=replace)
             added.append(sub)
         return added
+
+
+def unregister_family(name: str) -> Family:
+    """Remove the family called ``name`` and every substitution registered for it.
+
+    Example::
+
+        unregister_family("ministral")
+    """
+    _ensure_loaded()
+    with _LOCK:
+        family = get_family(name)
+        for sub_name in [key for key, sub in _REGISTRY.items() if sub.family == family.name]:
+            del _REGISTRY[sub_name]
+        del _FAMILIES[family.name]
+        return family
 
 
 # --- substitutions ------------------------------------------------------------------
@@ -422,11 +458,12 @@ def _ensure_loaded() -> None:
             return
         from layerswap.families import BUILTIN_FAMILIES
 
-        for family in BUILTIN_FAMILIES:
+        builtin = BUILTIN_FAMILIES
+        for family in builtin:
             _FAMILIES.setdefault(family.name, family)
         # set before the loops below: they call register(), which calls back here
         _LOADED = True
-        for family in BUILTIN_FAMILIES:
+        for family in builtin:
             for sub in _backend_substitutions(family):
                 _REGISTRY.setdefault(sub.name, sub)
         load_entry_points()

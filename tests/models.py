@@ -20,7 +20,10 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from layerswap.substitution import Family, get_family
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+from layerswap.substitution import families as _registered
+
+# every registered family: the hand-written ones and those inferred from transformers
+FAMILIES = tuple(sorted(_registered()))
 
 
 def family(name: str) -> Family:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from layerswap.backends import _layer
-from layerswap.backends.te_layout import TELayerSpec, te_converter
+from layerswap.backends.te_layout import TELayerSpec, te_converter, unexpressible
 from layerswap.errors import RequirementError
 from layerswap.substitution import Family, Substitution
 from layerswap.weights import is_extra_state
@@ -534,11 +534,16 @@ class TEDecoderLayer(_layer.DecoderLayer):
         attended: torch.Tensor = self.self_attention(
             hidden_states, position_embeddings, attention_mask, past_key_values
         )
-        return attended
+        return self._scaled(attended)
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         mixed: torch.Tensor = self.layernorm_mlp(hidden_states)  # RMSNorm fused in
-        return mixed
+        return self._scaled(mixed)
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        # Granite scales each branch before the residual sum
+        multiplier = self.spec.residual_multiplier
+        return branch * multiplier if multiplier != 1.0 else branch
 
     def _load_from_state_dict(
         self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
@@ -597,7 +602,7 @@ def substitution_for(family: Family) -> Substitution | None:
         sub = substitution_for(layerswap.families()["qwen2"])
         sub.unmet_requirement()     # None on a CUDA machine with TransformerEngine
     """
-    if family.norm_offset not in (0.0, 1.0):
+    if family.norm_offset not in (0.0, 1.0) or unexpressible(family) is not None:
         return None
     return _layer.decoder_substitution(
         layer_class(family),

@@ -43,7 +43,9 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from layerswap.backends._original import original_numbers
 from layerswap.errors import SubstitutionError
+from layerswap.substitution import PRE_NORMS
 from layerswap.weights import (
     Concat,
     Converter,
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Family
 
-__all__ = ["TE_ACTIVATIONS", "TELayerSpec", "te_converter"]
+__all__ = ["TE_ACTIVATIONS", "TELayerSpec", "te_converter", "unexpressible"]
 
 #: transformers ``hidden_act`` -> TE gated activation (first half activated, second half linear).
 #: TE's GELU is the tanh approximation, so only the tanh-GELU names map to ``geglu``.
@@ -151,6 +153,9 @@ class TELayerSpec:
     attention_dropout: float = 0.0
     initializer_range: float = 0.02
     unit_rope: bool = True
+    #: the original's softmax scale and branch multiplier (read off the original layer)
+    attention_scale: float | None = None
+    residual_multiplier: float = 1.0
 
     @property
     def q_size(self) -> int:
@@ -162,6 +167,8 @@ class TELayerSpec:
 
     @property
     def softmax_scale(self) -> float:
+        if self.attention_scale is not None:
+            return self.attention_scale
         return float(self.head_dim**-0.5)
 
     @property
@@ -184,7 +191,16 @@ class TELayerSpec:
                 f"{family.name}: TransformerEngine has no gated activation equal to "
                 f"{family.activation}={hidden_act!r} (it has {sorted(TE_ACTIVATIONS)})"
             )
+        reason = unexpressible(family)
+        if reason is not None:
+            raise SubstitutionError(f"{family.name}: {reason}")
         rope = getattr(config, "rope_parameters", None) or {}
+        numbers = original_numbers(family, config, layer_idx)
+        if numbers.attn_logit_softcapping is not None:
+            raise SubstitutionError(
+                f"{family.name}: TransformerEngine's attention has no logit soft-capping "
+                f"(attn_logit_softcapping={numbers.attn_logit_softcapping})"
+            )
         return cls(
             hidden_size=int(config.hidden_size),
             num_heads=int(config.num_attention_heads),
@@ -205,7 +221,24 @@ class TELayerSpec:
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
             initializer_range=float(getattr(config, "initializer_range", 0.02) or 0.02),
             unit_rope=rope.get("rope_type", "default") in _UNIT_ROPE_TYPES,
+            attention_scale=numbers.scaling,
+            residual_multiplier=numbers.residual_multiplier,
         )
+
+
+def unexpressible(family: Family) -> str | None:
+    """Why TransformerEngine's layer cannot express ``family``'s structure, or ``None``.
+
+    TE fuses one norm into the q/k/v GEMM and one into the MLP's first GEMM, so only
+    Llama's placement (a norm before attention and one before the MLP) maps; its q/k
+    norms are per head.
+    """
+    if family.norms != PRE_NORMS:
+        places = ", ".join(place for place, _ in family.norms)
+        return f"TransformerEngine's layer has norms before attention and the MLP only (this family: {places})"
+    if family.qk_norm == "across":
+        return "TransformerEngine's q/k norm is per head; this family normalises across heads"
+    return None
 
 
 def _sliding_window(config: PreTrainedConfig, layer_idx: int) -> int | None:

@@ -1,0 +1,375 @@
+"""Model families derived from the installed transformers, not written by hand.
+
+:func:`infer_family` reads a family's declaration off its modeling module: the causal
+LM, config and decoder-layer classes from transformers' auto mappings, and the layer's
+structure from one layer built for a tiny config -- which projections and norms it has
+and where the norms sit (by their names), per-head or across-head q/k norms, which
+biases follow which config switch, whether its RMSNorm scales by ``weight`` or
+``1 + weight`` (probed numerically), and which config field names the activation. What
+the layer computes with beyond structure (softmax scale, Granite's residual multiplier)
+the replacement reads off the original layer itself (:mod:`layerswap.backends._original`).
+
+A family whose layer has anything else -- another module, a parameter of its own, a
+LayerNorm, partial or absent rotary embeddings, a plain MLP -- is refused with the
+reason (:class:`~layerswap.errors.UnsupportedFamilyError`), never declared half-right.
+
+Inference sees structure, not every detail of a forward pass, so a family becomes
+builtin only once the generated tests verify it (:data:`VERIFIED`): the fused layer
+against the original in float32 on padded inputs, a training step, greedy generation,
+save and plain reload, undo. :func:`coverage` reports every decoder family the installed
+transformers ships.
+
+Example::
+
+    family = infer_family("olmo2")          # Family(name="olmo2", norms=(("attn_out", ...
+    layerswap.register_family(family)       # then verify it on your model
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerswap.errors import UnsupportedFamilyError
+from layerswap.families._tiny import TINY
+from layerswap.substitution import PRE_NORMS, Family
+
+__all__ = ["VERIFIED", "coverage", "decoder_model_types", "infer_family", "tiny_config_for"]
+
+#: model types whose inferred declaration the generated tests verify in CI; the builtin
+#: families beyond the hand-written ones
+VERIFIED: tuple[str, ...] = (
+    "cwm",
+    "gemma3_text",
+    "granite",
+    "ministral",
+    "olmo2",
+    "olmo3",
+)
+
+# the layouts of norms a decoder layer can have, by the names transformers gives them
+_NORM_LAYOUTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
+    frozenset({"input_layernorm", "post_attention_layernorm"}): PRE_NORMS,
+    frozenset(
+        {
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        }
+    ): (  # Gemma 2/3: a norm on each side of attention and of the MLP
+        ("attn_in", "input_layernorm"),
+        ("attn_out", "post_attention_layernorm"),
+        ("mlp_in", "pre_feedforward_layernorm"),
+        ("mlp_out", "post_feedforward_layernorm"),
+    ),
+    frozenset({"post_attention_layernorm", "post_feedforward_layernorm"}): (  # OLMo 2
+        ("attn_out", "post_attention_layernorm"),
+        ("mlp_out", "post_feedforward_layernorm"),
+    ),
+    frozenset({"input_layernorm", "pre_feedforward_layernorm"}): (  # VaultGemma
+        ("attn_in", "input_layernorm"),
+        ("mlp_in", "pre_feedforward_layernorm"),
+    ),
+}
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _auto_names(model_type: str) -> tuple[str, str, str]:
+    """(modeling module, causal LM class name, config class name) from the auto mappings."""
+    from transformers.models.auto.configuration_auto import (
+        CONFIG_MAPPING_NAMES,
+        model_type_to_module_name,
+    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    config = CONFIG_MAPPING_NAMES.get(model_type)
+    if not causal_lm or not config:
+        raise UnsupportedFamilyError(
+            f"{model_type}: transformers has no causal LM for this model type"
+        )
+    package = model_type_to_module_name(model_type)
+    return f"transformers.models.{package}.modeling_{package}", causal_lm, config
+
+
+def decoder_model_types() -> Iterator[str]:
+    """Every model type with a causal LM in the installed transformers, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    yield from sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config_for(config_class: type, **overrides: Any) -> Any:
+    """A tiny config of ``config_class``: the builtin families' sizes, nothing family-specific.
+
+    Head size is given explicitly (some configs default it to a large constant), special
+    tokens fall inside the small vocabulary, and rotary embeddings use the plain default.
+    """
+    sizes = {**TINY, "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
+    sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    sizes["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    sizes.update(overrides)
+    return config_class(**sizes)
+
+
+def _flag(build: Any, config: Any, probe: Any) -> bool | str:
+    """A bias as the config field that switches it (``"attention_bias"``), else a constant.
+
+    Every boolean config field with "bias" in its name is tried: the first whose value
+    decides whether ``probe`` finds the bias is the switch.
+    """
+    switches = [
+        key for key, value in config.to_dict().items() if isinstance(value, bool) and "bias" in key
+    ]
+    for switch in switches:
+        on, off = (probe(build(_with(config, switch, value))) for value in (True, False))
+        if on and not off:
+            return switch
+    return bool(probe(build(config)))
+
+
+def _with(config: Any, name: str, value: Any) -> Any:
+    clone = type(config).from_dict(config.to_dict())
+    setattr(clone, name, value)
+    clone._attn_implementation = config._attn_implementation
+    return clone
+
+
+def _norm_offset(norm: nn.Module, size: int, where: str) -> float:
+    """0 when the norm scales by ``weight``, 1 for ``1 + weight``; refuse anything else."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (size,):
+        raise UnsupportedFamilyError(f"{where}: a norm without a weight of size {size}")
+    if getattr(norm, "bias", None) is not None:
+        raise UnsupportedFamilyError(f"{where}: a norm with a bias (LayerNorm)")
+    sample = torch.randn(3, size, generator=torch.Generator().manual_seed(0)) + 0.5
+    rms = sample * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + getattr(norm, "eps", 1e-6))
+    with torch.no_grad():
+        saved = weight.detach().clone()
+        try:
+            weight.zero_()
+            out = norm(sample).float()
+        finally:
+            weight.copy_(saved)
+    if torch.allclose(out, torch.zeros_like(out)):
+        return 0.0
+    if torch.allclose(out, rms, atol=1e-4):
+        return 1.0
+    raise UnsupportedFamilyError(f"{where}: a norm that is not RMSNorm (LayerNorm?)")
+
+
+def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
+    """The :class:`~layerswap.Family` of ``model_type``, read off the installed transformers.
+
+    Raises :class:`~layerswap.errors.UnsupportedFamilyError` with the reason when the
+    decoder layer has structure the replacement layers cannot express, or -- with
+    ``verify`` (the default) -- when the fused layer built from the inferred declaration
+    does not match the original on a tiny model (float32, padded inputs, gradients):
+    structure can fit while the forward pass differs (rotary applied to some layers
+    only, another rotary convention), and such a family is refused, not declared.
+    """
+    module_name, causal_lm_name, config_name = _auto_names(model_type)
+    try:
+        module = importlib.import_module(module_name)
+        causal_lm = getattr(module, causal_lm_name)
+        config_class = getattr(
+            importlib.import_module(module_name.replace("modeling_", "configuration_")), config_name
+        )
+    except (ImportError, AttributeError) as exc:
+        raise UnsupportedFamilyError(f"{model_type}: {exc}") from exc
+    try:
+        config = tiny_config_for(config_class)
+    except Exception as exc:
+        raise UnsupportedFamilyError(f"{model_type}: no tiny config ({exc})") from exc
+    config._attn_implementation = "sdpa"
+    for feature in ("partial_rotary_factor",):
+        value = getattr(config, feature, None)
+        if value not in (None, 1, 1.0):
+            raise UnsupportedFamilyError(
+                f"{model_type}: partial rotary embeddings ({feature}={value})"
+            )
+    dropouts = {
+        key: value
+        for key, value in config.to_dict().items()
+        if "dropout" in key and key != "attention_dropout" and isinstance(value, float) and value
+    }
+    if dropouts:  # the fused layer applies attention dropout only
+        raise UnsupportedFamilyError(
+            f"{model_type}: dropout the fused layer does not apply ({dropouts})"
+        )
+    if getattr(config, "no_rope_layers", None) or getattr(config, "no_rope_layer_interval", None):
+        raise UnsupportedFamilyError(f"{model_type}: layers without rotary embeddings (NoPE)")
+    with torch.device("meta"):
+        try:
+            model = causal_lm(config)
+        except Exception as exc:
+            raise UnsupportedFamilyError(
+                f"{model_type}: cannot build a tiny model ({exc})"
+            ) from exc
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise UnsupportedFamilyError(f"{model_type}: no model.layers of decoder layers")
+    kinds = {type(layer) for layer in layers}
+    if len(kinds) != 1:
+        raise UnsupportedFamilyError(
+            f"{model_type}: layers of several kinds ({', '.join(sorted(k.__name__ for k in kinds))})"
+        )
+    shapes = {tuple(name for name, _ in layer.named_modules()) for layer in layers}
+    if len(shapes) != 1:  # one decoder class, some layers dense and some MoE
+        raise UnsupportedFamilyError(f"{model_type}: decoder layers of different structure")
+    decoder = next(iter(kinds))
+    if decoder.__module__ != module_name:
+        raise UnsupportedFamilyError(
+            f"{model_type}: its decoder layer lives in {decoder.__module__}"
+        )
+    where = f"{model_type} ({decoder.__name__})"
+    layer = layers[0]
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    missing = [
+        f"self_attn.{p}"
+        for p in _PROJECTIONS
+        if not isinstance(getattr(attention, p, None), nn.Linear)
+    ]
+    missing += [f"mlp.{p}" for p in _MLP if not isinstance(getattr(mlp, p, None), nn.Linear)]
+    if missing:
+        raise UnsupportedFamilyError(
+            f"{where}: no {', '.join(missing)} (not a gated MLP with q/k/v/o attention)"
+        )
+    norms = {n for n, child in layer.named_children() if n not in ("self_attn", "mlp")}
+    known_attention = set(_PROJECTIONS) | {"q_norm", "k_norm", "rotary_emb"}
+    extra = sorted(
+        [f"self_attn.{n}" for n, _ in attention.named_children() if n not in known_attention]
+        + [f"mlp.{n}" for n, _ in mlp.named_children() if n not in (*_MLP, "act_fn")]
+        + [n for n, _ in layer.named_parameters(recurse=False)]
+        + [f"self_attn.{n}" for n, _ in attention.named_parameters(recurse=False)]
+    )
+    layout = _NORM_LAYOUTS.get(frozenset(norms))
+    if layout is None:
+        extra += sorted(norms)
+    if extra:
+        raise UnsupportedFamilyError(
+            f"{where}: modules or parameters the fused layer has no counterpart for: {', '.join(extra)}"
+        )
+    assert layout is not None
+    head_dim = int(getattr(attention, "head_dim", config.head_dim))
+    qk_norm: bool | str = False
+    if hasattr(attention, "q_norm"):
+        size = tuple(attention.q_norm.weight.shape)
+        qk_norm = (
+            True
+            if size == (head_dim,)
+            else "across"
+            if size == (attention.q_proj.out_features,)
+            else "?"
+        )
+        if qk_norm == "?":
+            raise UnsupportedFamilyError(f"{where}: a q norm of shape {size}")
+
+    def build(cfg: Any) -> nn.Module:
+        with torch.device("meta"):
+            return decoder(cfg, 0)
+
+    # norms on real tensors: the offset is probed numerically
+    real = decoder(config, 0)
+    offsets = {
+        _norm_offset(real.get_submodule(n), config.hidden_size, f"{where} {n}") for _, n in layout
+    }
+    if qk_norm:
+        size = head_dim if qk_norm is True else attention.q_proj.out_features
+        offsets.add(_norm_offset(real.self_attn.q_norm, size, f"{where} self_attn.q_norm"))
+    if len(offsets) != 1:
+        raise UnsupportedFamilyError(f"{where}: norms with different offsets")
+    activation = next(
+        (
+            field
+            for field in ("hidden_act", "hidden_activation")
+            if isinstance(getattr(config, field, None), str)
+        ),
+        None,
+    )
+    if activation is None:
+        raise UnsupportedFamilyError(f"{where}: no hidden_act in its config")
+    family_name = name or model_type.removesuffix("_text")
+    family = Family(
+        name=family_name,
+        model_type=model_type,
+        module=module_name,
+        decoder=decoder.__name__,
+        config_class=config_class.__name__,
+        causal_lm=causal_lm_name,
+        qkv_bias=_flag(build, config, lambda lyr: lyr.self_attn.q_proj.bias is not None),
+        o_bias=_flag(build, config, lambda lyr: lyr.self_attn.o_proj.bias is not None),
+        mlp_bias=_flag(build, config, lambda lyr: lyr.mlp.gate_proj.bias is not None),
+        qk_norm=qk_norm,
+        norm_offset=offsets.pop(),
+        activation=activation,
+        norms=layout,
+        tiny={
+            key: value
+            for key, value in tiny_config_for(config_class).to_diff_dict().items()
+            if key in _TINY_KEYS
+        },
+        description=f"inferred from {module_name}",
+    )
+    if verify:
+        _verify_inferred(family, where)
+    return family
+
+
+def _verify_inferred(family: Family, where: str) -> None:
+    """Refuse ``family`` unless its fused layer matches the original on a tiny model."""
+    from layerswap.backends import fused
+    from layerswap.substitution import families, register_family, unregister_family
+    from layerswap.verify import verify
+
+    known = family.name in families()
+    try:
+        if not known:
+            register_family(family)
+        report = verify(family.build(seed=0), fused.substitution_for(family), backward=True)
+    except Exception as exc:
+        raise UnsupportedFamilyError(
+            f"{where}: the inferred fused layer cannot run ({exc})"
+        ) from exc
+    finally:
+        if not known:
+            unregister_family(family.name)
+    if not report.passed:
+        raise UnsupportedFamilyError(
+            f"{where}: the structure fits, but the fused layer does not compute what the "
+            f"original does: {report.failure_message()}"
+        )
+
+
+_TINY_KEYS = {*TINY, "head_dim", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
+
+
+def coverage() -> dict[str, str | None]:
+    """Every causal-LM model type of the installed transformers: ``None`` when a builtin
+    family covers it, else why not (refused by inference, or inferred but not verified)."""
+    from layerswap.substitution import families
+
+    covered = {family.model_type for family in families().values()}
+    report: dict[str, str | None] = {}
+    for model_type in decoder_model_types():
+        if model_type in covered:
+            report[model_type] = None
+            continue
+        try:
+            infer_family(model_type)
+        except UnsupportedFamilyError as exc:
+            report[model_type] = str(exc)
+        except Exception as exc:  # a modeling module that fails to import or build here
+            report[model_type] = f"{model_type}: {type(exc).__name__}: {exc}"
+        else:
+            report[model_type] = (
+                "fits the fused layer but is not verified: register_family(infer_family("
+                f"{model_type!r})) and verify it on your model"
+            )
+    return report

@@ -1,0 +1,142 @@
+"""Every registered family, generated from the registry: inference, and the fused layer proven.
+
+The families are the hand-written ones and those inferred from transformers'
+modeling modules (``layerswap/families/_inferred.py``); each gets the same checks on a
+tiny config built from its config class with random weights (fixed seeds, norms and
+biases perturbed): float32 verification on left-padded inputs with gradients and greedy
+generation, a training step, save -> plain transformers load, undo bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from models import FAMILIES, left_padded_batch, tiny_model, tokens
+
+import layerswap
+from layerswap.errors import UnsupportedFamilyError
+from layerswap.families import INFERRED
+from layerswap.families.infer import VERIFIED, coverage, infer_family
+from layerswap.substitution import families, get_family
+
+# --- inference -----------------------------------------------------------------------------
+
+
+def test_the_inferred_declarations_are_what_inference_gives_with_this_transformers() -> None:
+    inferred = [infer_family(model_type, verify=False) for model_type in VERIFIED]
+    assert list(INFERRED) == inferred, "stale: run python scripts/gen_families.py"
+    assert [dict(f.tiny) for f in INFERRED] == [dict(f.tiny) for f in inferred]
+
+
+def test_every_verified_model_type_is_a_builtin_family() -> None:
+    registered = {family.model_type for family in families().values()}
+    assert set(VERIFIED) <= registered
+    assert get_family("gemma3").model_type == "gemma3_text"  # the _text suffix is dropped
+
+
+def test_inference_reads_norm_placement_qk_norms_offsets_and_bias_switches() -> None:
+    olmo2 = infer_family("olmo2", verify=False)
+    assert olmo2.norms == (
+        ("attn_out", "post_attention_layernorm"),
+        ("mlp_out", "post_feedforward_layernorm"),
+    )
+    assert olmo2.qk_norm == "across" and olmo2.norm_offset == 0.0
+    gemma3 = infer_family("gemma3_text", verify=False)
+    assert [place for place, _ in gemma3.norms] == ["attn_in", "attn_out", "mlp_in", "mlp_out"]
+    assert gemma3.qk_norm is True and gemma3.norm_offset == 1.0
+    assert gemma3.activation == "hidden_activation"
+    granite = infer_family("granite", verify=False)
+    assert (granite.qkv_bias, granite.mlp_bias) == ("attention_bias", "mlp_bias")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("starcoder2", "not a gated MLP"),
+        ("mixtral", "not a gated MLP"),
+        ("stablelm", "no counterpart for: dropout"),
+        ("smollm3", "without rotary embeddings"),
+        ("seed_oss", "dropout the fused layer does not apply"),
+        ("qwen2_moe", "not a gated MLP"),
+        ("vit", "no causal LM"),
+    ],
+)
+def test_a_family_the_fused_layer_cannot_express_is_refused_with_the_reason(
+    model_type: str, reason: str
+) -> None:
+    with pytest.raises(UnsupportedFamilyError, match=reason):
+        infer_family(model_type)
+
+
+def test_a_family_whose_structure_fits_but_computes_otherwise_is_refused() -> None:
+    # EXAONE 4 looks like OLMo 2 but skips the rotary embedding on its full-attention
+    # layers: only the verification inference ends with can tell
+    with pytest.raises(UnsupportedFamilyError, match="does not compute what the original does"):
+        infer_family("exaone4")
+    assert infer_family("exaone4", verify=False).name == "exaone4"
+    assert "exaone4" not in families()  # the verification left the registry as it was
+
+
+def test_coverage_names_every_decoder_family_and_why_not() -> None:
+    report = coverage()
+    assert all(report[family.model_type] is None for family in families().values())
+    assert "not a gated MLP" in str(report["mixtral"])
+    assert "does not compute what the original does" in str(report["exaone4"])
+    assert len(report) > 100
+
+
+# --- the fused layer, for every registered family -------------------------------------------
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fused_matches_in_float32_with_gradients_and_generation(name: str) -> None:
+    model = tiny_model(name, seed=1)
+    report = layerswap.verify(
+        model,
+        f"{name}.decoder.fused",
+        left_padded_batch(model.config.vocab_size),
+        backward=True,
+        generate=4,
+    )
+    assert report.passed, report.summary()
+    assert report.max_rel_error < 1e-4
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_training_step_gives_the_same_loss(name: str) -> None:
+    reference = tiny_model(name, seed=2, num_hidden_layers=2).train()
+    candidate = copy.deepcopy(reference)
+    layerswap.swap(candidate, f"{name}.decoder.fused")
+    ids = tokens(reference.config.vocab_size, (2, 12))
+    losses = []
+    for model in (reference, candidate):
+        torch.manual_seed(0)  # the same dropout draws, where a family has attention dropout
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(2):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_save_loads_in_plain_transformers_and_undo_is_bitwise(name: str, tmp_path: Path) -> None:
+    model = tiny_model(name, seed=3)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    ids = tokens(model.config.vocab_size)
+    handle = layerswap.swap(model, f"{name}.decoder.fused")
+    with torch.no_grad():
+        swapped = model(ids).logits
+    model.save_pretrained(tmp_path)
+    plain = get_family(name).causal_lm_class().from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, swapped, atol=1e-5, rtol=1e-5)
+    handle.undo()
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[key], value) for key, value in before.items())
