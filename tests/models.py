@@ -19,7 +19,6 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from layerswap.substitution import Family, get_family
-
 from layerswap.substitution import families as _registered
 
 # every registered family: the hand-written ones and those inferred from transformers

@@ -10,16 +10,19 @@ generation, a training step, save -> plain transformers load, undo bitwise.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from models import FAMILIES, left_padded_batch, tiny_model, tokens
+from typer.testing import CliRunner
 
 import layerswap
+from layerswap.cli import app
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families import INFERRED
-from layerswap.families.infer import VERIFIED, coverage, infer_family
+from layerswap.families.infer import VERIFIED, infer_family
 from layerswap.substitution import families, get_family
 
 # --- inference -----------------------------------------------------------------------------
@@ -80,12 +83,18 @@ def test_a_family_whose_structure_fits_but_computes_otherwise_is_refused() -> No
     assert "exaone4" not in families()  # the verification left the registry as it was
 
 
-def test_coverage_names_every_decoder_family_and_why_not() -> None:
-    report = coverage()
-    assert all(report[family.model_type] is None for family in families().values())
-    assert "not a gated MLP" in str(report["mixtral"])
-    assert "does not compute what the original does" in str(report["exaone4"])
-    assert len(report) > 100
+def test_list_all_names_every_decoder_family_and_why_not() -> None:
+    result = CliRunner().invoke(app, ["list", "--all", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["model_type"]: row for row in json.loads(result.output)}
+    assert len(rows) > 100  # every causal-LM model type of the installed transformers
+    for family in families().values():
+        row = rows[family.model_type]
+        assert row["reason"] is None and row["family"] == family.name
+        assert "fused" in row["backends"]
+    assert "te" in rows["llama"]["backends"] and "te" not in rows["olmo2"]["backends"]
+    assert "not a gated MLP" in rows["mixtral"]["reason"]
+    assert "does not compute what the original does" in rows["exaone4"]["reason"]
 
 
 # --- the fused layer, for every registered family -------------------------------------------

@@ -214,7 +214,7 @@ class TELayerSpec:
             qkv_bias=family.flag("qkv_bias", config),
             o_bias=family.flag("o_bias", config),
             mlp_bias=family.flag("mlp_bias", config),
-            qk_norm=family.qk_norm,
+            qk_norm=bool(family.qk_norm),  # per head: unexpressible() refuses "across"
             zero_centered_norm=family.norm_offset == 1.0,
             causal=not getattr(config, "use_bidirectional_attention", False),
             sliding_window=_sliding_window(config, layer_idx),

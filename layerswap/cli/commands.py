@@ -16,6 +16,7 @@ from layerswap.cli.output import Output, Progress, print_json
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
 from layerswap.cli.render import (
     render_bench,
+    render_coverage,
     render_environment,
     render_header,
     render_substitutions,
@@ -73,9 +74,20 @@ def list_command(
     backend: Annotated[
         str | None, typer.Option("--backend", help="Only this backend.", show_default=False)
     ] = None,
+    all_families: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Every decoder family the installed transformers ships: covered, or why not "
+            "(infers and verifies each one: takes a minute).",
+        ),
+    ] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Every registered substitution: family, backend, and whether it can run here."""
+    if all_families:
+        _list_coverage(json_output)
+        return
     with exit_codes():
         from layerswap.substitution import substitutions
 
@@ -98,6 +110,25 @@ def list_command(
         print_json(rows)
         return
     render_substitutions(Output(), rows)
+
+
+def _list_coverage(json_output: bool) -> None:
+    with exit_codes():
+        from layerswap.families.infer import coverage
+        from layerswap.substitution import families, substitutions
+
+        by_type = {family.model_type: family.name for family in families().values()}
+        rows = []
+        for model_type, reason in coverage().items():
+            name = by_type.get(model_type)
+            backends = sorted(sub.backend for sub in substitutions(family=name)) if name else []
+            rows.append(
+                {"model_type": model_type, "family": name, "backends": backends, "reason": reason}
+            )
+    if json_output:
+        print_json(rows)
+        return
+    render_coverage(Output(), rows)
 
 
 @app.command()

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "render_bench",
+    "render_coverage",
     "render_environment",
     "render_header",
     "render_substitutions",
@@ -144,6 +145,21 @@ def render_substitutions(console: Output, rows: list[dict[str, Any]]) -> None:
         usable = Text("yes", style="green") if row["usable"] else Text(f"no: {row['reason']}")
         table.add_row(row["name"], row["family"], row["backend"], usable)
     console.emit(table)
+
+
+def render_coverage(console: Output, rows: list[dict[str, Any]]) -> None:
+    """One row per decoder model type: the family and backends covering it, or why not."""
+    table = _table("model type", "family", "backends", "why not")
+    for row in rows:
+        table.add_row(
+            row["model_type"],
+            row["family"] or "-",
+            ", ".join(row["backends"]) or "-",
+            "" if row["reason"] is None else Text(row["reason"]),
+        )
+    console.emit(table)
+    covered = sum(row["reason"] is None for row in rows)
+    console.print(f"{covered} of {len(rows)} causal-LM model types covered")
 
 
 def render_environment(

@@ -98,6 +98,11 @@ def _auto_names(model_type: str) -> tuple[str, str, str]:
     return f"transformers.models.{package}.modeling_{package}", causal_lm, config
 
 
+def _gist(exc: BaseException) -> str:
+    """The first sentence of an error message, on one line."""
+    return " ".join(str(exc).split()).split(". ")[0]
+
+
 def decoder_model_types() -> Iterator[str]:
     """Every model type with a causal LM in the installed transformers, sorted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -130,7 +135,7 @@ def _flag(build: Any, config: Any, probe: Any) -> bool | str:
     for switch in switches:
         on, off = (probe(build(_with(config, switch, value))) for value in (True, False))
         if on and not off:
-            return switch
+            return str(switch)
     return bool(probe(build(config)))
 
 
@@ -186,7 +191,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     try:
         config = tiny_config_for(config_class)
     except Exception as exc:
-        raise UnsupportedFamilyError(f"{model_type}: no tiny config ({exc})") from exc
+        raise UnsupportedFamilyError(f"{model_type}: no tiny config ({_gist(exc)})") from exc
     config._attn_implementation = "sdpa"
     for feature in ("partial_rotary_factor",):
         value = getattr(config, feature, None)
@@ -210,7 +215,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             model = causal_lm(config)
         except Exception as exc:
             raise UnsupportedFamilyError(
-                f"{model_type}: cannot build a tiny model ({exc})"
+                f"{model_type}: cannot build a tiny model ({_gist(exc)})"
             ) from exc
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -229,8 +234,9 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             f"{model_type}: its decoder layer lives in {decoder.__module__}"
         )
     where = f"{model_type} ({decoder.__name__})"
-    layer = layers[0]
-    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    layer: nn.Module = layers[0]
+    attention: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
     missing = [
         f"self_attn.{p}"
         for p in _PROJECTIONS
@@ -259,30 +265,26 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     assert layout is not None
     head_dim = int(getattr(attention, "head_dim", config.head_dim))
     qk_norm: bool | str = False
+    q_width = int(attention.q_proj.out_features)
     if hasattr(attention, "q_norm"):
-        size = tuple(attention.q_norm.weight.shape)
-        qk_norm = (
-            True
-            if size == (head_dim,)
-            else "across"
-            if size == (attention.q_proj.out_features,)
-            else "?"
-        )
-        if qk_norm == "?":
-            raise UnsupportedFamilyError(f"{where}: a q norm of shape {size}")
+        shape = tuple(attention.q_norm.weight.shape)
+        if shape not in ((head_dim,), (q_width,)):
+            raise UnsupportedFamilyError(f"{where}: a q norm of shape {shape}")
+        qk_norm = True if shape == (head_dim,) else "across"
 
     def build(cfg: Any) -> nn.Module:
         with torch.device("meta"):
             return decoder(cfg, 0)
 
     # norms on real tensors: the offset is probed numerically
-    real = decoder(config, 0)
+    real: nn.Module = decoder(config, 0)
     offsets = {
         _norm_offset(real.get_submodule(n), config.hidden_size, f"{where} {n}") for _, n in layout
     }
     if qk_norm:
-        size = head_dim if qk_norm is True else attention.q_proj.out_features
-        offsets.add(_norm_offset(real.self_attn.q_norm, size, f"{where} self_attn.q_norm"))
+        size = head_dim if qk_norm is True else q_width
+        q_norm = real.get_submodule("self_attn.q_norm")
+        offsets.add(_norm_offset(q_norm, size, f"{where} self_attn.q_norm"))
     if len(offsets) != 1:
         raise UnsupportedFamilyError(f"{where}: norms with different offsets")
     activation = next(
