@@ -151,7 +151,7 @@ class Family:
     #: ``attn_in`` / ``attn_out`` (around attention) and ``mlp_in`` / ``mlp_out``
     norms: tuple[tuple[str, str], ...] = PRE_NORMS
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    description: str = ""
+    description: str = field(default="", compare=False)
 
     def norm_at(self, place: str) -> str | None:
         """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""
