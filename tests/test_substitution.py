@@ -100,7 +100,8 @@ def test_substitutions_filter_by_family_and_backend() -> None:
     assert {sub.family for sub in fused_subs} >= set(FAMILIES)
     assert [sub.name for sub in fused_subs] == sorted(sub.name for sub in fused_subs)
     assert layerswap.substitutions(family="qwen3", backend="fused") == [
-        layerswap.get("qwen3.decoder.fused")
+        layerswap.get("qwen3.decoder.fused"),
+        layerswap.get("qwen3.head.fused"),
     ]
 
 
