@@ -390,6 +390,9 @@ class Substitution:
     requirement: Callable[[], str | None] = _runs_anywhere
     upstream: Callable[[Substitution, PreTrainedConfig], None] | None = check_structure
     description: str = ""
+    #: what it replaces: ``"decoder"`` (every decoder layer) or ``"head"`` (the causal LM's
+    #: head and loss, a class swap of the model: :mod:`layerswap.heads`)
+    slot: str = "decoder"
 
     def unmet_requirement(self) -> str | None:
         """Why this substitution cannot run here, or ``None`` when it can."""
@@ -650,6 +653,10 @@ def use(substitution: str | Substitution) -> SubstitutionUse:
     from layerswap.swap import adopt_constructed, loading_transforms
 
     sub = get(substitution)
+    if sub.slot == "head":
+        from layerswap.heads import head_use
+
+        return SubstitutionUse(sub, head_use(sub))
     replacement = sub.replacement_class()
     original = sub.original_class()  # fails now, not at construction, if transformers lost it
 

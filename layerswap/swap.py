@@ -391,6 +391,10 @@ def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int
     """
     sub = _choose(substitution, None, family_of(model))
     target = _unwrap(model)
+    if sub.slot == "head":
+        from layerswap.heads import unswap_head
+
+        return int(unswap_head(target))
     config = _layer_config(target.config)
     original_cls = sub.original_class()
     rebuilt = 0
@@ -810,6 +814,10 @@ def swap(
             f"({type(target).__name__}); use {family.name}.decoder.{sub.backend} "
             "or swap(model, backend=...)"
         )
+    if sub.slot == "head":
+        from layerswap.heads import swap_head
+
+        return swap_head(target, sub)
     replacement_cls = sub.replacement_class()
     original_cls = sub.original_class()
     config = getattr(target, "config", None)

@@ -344,6 +344,13 @@ def substitution_for(family: Family) -> Substitution:
     )
 
 
+def substitutions_for(family: Family) -> list[Substitution]:
+    """``"<family>.decoder.fused"`` and ``"<family>.head.fused"`` (:mod:`.head_fused`)."""
+    from layerswap.backends.head_fused import head_substitution_for
+
+    return [substitution_for(family), head_substitution_for(family)]
+
+
 def __getattr__(name: str) -> Any:
     # a pickled model names its layer class; make it on demand in a fresh process
     return _layer.family_layer_class_named(FusedDecoderLayer, name)
