@@ -112,8 +112,6 @@ PRE_NORMS: tuple[tuple[str, str], ...] = (
 NORM_PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
 
-
-
 @dataclass(frozen=True)
 class Family:
     """A transformers model family, declared as data.

@@ -37,8 +37,8 @@ from layerswap.errors import (
     SwapWarning,
     UnknownSubstitutionError,
 )
-from layerswap.substitution import Family, Substitution, families, get
 from layerswap.state import install_load_hook
+from layerswap.substitution import Family, Substitution, families, get
 from layerswap.weights import is_extra_state
 
 if TYPE_CHECKING:
