@@ -97,6 +97,19 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
     assert "does not compute what the original does" in rows["exaone4"]["reason"]
 
 
+def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None:
+    # weights and a cap that bend the scores (the tiny config's cap of 50 barely does)
+    bent = {"attn_logit_softcapping": 1.0, "initializer_range": 0.2}
+    model = tiny_model("gemma2", seed=4, **bent)
+    assert model.config._attn_implementation == "eager"  # Gemma 2 refuses SDPA
+    batch = left_padded_batch(model.config.vocab_size)
+    report = layerswap.verify(model, "gemma2.decoder.fused", batch, backward=True)
+    assert report.passed, report.summary()
+    uncapped = tiny_model("gemma2", seed=4, **{**bent, "attn_logit_softcapping": None})
+    with torch.no_grad():
+        assert not torch.allclose(model(**batch).logits, uncapped(**batch).logits, atol=1e-3)
+
+
 # --- the fused layer, for every registered family -------------------------------------------
 
 

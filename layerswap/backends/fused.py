@@ -2,7 +2,7 @@
 
 One projection computes q, k and v; one computes gate and up; norms are
 ``torch.nn.functional.rms_norm``; attention is ``scaled_dot_product_attention``
-with grouped-query attention. The layer follows the transformers 5 decoder-layer
+with grouped-query attention (computed eagerly where the family soft-caps the logits). The layer follows the transformers 5 decoder-layer
 contract: it receives ``position_embeddings=(cos, sin)``, the 4-D mask the model
 built (which already encodes padding and any sliding window) and the cache, and
 returns the hidden-states tensor.
@@ -111,11 +111,8 @@ class FusedAttention(nn.Module):
         self.num_key_value_groups = self.sizes[0] // self.sizes[1]
         numbers = original_numbers(family, config, layer_idx)
         self.scaling = numbers.scaling
-        if numbers.attn_logit_softcapping is not None:
-            raise RequirementError(
-                f"the fused layer has no attention logit soft-capping; this {family.name} "
-                f"config sets attn_logit_softcapping={numbers.attn_logit_softcapping}"
-            )
+        # Gemma 2: scores = tanh(scores / cap) * cap; SDPA cannot, so attention is eager
+        self.softcap = numbers.attn_logit_softcapping
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
         self.is_causal = not getattr(config, "use_bidirectional_attention", False)
         self.qkv_proj = nn.Linear(
@@ -194,7 +191,7 @@ class FusedAttention(nn.Module):
             is_causal = bool(is_causal)
         if is_causal and key.shape[2] > query_length:
             key, value = key[:, :, :query_length], value[:, :, :query_length]
-        if weights:
+        if weights or self.softcap is not None:
             return self._attend_eagerly(query, key, value, mask, is_causal)
         extra: dict[str, Any] = {}
         if self.num_key_value_groups > 1:
@@ -228,11 +225,14 @@ class FusedAttention(nn.Module):
         is_causal: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention through explicit weights: softmax(q k^T * scale + mask) v, as
-        transformers' eager attention (softmax in float32, dropout on the weights)."""
+        transformers' eager attention (softmax in float32, dropout on the weights), the
+        scores soft-capped before the mask where the family caps them."""
         if self.num_key_value_groups > 1:
             key = key.repeat_interleave(self.num_key_value_groups, dim=1)
             value = value.repeat_interleave(self.num_key_value_groups, dim=1)
         scores = torch.matmul(query, key.transpose(2, 3)) * self.scaling
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if is_causal:
             length = query.shape[2]
             mask = torch.ones(length, key.shape[2], dtype=torch.bool, device=query.device).tril()

@@ -44,11 +44,13 @@ __all__ = ["VERIFIED", "coverage", "decoder_model_types", "infer_family", "tiny_
 #: families beyond the hand-written ones
 VERIFIED: tuple[str, ...] = (
     "cwm",
+    "gemma2",
     "gemma3_text",
     "granite",
     "ministral",
     "olmo2",
     "olmo3",
+    "vaultgemma",
 )
 
 # the layouts of norms a decoder layer can have, by the names transformers gives them
@@ -192,7 +194,9 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         config = tiny_config_for(config_class)
     except Exception as exc:
         raise UnsupportedFamilyError(f"{model_type}: no tiny config ({_gist(exc)})") from exc
-    config._attn_implementation = "sdpa"
+    # the fused layer reads the 4-D masks of both; eager where the model refuses SDPA
+    # (Gemma 2: soft-capped attention)
+    config._attn_implementation = "sdpa" if getattr(causal_lm, "_supports_sdpa", True) else "eager"
     for feature in ("partial_rotary_factor",):
         value = getattr(config, feature, None)
         if value not in (None, 1, 1.0):
