@@ -3,9 +3,9 @@
 A backend module offers ``substitution_for(family) -> Substitution | None``:
 the substitution named ``"<family>.decoder.<backend>"``, or ``None`` when the
 backend cannot express that family. A backend with variants (``te`` and its FP8
-form ``te_fp8``) offers ``substitutions_for(family) -> list[Substitution]``
-instead, which the registry prefers. The registry loops over families x
-:data:`BUILTIN_BACKENDS`; importing a backend module must not need its optional
+form ``te_fp8``) or with more than one slot (``fused`` and ``liger`` offer a head too)
+offers ``substitutions_for(family) -> list[Substitution]`` instead, which the registry
+prefers. The registry loops over families x :data:`BUILTIN_BACKENDS`; importing a backend module must not need its optional
 dependencies (those are the substitution's ``requirement``).
 
 Every builtin backend's layer derives from ``_layer.DecoderLayer``, which holds the
@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["BUILTIN_BACKENDS", "backend_module", "backend_substitutions"]
 
-BUILTIN_BACKENDS = ("fused", "te")
+BUILTIN_BACKENDS = ("fused", "te", "liger")
 
 
 def backend_module(name: str) -> ModuleType | None:

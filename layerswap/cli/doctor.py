@@ -71,6 +71,18 @@ def environment() -> list[dict[str, str]]:
                 "enables": "te backend: pip install 'layerswap[te]' on a CUDA machine",
             }
         )
+    liger_found = importlib.util.find_spec("liger_kernel") is not None
+    rows.append(
+        {
+            "component": "Liger-Kernel",
+            "status": (_version("liger-kernel") or "installed") if liger_found else "not installed",
+            "enables": (
+                ("liger backend (needs Triton)" if cuda else "liger backend once CUDA is there")
+                if liger_found
+                else "liger backend: pip install 'layerswap[liger]' on a CUDA machine"
+            ),
+        }
+    )
     return rows
 
 

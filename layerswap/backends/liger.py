@@ -1,0 +1,479 @@
+"""The ``liger`` backend: decoder layers built from Liger-Kernel's Triton kernels, GPU only.
+
+The layer keeps the original's modules and names (``self_attn.q_proj`` ... ``mlp.down_proj``,
+the norms where the family puts them), so its weights are the original's, unconverted; what
+changes is how they are used:
+
+- every RMSNorm (input, post-attention, pre/post feed-forward, q/k norms per head or across
+  heads) is Liger's RMSNorm kernel, with the family's offset (Gemma: ``1 + weight``, in
+  Liger's "gemma" casting mode: all in float32; otherwise its "llama" mode: the normalised
+  input cast back before the weight multiplies it);
+- the gated MLP's activation-times-up is Liger's SwiGLU kernel (``silu``) or GeGLU kernel
+  (tanh-approximated GELU);
+- the rotary embedding is Liger's RoPE kernel, applied to the ``(cos, sin)`` the model
+  passes (so every rotary variant the model's rotary module implements is kept);
+- attention is ``scaled_dot_product_attention`` with grouped-query attention, as in the
+  ``fused`` layer; the mask the model built holds padding and any sliding window.
+
+The decoder-layer contract (signature, residuals, cache update) is
+:mod:`layerswap.backends._layer`. The ``head`` slot's Liger form,
+``"<family>.head.liger"``, is :mod:`layerswap.backends.head_liger`.
+
+Refused, with the reason (:func:`unsupported`): attention logit soft-capping (SDPA has
+none) and activations Liger has no gated kernel for. Nothing here imports Liger-Kernel
+until a layer runs, so this module loads on any machine; :func:`unmet_requirement` says
+why it cannot run.
+
+Example::
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    handle = layerswap.swap(model, "llama.decoder.liger")
+    loss = model(input_ids, labels=input_ids).loss
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerswap.backends import _layer
+from layerswap.backends._original import OriginalNumbers, original_numbers
+from layerswap.errors import RequirementError
+from layerswap.substitution import Family, Substitution
+from layerswap.weights import Converter, head_dim, qkv_sizes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
+
+__all__ = [
+    "CONVERTER",
+    "GATED_KERNELS",
+    "NOT_INSTALLED",
+    "NO_CUDA",
+    "LigerAttention",
+    "LigerDecoderLayer",
+    "LigerMLP",
+    "LigerRMSNorm",
+    "kernels",
+    "layer_class",
+    "substitution_for",
+    "substitutions_for",
+    "unmet_requirement",
+    "unsupported",
+]
+
+NOT_INSTALLED = "liger-kernel is not installed (pip install 'layerswap[liger]')"
+NO_CUDA = "needs a CUDA GPU (Liger's kernels are Triton)"
+
+#: Liger-Kernel's functional API: its kernels as autograd functions
+_FUNCTIONAL = "liger_kernel.transformers.functional"
+
+#: a config's activation -> the Liger kernel computing ``act(gate) * up`` with it
+GATED_KERNELS = {
+    "silu": "liger_swiglu",
+    "swish": "liger_swiglu",
+    "gelu_pytorch_tanh": "liger_geglu",  # Liger's GeGLU is the tanh approximation
+    "gelu_new": "liger_geglu",
+}
+
+#: the original layer's weights are the replacement's: no tensor is renamed or fused
+CONVERTER = Converter()
+
+# enable_gqa arrived in torch 2.5
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+# --- requirements ------------------------------------------------------------------------
+
+
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("liger_kernel") is not None
+    except (ImportError, ValueError):  # a broken or half-imported package
+        return False
+
+
+def unmet_requirement() -> str | None:
+    """Why the ``liger`` layers and head cannot run here, or ``None`` when they can.
+
+    Checked in order: liger-kernel installed, a CUDA (or ROCm) GPU visible, and Liger's
+    kernels importable (Triton installed and working).
+
+    Example::
+
+        from layerswap.backends import liger
+        liger.unmet_requirement()   # "liger-kernel is not installed (pip install ...)"
+    """
+    if not _installed():
+        return NOT_INSTALLED
+    if not torch.cuda.is_available():
+        return NO_CUDA
+    try:
+        importlib.import_module(_FUNCTIONAL)
+    except Exception as exc:  # no triton, or a triton that does not fit this torch
+        return f"liger-kernel is installed but its kernels cannot be imported: {exc}"
+    return None
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """``liger_kernel.transformers.functional``, or :class:`RequirementError` with the reason.
+
+    Example::
+
+        liger.kernels().liger_swiglu(gate, up)
+    """
+    reason = unmet_requirement()
+    if reason is not None:
+        raise RequirementError(f"the liger backend cannot run here: {reason}")
+    return importlib.import_module(_FUNCTIONAL)
+
+
+def require_cuda(tensor: torch.Tensor, where: object) -> None:
+    """:class:`RequirementError` unless Liger can run and ``tensor`` is on the GPU."""
+    kernels()
+    if not tensor.is_cuda:
+        # Triton's own failure on a CPU tensor is a pointer error deep in a kernel launch
+        raise RequirementError(
+            f"{type(where).__name__} runs Liger's Triton kernels on CUDA tensors; move the "
+            "model to the GPU (model.cuda())"
+        )
+
+
+# --- what the layer can express ------------------------------------------------------------
+
+
+def gated_kernel(activation: object) -> str | None:
+    """The Liger kernel name for ``activation`` (a config's ``hidden_act``), or ``None``."""
+    return GATED_KERNELS.get(str(activation))
+
+
+def _config_problem(
+    family: Family, config: PreTrainedConfig, numbers: OriginalNumbers
+) -> str | None:
+    """Why Liger's layer cannot compute ``family``'s layer with ``config`` and ``numbers``."""
+    activation = getattr(config, family.activation, None)
+    if gated_kernel(activation) is None:
+        return (
+            f"Liger has no gated-MLP kernel for {family.activation}={activation!r} (it has "
+            "SwiGLU for silu and GeGLU for the tanh-approximated GELU)"
+        )
+    if numbers.attn_logit_softcapping is not None:
+        return (
+            "the liger layer attends with scaled_dot_product_attention, which has no "
+            f"attention logit soft-capping (attn_logit_softcapping={numbers.attn_logit_softcapping})"
+        )
+    return None
+
+
+@functools.cache
+def unsupported(family: Family) -> str | None:
+    """Why the ``liger`` layer cannot express ``family``, or ``None``.
+
+    Every norm placement, q/k norms per head or across heads, the norm offset, biases,
+    GQA, sliding windows (through the mask) and residual multipliers map onto the layer.
+    Judged on the family's default configuration (its tiny config); a config you bring is
+    checked again when a layer is built.
+
+    Example::
+
+        liger.unsupported(layerswap.families()["gemma2"])   # "... soft-capping ..."
+    """
+    try:
+        config = family.tiny_config()
+        numbers = original_numbers(family, config, 0)
+    except Exception:  # a family whose tiny layer cannot be built here: judged per layer
+        return None
+    return _config_problem(family, config, numbers)
+
+
+# --- the layer ------------------------------------------------------------------------------
+
+
+class LigerRMSNorm(nn.Module):
+    """RMSNorm through Liger's kernel; scales by ``offset + weight`` (Gemma: offset 1).
+
+    ``in_place`` lets Liger's backward write the input's gradient over the output's; only
+    safe where nothing else reads that gradient (a norm feeding projections, not one whose
+    output joins the residual stream).
+    """
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0, *, in_place: bool = False):
+        super().__init__()
+        # the original's initial value, so an unloaded weight means the same thing
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - offset))
+        self.eps = eps
+        self.offset = offset
+        # Gemma's norm computes in float32 and casts last; Llama's casts before the weight
+        self.casting_mode = "gemma" if offset else "llama"
+        self.in_place = in_place
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        normed: torch.Tensor = kernels().liger_rms_norm(
+            hidden_states,
+            self.weight,
+            self.eps,
+            offset=self.offset,
+            casting_mode=self.casting_mode,
+            in_place=self.in_place,
+        )
+        return normed
+
+    def extra_repr(self) -> str:
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}, casting={self.casting_mode}"
+
+
+def _family_norm(
+    size: int, config: PreTrainedConfig, family: Family, *, in_place: bool = False
+) -> LigerRMSNorm:
+    return LigerRMSNorm(size, config.rms_norm_eps, family.norm_offset, in_place=in_place)
+
+
+class LigerAttention(nn.Module):
+    """Self-attention with the original's projections, Liger's RoPE and q/k norms, and SDPA."""
+
+    def __init__(
+        self, config: PreTrainedConfig, layer_idx: int, family: Family, numbers: OriginalNumbers
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim(config)
+        q_size, kv_size, _ = qkv_sizes(config)
+        self.num_key_value_groups = q_size // kv_size
+        self.scaling = numbers.scaling
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        self.is_causal = not getattr(config, "use_bidirectional_attention", False)
+        qkv_bias = family.flag("qkv_bias", config)
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=family.flag("o_bias", config))
+        self.q_norm: LigerRMSNorm | None = None
+        self.k_norm: LigerRMSNorm | None = None
+        # per head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)
+        self.qk_norm_across = family.qk_norm == "across"
+        if family.qk_norm:
+            sizes = (q_size, kv_size) if self.qk_norm_across else (self.head_dim, self.head_dim)
+            self.q_norm = _family_norm(sizes[0], config, family)
+            self.k_norm = _family_norm(sizes[1], config, family)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape)
+        key = self.k_proj(hidden_states).view(shape)
+        value = self.v_proj(hidden_states).view(shape)
+        if self.q_norm is not None and self.k_norm is not None:
+            if self.qk_norm_across:
+                query = self.q_norm(query.flatten(-2)).view_as(query)
+                key = self.k_norm(key.flatten(-2)).view_as(key)
+            else:
+                query, key = self.q_norm(query), self.k_norm(key)
+        cos, sin = position_embeddings
+        # Liger's RoPE takes (batch, heads, seq, head_dim) views of bshd storage and rotates
+        # that storage in place: the projections' (or norms') fresh outputs, which no
+        # backward reads
+        query, key = kernels().liger_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        value = value.transpose(1, 2)
+        key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bhsd")
+        output = self._attend(query, key, value, attention_mask)
+        projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+        return projected
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """SDPA over (batch, heads, seq, head_dim); the mask is the model's 4-D mask or None."""
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+            raise RequirementError(
+                "the liger layer reads 4-D attention masks (attn_implementation 'sdpa' or "
+                f"'eager'); it got {type(mask).__name__} from attn_implementation "
+                f"{getattr(self.config, '_attn_implementation', None)!r}"
+            )
+        query_length = query.shape[2]
+        # no mask means plain causal attention (the model drops the mask when that is
+        # exact); SDPA's flag is top-left aligned, so drop unused static-cache slots
+        is_causal = self.is_causal and mask is None and query_length > 1
+        if is_causal and key.shape[2] > query_length:
+            key, value = key[:, :, :query_length], value[:, :, :query_length]
+        extra: dict[str, Any] = {}
+        if self.num_key_value_groups > 1:
+            # on GPUs a mask with enable_gqa falls back to the slow math kernel
+            if _SDPA_GQA and mask is None:
+                extra["enable_gqa"] = True
+            else:
+                key = key.repeat_interleave(self.num_key_value_groups, dim=1)
+                value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        output: torch.Tensor = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=is_causal,
+            scale=self.scaling,
+            **extra,
+        )
+        return output
+
+
+class LigerMLP(nn.Module):
+    """The original's gated MLP (``gate_proj``, ``up_proj``, ``down_proj``) with Liger's
+    SwiGLU or GeGLU kernel for ``act(gate) * up``."""
+
+    def __init__(self, config: PreTrainedConfig, family: Family) -> None:
+        super().__init__()
+        bias = family.flag("mlp_bias", config)
+        activation = getattr(config, family.activation, None)
+        kernel = gated_kernel(activation)
+        if kernel is None:  # LigerDecoderLayer checks first; this guards direct use
+            raise RequirementError(f"Liger has no gated-MLP kernel for {activation!r}")
+        self.kernel = kernel
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gated = getattr(kernels(), self.kernel)(
+            self.gate_proj(hidden_states), self.up_proj(hidden_states)
+        )
+        return self.down_proj(gated)  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel}"
+
+
+class LigerDecoderLayer(_layer.DecoderLayer):
+    """The Liger-Kernel decoder layer; use the per-family subclass from :func:`layer_class`.
+
+    Constructed like the original, ``Layer(config, layer_idx)``, with the original's module
+    names and weights; building needs no Liger-Kernel, running does (on CUDA tensors).
+    ``output_attentions=True`` gets no weights (SDPA computes none): the layer warns.
+    """
+
+    backend = "liger"
+    summary = "Liger-Kernel decoder layer"
+
+    def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        family = self.declared_family()
+        numbers = original_numbers(family, config, layer_idx)
+        problem = _config_problem(family, config, numbers)
+        if problem is not None:
+            raise RequirementError(
+                f"{family.name}.decoder.liger cannot build this layer: {problem}"
+            )
+        self.self_attn = LigerAttention(config, layer_idx, family, numbers)
+        self.mlp = LigerMLP(config, family)
+        # the norms under the original's names, wherever the family puts them; a norm
+        # before attention or the MLP feeds projections only, so its backward may work in
+        # place (Liger's default); one after joins the residual stream, so it may not
+        for place, name in family.norms:
+            in_place = place in ("attn_in", "mlp_in")
+            self.add_module(
+                name, _family_norm(config.hidden_size, config, family, in_place=in_place)
+            )
+        self.residual_multiplier = numbers.residual_multiplier
+
+    def _call_context(self, hidden_states: torch.Tensor) -> AbstractContextManager[Any]:
+        require_cuda(hidden_states, self)
+        return contextlib.nullcontext()
+
+    def _norm(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        name = self.declared_family().norm_at(place)
+        return hidden_states if name is None else self.get_submodule(name)(hidden_states)
+
+    def _branch_out(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self._norm(place, hidden_states)
+        # Granite scales each branch before the residual sum
+        return out * self.residual_multiplier if self.residual_multiplier != 1.0 else out
+
+    def _attention(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        *,
+        output_attentions: bool = False,  # SDPA computes no weights: the skeleton warns
+    ) -> torch.Tensor:
+        attended: torch.Tensor = self.self_attn(
+            self._norm("attn_in", hidden_states),
+            position_embeddings,
+            attention_mask,
+            past_key_values,
+        )
+        return self._branch_out("attn_out", attended)
+
+    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mixed: torch.Tensor = self.mlp(self._norm("mlp_in", hidden_states))
+        return self._branch_out("mlp_out", mixed)
+
+
+def layer_class(family: Family) -> type[LigerDecoderLayer]:
+    """The Liger decoder layer class for ``family`` (made once, then cached).
+
+    Builtin families' classes are importable from this module by name
+    (``layerswap.backends.liger:LigerLlamaDecoderLayer``), so pickled models load.
+    """
+    return _layer.family_layer_class(LigerDecoderLayer, family)
+
+
+def substitution_for(family: Family) -> Substitution | None:
+    """The ``"<family>.decoder.liger"`` substitution, or ``None`` when :func:`unsupported`.
+
+    Example::
+
+        sub = substitution_for(layerswap.families()["qwen3"])
+        sub.unmet_requirement()     # None on a CUDA machine with liger-kernel and Triton
+    """
+    if unsupported(family) is not None:
+        return None
+    return _layer.decoder_substitution(
+        layer_class(family),
+        converter=CONVERTER,
+        requirement=unmet_requirement,
+        description=(
+            "Liger-Kernel's Triton kernels, GPU only: RMSNorm, SwiGLU/GeGLU and RoPE in the "
+            "original's modules and weights, scaled_dot_product_attention with GQA"
+        ),
+    )
+
+
+def substitutions_for(family: Family) -> list[Substitution]:
+    """``"<family>.decoder.liger"`` (where supported) and ``"<family>.head.liger"``."""
+    from layerswap.backends.head_liger import head_substitution_for
+
+    decoder = substitution_for(family)
+    return [*([] if decoder is None else [decoder]), head_substitution_for(family)]
+
+
+def __getattr__(name: str) -> Any:
+    # a pickled model names its layer class; make it on demand in a fresh process
+    if name.startswith("__"):
+        # `from <this module> import x` asks for __path__ first; answering it must not load
+        # the registry, which imports this backend's modules
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _layer.family_layer_class_named(LigerDecoderLayer, name)
