@@ -577,8 +577,20 @@ def pytest_fixture_post_finalizer(
     if not state.leak_guard:
         return
     where = f"fixture {fixturedef.argname!r} ({fixturedef.scope} scope)"
-    for scoped in _collapse([s for s in left if s.is_active]):
+    for scoped in _collapse([s for s in _without_own(left) if s.is_active]):
         state.fixture_leaks.append((scoped, where))
+
+
+def _without_own(started: list[Scoped]) -> list[Scoped]:
+    """``started`` less layerswap's own PEFT target check, which a swap arms and which is
+    no leak: stopped here, silently (the next swap arms it again)."""
+    own = sys.modules.get("layerswap.peft_targets")  # never imported: nothing armed
+    if own is None:
+        return started
+    for scoped in started:
+        if own.is_guard(scoped):
+            scoped.stop()
+    return [scoped for scoped in started if not own.is_guard(scoped)]
 
 
 def _collapse(leaked: list[Scoped]) -> list[Scoped]:
@@ -622,7 +634,7 @@ def _finish(item: pytest.Item) -> str | None:
             for scoped in _live()
             if id(scoped) not in before and id(scoped) not in session.owned
         ]
-        leaks.extend((scoped, "the test") for scoped in _collapse(new))
+        leaks.extend((scoped, "the test") for scoped in _collapse(_without_own(new)))
     leaks.extend(session.fixture_leaks)
     session.fixture_leaks = []
     if not leaks:

@@ -37,6 +37,7 @@ from layerswap.errors import (
     SwapWarning,
     UnknownSubstitutionError,
 )
+from layerswap.peft_targets import guard as guard_peft_targets
 from layerswap.state import install_load_hook
 from layerswap.substitution import Family, Substitution, families, get
 from layerswap.weights import is_extra_state
@@ -653,6 +654,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
             setattr(layer, _MARK, sub)
             install_load_hook(layer, sub, _layer_config(model.config))
             _capture_like_original(layer, model, original_cls)
+        guard_peft_targets()  # a new PEFT adapter cannot silently miss fused modules
     if model in _ADOPTED:
         return  # nested use() of the same substitution: done once
     transforms = conversion_transforms(model, sub)
@@ -861,4 +863,5 @@ def swap(
                     stacklevel=2,
                 )
         raise
+    guard_peft_targets()  # a new PEFT adapter cannot silently miss fused modules
     return SwapHandle(target, sub, records, model_state, config)
