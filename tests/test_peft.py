@@ -3,23 +3,39 @@
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from models import tiny_model, tokens
-from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 import layerswap
-from layerswap import adapters
+from layerswap import adapters, peft_targets
 from layerswap.errors import ConversionError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 ATOL = 1e-5
+
+pytest_plugins = ["pytester"]
+
+
+def _plugin() -> tuple[str, ...]:
+    # the plugin under its entry point's name (pluggy refuses a second registration)
+    for entry_point in importlib.metadata.entry_points(group="pytest11"):
+        if entry_point.value == "layerswap.pytest_plugin":
+            return ("-p", entry_point.name)
+    return ("-p", "layerswap.pytest_plugin")
+
+
+_INNER = (*_plugin(), "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
 
 
 def _logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
@@ -125,3 +141,181 @@ def test_an_adapter_on_unfused_modules_only_loads_unchanged(tmp_path: Path) -> N
     expected = _trained_on_original(base, tmp_path, target_modules=["o_proj", "down_proj"], r=2)
     loaded = adapters.load_adapter(_swapped(base), tmp_path)
     torch.testing.assert_close(_logits(loaded, base.config.vocab_size), expected, atol=ATOL, rtol=0)
+
+
+# --- a new adapter on a swapped model: target_modules naming fused-away modules ----------
+
+
+def _lora_layers(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_target_list_mixing_fused_away_and_present_modules_fails_naming_them(
+    name: str,
+) -> None:
+    # PEFT alone adapts o_proj and skips q_proj silently
+    model = _swapped(tiny_model(name, num_hidden_layers=2))
+    config = LoraConfig(target_modules=["q_proj", "o_proj"], r=4)
+    with pytest.raises(ConversionError) as caught:
+        get_peft_model(model, config)
+    message = str(caught.value)
+    assert "q_proj (fused into qkv_proj)" in message
+    assert "target_modules=['o_proj', 'qkv_proj']" in message
+    assert "layerswap.adapters.load_adapter" in message
+    assert _lora_layers(model) == []  # refused before anything was injected
+
+
+@pytest.mark.parametrize(
+    ("targets", "named"),
+    [
+        (["q_proj", "v_proj"], r"q_proj \(fused into qkv_proj\), v_proj \(fused into qkv_proj\)"),
+        (["gate_proj", "up_proj"], r"gate_proj \(fused into gate_up_proj\)"),
+        (r".*\.(k_proj|up_proj)", r"k_proj \(fused into qkv_proj\), up_proj"),
+        (None, r"PEFT's default target_modules for llama \['q_proj', 'v_proj'\]"),
+    ],
+    ids=["list", "mlp", "regex", "peft-default"],
+)
+def test_targeting_only_fused_away_modules_fails_with_layerswaps_error(
+    targets: list[str] | str | None, named: str
+) -> None:
+    model = _swapped(tiny_model("llama", num_hidden_layers=2))
+    with pytest.raises(ConversionError, match=named):
+        get_peft_model(model, LoraConfig(target_modules=targets, r=4))
+
+
+def test_modules_to_save_naming_a_fused_away_module_fails() -> None:
+    model = _swapped(tiny_model("qwen3", num_hidden_layers=2))
+    config = LoraConfig(target_modules=["o_proj"], modules_to_save=["up_proj"], r=4)
+    with pytest.raises(ConversionError, match=r"modules_to_save=\['gate_up_proj'\]"):
+        get_peft_model(model, config)
+
+
+def test_adapter_state_for_fused_away_modules_fails_when_injected_from_it() -> None:
+    model = _swapped(tiny_model("llama", num_hidden_layers=2))
+    state = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)}
+    with pytest.raises(ConversionError, match=r"the adapter state .*q_proj"):
+        inject_adapter_in_model(LoraConfig(target_modules=["o_proj"]), model, state_dict=state)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_targeting_the_fused_modules_by_name_adapts_them_and_trains(name: str) -> None:
+    base = tiny_model(name, num_hidden_layers=2)
+    model = _swapped(base)
+    torch.manual_seed(3)
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["qkv_proj", "o_proj"], r=4))
+    assert sorted(peft_model.base_model.targeted_module_names) == [
+        f"model.layers.{i}.self_attn.{leaf}" for i in (0, 1) for leaf in ("o_proj", "qkv_proj")
+    ]
+    peft_model.train()
+    ids = tokens(base.config.vocab_size)
+    frozen = {k: v.detach().clone() for k, v in peft_model.named_parameters() if "lora_" not in k}
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = peft_model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for key, value in peft_model.named_parameters():
+        if "lora_" not in key:
+            assert torch.equal(value, frozen[key]), key
+
+
+def test_all_linear_on_a_swapped_model_adapts_the_fused_modules() -> None:
+    model = _swapped(tiny_model("qwen2", num_hidden_layers=2))
+    peft_model = get_peft_model(model, LoraConfig(target_modules="all-linear", r=4))
+    leaves = {name.rpartition(".")[2] for name in peft_model.base_model.targeted_module_names}
+    assert leaves == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
+def test_naming_a_fused_module_and_its_parts_passes_for_both_layouts() -> None:
+    # one list for the original and the swapped model: each adapts what it has
+    targets = ["q_proj", "k_proj", "v_proj", "qkv_proj"]
+    base = tiny_model("llama", num_hidden_layers=2)
+    swapped = get_peft_model(_swapped(base), LoraConfig(target_modules=targets))
+    original = get_peft_model(copy.deepcopy(base), LoraConfig(target_modules=targets))
+    assert {n.rpartition(".")[2] for n in swapped.base_model.targeted_module_names} == {"qkv_proj"}
+    assert {n.rpartition(".")[2] for n in original.base_model.targeted_module_names} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+    }
+
+
+def test_the_original_model_gets_exactly_what_plain_peft_gives_it() -> None:
+    base = tiny_model("llama", num_hidden_layers=2)
+    _swapped(base)  # the check is armed
+    assert any(peft_targets.is_guard(info.patch) for info in layerswap.active_patches())
+
+    def adapted() -> tuple[list[str], torch.Tensor]:
+        torch.manual_seed(4)
+        config = LoraConfig(target_modules=["q_proj", "o_proj"], r=4, init_lora_weights=False)
+        peft_model = get_peft_model(copy.deepcopy(base), config).eval()
+        names = sorted(peft_model.base_model.targeted_module_names)
+        return names, _logits(peft_model, base.config.vocab_size)
+
+    names, logits = adapted()
+    assert names == [
+        f"model.layers.{i}.self_attn.{leaf}" for i in (0, 1) for leaf in ("o_proj", "q_proj")
+    ]
+    peft_targets.guard().stop()  # PEFT's injection as it was
+    assert isinstance(BaseTuner.__dict__["inject_adapter"], types.FunctionType)
+    plain_names, plain_logits = adapted()
+    assert names == plain_names
+    assert torch.equal(logits, plain_logits)
+
+
+def test_the_check_is_layerswaps_own_and_ends_with_the_test_or_fixture_that_armed_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        """
+        import copy
+        import types
+
+        import pytest
+        from peft import LoraConfig, get_peft_model
+        from peft.tuners.tuners_utils import BaseTuner
+
+        import layerswap
+        from layerswap import peft_targets
+        from layerswap.errors import ConversionError
+
+        MIXED = ["q_proj", "o_proj"]
+
+        def armed():
+            return any(peft_targets.is_guard(i.patch) for i in layerswap.active_patches())
+
+        @pytest.fixture(scope="module")
+        def swapped():
+            model = layerswap.families()["llama"].build()
+            layerswap.swap(model, backend="fused")
+            return model
+
+        def test_a_swap_arms_it():
+            model = layerswap.families()["qwen2"].build()
+            layerswap.swap(model, backend="fused")
+            assert armed()
+            with pytest.raises(ConversionError, match="q_proj"):
+                get_peft_model(model, LoraConfig(target_modules=MIXED))
+
+        def test_it_is_off_after_the_test_that_armed_it():
+            assert not armed()
+            assert isinstance(BaseTuner.__dict__["inject_adapter"], types.FunctionType)
+
+        def test_a_module_fixture_arms_it(swapped):
+            with pytest.raises(ConversionError, match="q_proj"):
+                get_peft_model(copy.deepcopy(swapped), LoraConfig(target_modules=MIXED))
+
+        def test_it_stays_for_the_fixtures_later_tests(swapped):
+            assert armed()
+            with pytest.raises(ConversionError, match="q_proj"):
+                get_peft_model(copy.deepcopy(swapped), LoraConfig(target_modules=MIXED))
+        """
+    )
+    result = pytester.runpytest_inprocess(*_INNER)
+    result.assert_outcomes(passed=4)  # a leak would be reported as an error
+    assert not any(peft_targets.is_guard(info.patch) for info in layerswap.active_patches())
