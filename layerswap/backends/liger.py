@@ -189,12 +189,32 @@ def unsupported(family: Family) -> str | None:
 
         liger.unsupported(layerswap.families()["gemma2"])   # "... soft-capping ..."
     """
+    if getattr(family, "mlp", "gated") != "gated":
+        return (
+            "Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is "
+            f"{getattr(family, 'mlp', None)!r}"
+        )
+    if len(_qkv_names(family)) not in (1, 3) or len(_mlp_names(family)) not in (2, 3):
+        return (
+            f"the liger layer keeps q/k/v and the MLP as one or three projections "
+            f"(this family: {_qkv_names(family)}, {_mlp_names(family)})"
+        )
     try:
         config = family.tiny_config()
         numbers = original_numbers(family, config, 0)
     except Exception:  # a family whose tiny layer cannot be built here: judged per layer
         return None
     return _config_problem(family, config, numbers)
+
+
+def _qkv_names(family: Family) -> tuple[str, ...]:
+    """The original's q/k/v projections: three, or one where it fuses them (Phi-3)."""
+    return tuple(getattr(family, "qkv_modules", ("q_proj", "k_proj", "v_proj")))
+
+
+def _mlp_names(family: Family) -> tuple[str, ...]:
+    """The original's MLP projections: gate, up, down, or gate_up, down (Phi-3)."""
+    return tuple(getattr(family, "mlp_modules", ("gate_proj", "up_proj", "down_proj")))
 
 
 # --- the layer ------------------------------------------------------------------------------
@@ -256,9 +276,12 @@ class LigerAttention(nn.Module):
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
         self.is_causal = not getattr(config, "use_bidirectional_attention", False)
         qkv_bias = family.flag("qkv_bias", config)
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=qkv_bias)
+        # under the original's names: q_proj, k_proj, v_proj, or one qkv_proj ([q | k | v])
+        self.qkv_names = _qkv_names(family)
+        self.sizes = (q_size, kv_size, kv_size)
+        widths = (sum(self.sizes),) if len(self.qkv_names) == 1 else self.sizes
+        for name, width in zip(self.qkv_names, widths, strict=True):
+            self.add_module(name, nn.Linear(config.hidden_size, width, bias=qkv_bias))
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=family.flag("o_bias", config))
         self.q_norm: LigerRMSNorm | None = None
         self.k_norm: LigerRMSNorm | None = None
@@ -277,10 +300,14 @@ class LigerAttention(nn.Module):
         past_key_values: Cache | None = None,
     ) -> torch.Tensor:
         batch, length, _ = hidden_states.shape
-        shape = (batch, length, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape)
-        key = self.k_proj(hidden_states).view(shape)
-        value = self.v_proj(hidden_states).view(shape)
+        if len(self.qkv_names) == 1:
+            projected_qkv = self.get_submodule(self.qkv_names[0])(hidden_states)
+            query, key, value = _layer.split_heads(projected_qkv, self.sizes, self.head_dim)
+        else:
+            shape = (batch, length, -1, self.head_dim)
+            query, key, value = (
+                self.get_submodule(name)(hidden_states).view(shape) for name in self.qkv_names
+            )
         if self.q_norm is not None and self.k_norm is not None:
             if self.qk_norm_across:
                 query = self.q_norm(query.flatten(-2)).view_as(query)
@@ -340,8 +367,8 @@ class LigerAttention(nn.Module):
 
 
 class LigerMLP(nn.Module):
-    """The original's gated MLP (``gate_proj``, ``up_proj``, ``down_proj``) with Liger's
-    SwiGLU or GeGLU kernel for ``act(gate) * up``."""
+    """The original's gated MLP (its projections under its names) with Liger's SwiGLU or
+    GeGLU kernel for ``act(gate) * up``."""
 
     def __init__(self, config: PreTrainedConfig, family: Family) -> None:
         super().__init__()
@@ -351,15 +378,23 @@ class LigerMLP(nn.Module):
         if kernel is None:  # LigerDecoderLayer checks first; this guards direct use
             raise RequirementError(f"Liger has no gated-MLP kernel for {activation!r}")
         self.kernel = kernel
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        # under the original's names: gate_proj, up_proj, down_proj, or gate_up_proj
+        # (gate first) and down_proj
+        self.names = _mlp_names(family)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        widths = (inner, inner) if len(self.names) == 3 else (2 * inner,)
+        for name, width in zip(self.names[:-1], widths, strict=True):
+            self.add_module(name, nn.Linear(hidden, width, bias=bias))
+        self.add_module(self.names[-1], nn.Linear(inner, hidden, bias=bias))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gated = getattr(kernels(), self.kernel)(
-            self.gate_proj(hidden_states), self.up_proj(hidden_states)
-        )
-        return self.down_proj(gated)  # type: ignore[no-any-return]
+        if len(self.names) == 3:
+            gate = self.get_submodule(self.names[0])(hidden_states)
+            up = self.get_submodule(self.names[1])(hidden_states)
+        else:
+            gate, up = self.get_submodule(self.names[0])(hidden_states).chunk(2, dim=-1)
+        gated = getattr(kernels(), self.kernel)(gate, up)
+        return self.get_submodule(self.names[-1])(gated)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel}"
