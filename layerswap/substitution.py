@@ -110,6 +110,9 @@ PRE_NORMS: tuple[tuple[str, str], ...] = (
 )
 #: the places a norm can have in a decoder layer, in the order they apply
 NORM_PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+#: Llama's projections, the ones the fused layer concatenates
+SEPARATE_QKV = ("q_proj", "k_proj", "v_proj")
+GATED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,14 @@ class Family:
     qk_norm: bool | str = False
     norm_offset: float = 0.0
     activation: str = "hidden_act"
+    #: the MLP: ``"gated"``, ``down(act(gate(x)) * up(x))``, or ``"plain"``, ``down(act(up(x)))``
+    mlp: str = "gated"
+    #: the original's MLP modules in that order: gated (gate, up, down), or (gate_up, down)
+    #: where the original fuses them already (Phi-3); plain (up, down), Starcoder 2's
+    #: ``("c_fc", "c_proj")``
+    mlp_modules: tuple[str, ...] = GATED_MLP
+    #: the original's q/k/v projections, or ``("qkv_proj",)`` where it fuses them (Phi-3)
+    qkv_modules: tuple[str, ...] = SEPARATE_QKV
     #: where the decoder layer's norms sit: (place, module name) pairs, places
     #: ``attn_in`` / ``attn_out`` (around attention) and ``mlp_in`` / ``mlp_out``
     norms: tuple[tuple[str, str], ...] = PRE_NORMS

@@ -53,17 +53,25 @@ def test_inference_reads_norm_placement_qk_norms_offsets_and_bias_switches() -> 
     assert gemma3.activation == "hidden_activation"
     granite = infer_family("granite", verify=False)
     assert (granite.qkv_bias, granite.mlp_bias) == ("attention_bias", "mlp_bias")
+    arcee = infer_family("arcee", verify=False)  # down(relu2(up(x))), no gate
+    assert (arcee.mlp, arcee.mlp_modules, arcee.mlp_bias) == (
+        "plain",
+        ("up_proj", "down_proj"),
+        "mlp_bias",
+    )
+    phi3 = infer_family("phi3", verify=False)  # fuses q/k/v and gate/up itself
+    assert (phi3.qkv_modules, phi3.mlp_modules) == (("qkv_proj",), ("gate_up_proj", "down_proj"))
 
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("starcoder2", "not a gated MLP"),
-        ("mixtral", "not a gated MLP"),
-        ("stablelm", "no counterpart for: dropout"),
+        ("starcoder2", "a norm with a bias"),
+        ("mixtral", "not a dense MLP"),
+        ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("smollm3", "without rotary embeddings"),
         ("seed_oss", "dropout the fused layer does not apply"),
-        ("qwen2_moe", "not a gated MLP"),
+        ("qwen2_moe", "not a dense MLP"),
         ("vit", "no causal LM"),
     ],
 )
@@ -93,7 +101,7 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
         assert row["reason"] is None and row["family"] == family.name
         assert "fused" in row["backends"]
     assert "te" in rows["llama"]["backends"] and "te" not in rows["olmo2"]["backends"]
-    assert "not a gated MLP" in rows["mixtral"]["reason"]
+    assert "not a dense MLP" in rows["mixtral"]["reason"]
     assert "does not compute what the original does" in rows["exaone4"]["reason"]
 
 
@@ -108,6 +116,18 @@ def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None
     uncapped = tiny_model("gemma2", seed=4, **{**bent, "attn_logit_softcapping": None})
     with torch.no_grad():
         assert not torch.allclose(model(**batch).logits, uncapped(**batch).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.75])
+def test_partial_rotary_embeddings_rotate_the_first_dims_of_each_head(factor: float) -> None:
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    model = tiny_model("phi3", seed=5, rope_parameters={**rope, "partial_rotary_factor": factor})
+    batch = left_padded_batch(model.config.vocab_size)
+    report = layerswap.verify(model, "phi3.decoder.fused", batch, backward=True, generate=4)
+    assert report.passed, report.summary()
+    full = tiny_model("phi3", seed=5, rope_parameters={**rope, "partial_rotary_factor": 1.0})
+    with torch.no_grad():
+        assert not torch.allclose(model(**batch).logits, full(**batch).logits, atol=1e-4)
 
 
 # --- the fused layer, for every registered family -------------------------------------------

@@ -45,6 +45,7 @@ __all__ = [
     "FusedDecoderLayer",
     "FusedMLP",
     "FusedRMSNorm",
+    "converter_for",
     "layer_class",
     "substitution_for",
 ]
@@ -53,7 +54,8 @@ __all__ = [
 _SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 #: original q/k/v -> ``self_attn.qkv_proj``, gate/up -> ``mlp.gate_up_proj``; biases when present.
-#: Every other tensor keeps its name, so this one converter serves every family.
+#: Every other tensor keeps its name, so this one converter serves every family whose
+#: original has separate projections (:func:`converter_for` drops the rest).
 CONVERTER = Converter(
     (
         qkv_concat("self_attn.qkv_proj"),
@@ -62,6 +64,14 @@ CONVERTER = Converter(
         gate_up_concat("mlp.gate_up_proj", bias=True),
     )
 )
+
+
+def converter_for(family: Family) -> Converter:
+    """:data:`CONVERTER` without the concatenations ``family``'s original needs none of: its
+    own fused ``qkv_proj``/``gate_up_proj`` (Phi-3), a plain MLP's two projections."""
+    qkv = CONVERTER.rules[:2] if len(family.qkv_modules) == 3 else ()
+    gate_up = CONVERTER.rules[2:] if len(family.mlp_modules) == 3 else ()
+    return CONVERTER if qkv and gate_up else Converter((*qkv, *gate_up))
 
 
 class FusedRMSNorm(nn.Module):
@@ -90,7 +100,15 @@ class FusedRMSNorm(nn.Module):
 
 
 def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of bhsd ``states``; cos/sin are (batch, seq, head_dim)."""
+    """Rotary position embedding of bhsd ``states``; cos/sin are (batch, seq, rotary dim).
+
+    Partial rotary (``partial_rotary_factor`` < 1, Phi-3): cos/sin are narrower than a
+    head, and only its first dims rotate; the rest pass through, as in transformers.
+    """
+    width = cos.shape[-1]
+    if width != states.shape[-1]:
+        passed = states[..., width:]
+        return torch.cat((_rotate(states[..., :width], cos, sin), passed), dim=-1)
     rotated = _layer.rotate_half(states)
     return states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
@@ -249,19 +267,29 @@ class FusedAttention(nn.Module):
 
 
 class FusedMLP(nn.Module):
-    """Gated MLP with one gate/up projection (gate first)."""
+    """Gated MLP with one gate/up projection (gate first); a plain MLP (``down(act(up(x)))``,
+    Nemotron, Arcee) has the original's two projections under the original's names."""
 
     def __init__(self, config: PreTrainedConfig, family: Family) -> None:
         super().__init__()
         bias = family.flag("mlp_bias", config)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        hidden, size = config.hidden_size, config.intermediate_size
+        self.intermediate_size = size
+        self.gated = family.mlp == "gated"
+        self.up_name, self.down_name = (
+            ("gate_up_proj", "down_proj") if self.gated else family.mlp_modules
+        )
+        width = 2 * size if self.gated else size
+        self.add_module(self.up_name, nn.Linear(hidden, width, bias=bias))
+        self.add_module(self.down_name, nn.Linear(size, hidden, bias=bias))
         self.act_fn = ACT2FN[getattr(config, family.activation)]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)  # type: ignore[no-any-return]
+        up, down = getattr(self, self.up_name), getattr(self, self.down_name)
+        if not self.gated:
+            return down(self.act_fn(up(hidden_states)))  # type: ignore[no-any-return]
+        gate, up_states = up(hidden_states).chunk(2, dim=-1)
+        return down(self.act_fn(gate) * up_states)  # type: ignore[no-any-return]
 
 
 class FusedDecoderLayer(_layer.DecoderLayer):
@@ -336,7 +364,7 @@ def substitution_for(family: Family) -> Substitution:
     """
     return _layer.decoder_substitution(
         layer_class(family),
-        converter=CONVERTER,
+        converter=converter_for(family),
         description=(
             "pure PyTorch, CPU and GPU: fused QKV and gate/up projections, F.rms_norm, "
             "scaled_dot_product_attention with GQA"

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from layerswap.backends._original import original_numbers
 from layerswap.errors import SubstitutionError
-from layerswap.substitution import PRE_NORMS
+from layerswap.substitution import GATED_MLP, PRE_NORMS, SEPARATE_QKV
 from layerswap.weights import (
     Concat,
     Converter,
@@ -238,6 +238,15 @@ def unexpressible(family: Family) -> str | None:
         return f"TransformerEngine's layer has norms before attention and the MLP only (this family: {places})"
     if family.qk_norm == "across":
         return "TransformerEngine's q/k norm is per head; this family normalises across heads"
+    if family.mlp != "gated":
+        # TE's LayerNormMLP has ungated activations, but the te layer and converter map
+        # the gated MLP only
+        return f"the te layer maps gated MLPs only (this family's MLP is {family.mlp})"
+    if (family.qkv_modules, family.mlp_modules) != (SEPARATE_QKV, GATED_MLP):
+        return (
+            "the te converter maps separate q/k/v and gate/up projections (this family's "
+            f"original has {', '.join((*family.qkv_modules, *family.mlp_modules))})"
+        )
     return None
 
 

@@ -2,16 +2,16 @@
 
 :func:`infer_family` reads a family's declaration off its modeling module: the causal
 LM, config and decoder-layer classes from transformers' auto mappings, and the layer's
-structure from one layer built for a tiny config -- which projections and norms it has
-and where the norms sit (by their names), per-head or across-head q/k norms, which
+structure from one layer built for a tiny config -- which projections (separate or
+already fused, a gated or a plain MLP) and norms it has and where the norms sit (by
+their names), per-head or across-head q/k norms, which
 biases follow which config switch, whether its RMSNorm scales by ``weight`` or
 ``1 + weight`` (probed numerically), and which config field names the activation. What
 the layer computes with beyond structure (softmax scale, Granite's residual multiplier)
 the replacement reads off the original layer itself (:mod:`layerswap.backends._original`).
 
 A family whose layer has anything else -- another module, a parameter of its own, a
-LayerNorm, partial or absent rotary embeddings, a plain MLP -- is refused with the
-reason (:class:`~layerswap.errors.UnsupportedFamilyError`), never declared half-right.
+LayerNorm, absent rotary embeddings, mixture-of-experts -- is refused with the reason (:class:`~layerswap.errors.UnsupportedFamilyError`), never declared half-right.
 
 Inference sees structure, not every detail of a forward pass, so a family becomes
 builtin only once the generated tests verify it (:data:`VERIFIED`): the fused layer
@@ -36,13 +36,14 @@ from torch import nn
 
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families._tiny import TINY
-from layerswap.substitution import PRE_NORMS, Family
+from layerswap.substitution import GATED_MLP, PRE_NORMS, SEPARATE_QKV, Family
 
 __all__ = ["VERIFIED", "coverage", "decoder_model_types", "infer_family", "tiny_config_for"]
 
 #: model types whose inferred declaration the generated tests verify in CI; the builtin
 #: families beyond the hand-written ones
 VERIFIED: tuple[str, ...] = (
+    "arcee",
     "cwm",
     "gemma2",
     "gemma3_text",
@@ -50,6 +51,7 @@ VERIFIED: tuple[str, ...] = (
     "ministral",
     "olmo2",
     "olmo3",
+    "phi3",
     "vaultgemma",
 )
 
@@ -77,9 +79,32 @@ _NORM_LAYOUTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
         ("attn_in", "input_layernorm"),
         ("mlp_in", "pre_feedforward_layernorm"),
     ),
+    frozenset({"attention_layernorm", "feedforward_layernorm"}): (  # Apertus
+        ("attn_in", "attention_layernorm"),
+        ("mlp_in", "feedforward_layernorm"),
+    ),
 }
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
+# the projections a layer can have, by their names: q/k/v separate or fused (Phi-3), and
+# the MLPs, (kind, modules): gated, gated with gate/up fused (Phi-3), plain
+_QKV = (SEPARATE_QKV, ("qkv_proj",))
+_MLPS = (
+    ("gated", GATED_MLP),
+    ("gated", ("gate_up_proj", "down_proj")),
+    ("plain", ("up_proj", "down_proj")),
+    ("plain", ("c_fc", "c_proj")),  # Starcoder 2
+)
+
+
+def _first_with(module: Any, layouts: Any) -> Any:
+    """The first of ``layouts`` whose every name is an ``nn.Linear`` of ``module``."""
+    return next(
+        (
+            layout
+            for layout in layouts
+            if all(isinstance(getattr(module, n, None), nn.Linear) for n in layout[-1])
+        ),
+        None,
+    )
 
 
 def _auto_names(model_type: str) -> tuple[str, str, str]:
@@ -141,6 +166,14 @@ def _flag(build: Any, config: Any, probe: Any) -> bool | str:
     return bool(probe(build(config)))
 
 
+def _no_dropout(module: nn.Module) -> bool:
+    return isinstance(module, nn.Dropout) and not module.p
+
+
+def _biased(module: nn.Module, name: str) -> bool:
+    return getattr(module, name).bias is not None
+
+
 def _with(config: Any, name: str, value: Any) -> Any:
     clone = type(config).from_dict(config.to_dict())
     setattr(clone, name, value)
@@ -197,12 +230,6 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     # the fused layer reads the 4-D masks of both; eager where the model refuses SDPA
     # (Gemma 2: soft-capped attention)
     config._attn_implementation = "sdpa" if getattr(causal_lm, "_supports_sdpa", True) else "eager"
-    for feature in ("partial_rotary_factor",):
-        value = getattr(config, feature, None)
-        if value not in (None, 1, 1.0):
-            raise UnsupportedFamilyError(
-                f"{model_type}: partial rotary embeddings ({feature}={value})"
-            )
     dropouts = {
         key: value
         for key, value in config.to_dict().items()
@@ -241,24 +268,42 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     layer: nn.Module = layers[0]
     attention: Any = getattr(layer, "self_attn", None)
     mlp: Any = getattr(layer, "mlp", None)
-    missing = [
-        f"self_attn.{p}"
-        for p in _PROJECTIONS
-        if not isinstance(getattr(attention, p, None), nn.Linear)
-    ]
-    missing += [f"mlp.{p}" for p in _MLP if not isinstance(getattr(mlp, p, None), nn.Linear)]
+    qkv = _first_with(attention, [(names,) for names in _QKV])
+    mlp_layout = _first_with(mlp, _MLPS)
+    missing = [] if qkv else ["self_attn.q_proj, k_proj, v_proj (or qkv_proj)"]
+    if not isinstance(getattr(attention, "o_proj", None), nn.Linear):
+        missing.append("self_attn.o_proj")
+    if not mlp_layout:
+        missing.append("mlp.gate_proj, up_proj, down_proj (or up_proj, down_proj)")
     if missing:
         raise UnsupportedFamilyError(
-            f"{where}: no {', '.join(missing)} (not a gated MLP with q/k/v/o attention)"
+            f"{where}: no {', '.join(missing)} (not a dense MLP with q/k/v/o attention)"
         )
-    norms = {n for n, child in layer.named_children() if n not in ("self_attn", "mlp")}
-    known_attention = set(_PROJECTIONS) | {"q_norm", "k_norm", "rotary_emb"}
+    qkv_modules, (mlp_kind, mlp_modules) = qkv[0], mlp_layout
+    # a dropout module of probability 0 (Phi-3's residual dropouts by default) is no step
+    norms = {
+        n
+        for n, child in layer.named_children()
+        if n not in ("self_attn", "mlp") and not _no_dropout(child)
+    }
+    known_attention = {*qkv_modules, "o_proj", "q_norm", "k_norm", "rotary_emb"}
+    activations = ("act_fn", "act", "activation_fn")
     extra = sorted(
         [f"self_attn.{n}" for n, _ in attention.named_children() if n not in known_attention]
-        + [f"mlp.{n}" for n, _ in mlp.named_children() if n not in (*_MLP, "act_fn")]
+        + [f"mlp.{n}" for n, _ in mlp.named_children() if n not in (*mlp_modules, *activations)]
         + [n for n, _ in layer.named_parameters(recurse=False)]
         + [f"self_attn.{n}" for n, _ in attention.named_parameters(recurse=False)]
     )
+    # xIELU (Apertus): the fused layer builds an activation from its name alone
+    extra += [
+        f"mlp.{n}.{t}"
+        for n in activations
+        if isinstance(getattr(mlp, n, None), nn.Module)
+        for t, _ in (
+            *mlp.get_submodule(n).named_parameters(),
+            *mlp.get_submodule(n).named_buffers(),
+        )
+    ]
     layout = _NORM_LAYOUTS.get(frozenset(norms))
     if layout is None:
         extra += sorted(norms)
@@ -269,7 +314,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     assert layout is not None
     head_dim = int(getattr(attention, "head_dim", config.head_dim))
     qk_norm: bool | str = False
-    q_width = int(attention.q_proj.out_features)
+    q_width = int(config.num_attention_heads * head_dim)
     if hasattr(attention, "q_norm"):
         shape = tuple(attention.q_norm.weight.shape)
         if shape not in ((head_dim,), (q_width,)):
@@ -309,12 +354,15 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         decoder=decoder.__name__,
         config_class=config_class.__name__,
         causal_lm=causal_lm_name,
-        qkv_bias=_flag(build, config, lambda lyr: lyr.self_attn.q_proj.bias is not None),
-        o_bias=_flag(build, config, lambda lyr: lyr.self_attn.o_proj.bias is not None),
-        mlp_bias=_flag(build, config, lambda lyr: lyr.mlp.gate_proj.bias is not None),
+        qkv_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, qkv_modules[0])),
+        o_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, "o_proj")),
+        mlp_bias=_flag(build, config, lambda lyr: _biased(lyr.mlp, mlp_modules[0])),
         qk_norm=qk_norm,
         norm_offset=offsets.pop(),
         activation=activation,
+        mlp=mlp_kind,
+        mlp_modules=mlp_modules,
+        qkv_modules=qkv_modules,
         norms=layout,
         tiny={
             key: value
