@@ -10,6 +10,9 @@ import re
 import sys
 from pathlib import Path
 
+# this checkout's package, whatever copy of layerswap is installed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import layerswap
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "api.md"
