@@ -147,6 +147,8 @@ class Family:
     #: they are split (OLMo 2), ``False`` none
     qk_norm: bool | str = False
     norm_offset: float = 0.0
+    #: the norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with a bias: StarCoder2)
+    norm: str = "rms"
     activation: str = "hidden_act"
     #: the MLP: ``"gated"``, ``down(act(gate(x)) * up(x))``, or ``"plain"``, ``down(act(up(x)))``
     mlp: str = "gated"

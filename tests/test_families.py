@@ -51,6 +51,11 @@ def test_inference_reads_norm_placement_qk_norms_offsets_and_bias_switches() -> 
     assert [place for place, _ in gemma3.norms] == ["attn_in", "attn_out", "mlp_in", "mlp_out"]
     assert gemma3.qk_norm is True and gemma3.norm_offset == 1.0
     assert gemma3.activation == "hidden_activation"
+    starcoder2 = infer_family("starcoder2", verify=False)
+    assert (starcoder2.norm, starcoder2.norm_offset, starcoder2.mlp) == ("layer", 0.0, "plain")
+    assert starcoder2.mlp_modules == ("c_fc", "c_proj")
+    nemotron = infer_family("nemotron", verify=False)
+    assert (nemotron.norm, nemotron.norm_offset) == ("layer", 1.0)  # LayerNorm1P: 1 + weight
     granite = infer_family("granite", verify=False)
     assert (granite.qkv_bias, granite.mlp_bias) == ("attention_bias", "mlp_bias")
     arcee = infer_family("arcee", verify=False)  # down(relu2(up(x))), no gate
@@ -66,7 +71,6 @@ def test_inference_reads_norm_placement_qk_norms_offsets_and_bias_switches() -> 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("starcoder2", "a norm with a bias"),
         ("mixtral", "not a dense MLP"),
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("smollm3", "without rotary embeddings"),

@@ -36,6 +36,8 @@ class OriginalNumbers:
     scaling: float
     residual_multiplier: float = 1.0
     attn_logit_softcapping: float | None = None
+    #: the epsilon of the layer's norms (its config field's name differs by family)
+    norm_eps: float | None = None
 
 
 def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -> OriginalNumbers:
@@ -47,8 +49,15 @@ def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -
     if scaling is None:
         scaling = float(getattr(attention, "head_dim", 0) or 1) ** -0.5
     softcap = getattr(attention, "attn_logit_softcapping", None)
+    eps = None
+    for _, name in family.norms:
+        norm = layer.get_submodule(name)
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+        if eps is not None:
+            break
     return OriginalNumbers(
         scaling=float(scaling),
         residual_multiplier=float(getattr(layer, "residual_multiplier", 1.0)),
         attn_logit_softcapping=None if softcap is None else float(softcap),
+        norm_eps=None if eps is None else float(eps),
     )

@@ -113,8 +113,39 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
-def _family_norm(size: int, config: PreTrainedConfig, family: Family) -> FusedRMSNorm:
-    return FusedRMSNorm(size, config.rms_norm_eps, family.norm_offset)
+class FusedLayerNorm(nn.Module):
+    """LayerNorm with a bias through ``F.layer_norm``; scales by ``offset + weight``."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - offset))
+        self.bias = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + self.offset if self.offset else self.weight
+        dtype = hidden_states.dtype
+        return F.layer_norm(
+            hidden_states,
+            (hidden_states.shape[-1],),
+            weight.to(dtype),
+            self.bias.to(dtype),
+            self.eps,
+        )
+
+    def extra_repr(self) -> str:
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}"
+
+
+def _family_norm(
+    size: int, config: PreTrainedConfig, family: Family, eps: float | None = None
+) -> nn.Module:
+    eps = float(config.rms_norm_eps) if eps is None else eps
+    if family.norm == "layer":
+        return FusedLayerNorm(size, eps, family.norm_offset)
+    return FusedRMSNorm(size, eps, family.norm_offset)
 
 
 class FusedAttention(nn.Module):
@@ -139,16 +170,16 @@ class FusedAttention(nn.Module):
         self.o_proj = nn.Linear(
             self.sizes[0], config.hidden_size, bias=family.flag("o_bias", config)
         )
-        self.q_norm: FusedRMSNorm | None = None
-        self.k_norm: FusedRMSNorm | None = None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         # per head (Qwen3) or over all heads at once (OLMo 2)
         self.qk_norm_across = family.qk_norm == "across"
         if family.qk_norm:
             q_size, k_size = (
                 (self.sizes[0], self.sizes[1]) if self.qk_norm_across else (self.head_dim,) * 2
             )
-            self.q_norm = _family_norm(q_size, config, family)
-            self.k_norm = _family_norm(k_size, config, family)
+            self.q_norm = _family_norm(q_size, config, family, numbers.norm_eps)
+            self.k_norm = _family_norm(k_size, config, family, numbers.norm_eps)
 
     def forward(
         self,
@@ -310,9 +341,12 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         self.self_attn = FusedAttention(config, layer_idx, family)
         self.mlp = FusedMLP(config, family)
         # the norms under the original's names, wherever the family puts them
+        numbers = original_numbers(family, config, layer_idx)
         for _, name in family.norms:
-            self.add_module(name, _family_norm(config.hidden_size, config, family))
-        self.residual_multiplier = original_numbers(family, config, layer_idx).residual_multiplier
+            self.add_module(
+                name, _family_norm(config.hidden_size, config, family, numbers.norm_eps)
+            )
+        self.residual_multiplier = numbers.residual_multiplier
 
     def _norm(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
         name = self.declared_family().norm_at(place)

@@ -189,6 +189,8 @@ def unsupported(family: Family) -> str | None:
 
         liger.unsupported(layerswap.families()["gemma2"])   # "... soft-capping ..."
     """
+    if getattr(family, "norm", "rms") != "rms":
+        return "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)"
     if getattr(family, "mlp", "gated") != "gated":
         return (
             "Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is "

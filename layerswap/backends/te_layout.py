@@ -238,6 +238,8 @@ def unexpressible(family: Family) -> str | None:
         return f"TransformerEngine's layer has norms before attention and the MLP only (this family: {places})"
     if family.qk_norm == "across":
         return "TransformerEngine's q/k norm is per head; this family normalises across heads"
+    if family.norm != "rms":
+        return "the te layer maps RMSNorm only (this family's norm is a LayerNorm)"
     if family.mlp != "gated":
         # TE's LayerNormMLP has ungated activations, but the te layer and converter map
         # the gated MLP only

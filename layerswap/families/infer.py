@@ -48,10 +48,14 @@ VERIFIED: tuple[str, ...] = (
     "gemma2",
     "gemma3_text",
     "granite",
+    "jais2",
     "ministral",
+    "nemotron",
     "olmo2",
     "olmo3",
     "phi3",
+    "stablelm",
+    "starcoder2",
     "vaultgemma",
 )
 
@@ -181,27 +185,37 @@ def _with(config: Any, name: str, value: Any) -> Any:
     return clone
 
 
-def _norm_offset(norm: nn.Module, size: int, where: str) -> float:
-    """0 when the norm scales by ``weight``, 1 for ``1 + weight``; refuse anything else."""
+def _norm_kind(norm: nn.Module, size: int, where: str) -> tuple[str, float]:
+    """(``"rms"`` or ``"layer"``, offset): RMSNorm or LayerNorm with a bias, scaling by
+    ``weight`` (offset 0) or ``1 + weight`` (offset 1), probed numerically; else refused."""
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (size,):
         raise UnsupportedFamilyError(f"{where}: a norm without a weight of size {size}")
-    if getattr(norm, "bias", None) is not None:
-        raise UnsupportedFamilyError(f"{where}: a norm with a bias (LayerNorm)")
+    bias = getattr(norm, "bias", None)
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (size,)):
+        raise UnsupportedFamilyError(f"{where}: a norm whose bias is not of size {size}")
+    eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
     sample = torch.randn(3, size, generator=torch.Generator().manual_seed(0)) + 0.5
-    rms = sample * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + getattr(norm, "eps", 1e-6))
+    kind = "rms" if bias is None else "layer"
+    if kind == "rms":
+        unit = sample * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        unit = torch.nn.functional.layer_norm(sample, (size,), eps=eps)
+    params = [weight] if bias is None else [weight, bias]
     with torch.no_grad():
-        saved = weight.detach().clone()
+        saved = [p.detach().clone() for p in params]
         try:
-            weight.zero_()
+            for p in params:
+                p.zero_()
             out = norm(sample).float()
         finally:
-            weight.copy_(saved)
+            for p, value in zip(params, saved, strict=True):
+                p.copy_(value)
     if torch.allclose(out, torch.zeros_like(out)):
-        return 0.0
-    if torch.allclose(out, rms, atol=1e-4):
-        return 1.0
-    raise UnsupportedFamilyError(f"{where}: a norm that is not RMSNorm (LayerNorm?)")
+        return kind, 0.0
+    if torch.allclose(out, unit, atol=1e-4):
+        return kind, 1.0
+    raise UnsupportedFamilyError(f"{where}: a norm that is neither RMSNorm nor LayerNorm")
 
 
 def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
@@ -328,14 +342,15 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     # norms on real tensors: the offset is probed numerically
     real: nn.Module = decoder(config, 0)
     offsets = {
-        _norm_offset(real.get_submodule(n), config.hidden_size, f"{where} {n}") for _, n in layout
+        _norm_kind(real.get_submodule(n), config.hidden_size, f"{where} {n}") for _, n in layout
     }
     if qk_norm:
         size = head_dim if qk_norm is True else q_width
         q_norm = real.get_submodule("self_attn.q_norm")
-        offsets.add(_norm_offset(q_norm, size, f"{where} self_attn.q_norm"))
+        offsets.add(_norm_kind(q_norm, size, f"{where} self_attn.q_norm"))
     if len(offsets) != 1:
-        raise UnsupportedFamilyError(f"{where}: norms with different offsets")
+        raise UnsupportedFamilyError(f"{where}: norms of different kinds or offsets")
+    norm_kind, norm_offset = offsets.pop()
     activation = next(
         (
             field
@@ -358,7 +373,8 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         o_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, "o_proj")),
         mlp_bias=_flag(build, config, lambda lyr: _biased(lyr.mlp, mlp_modules[0])),
         qk_norm=qk_norm,
-        norm_offset=offsets.pop(),
+        norm_offset=norm_offset,
+        norm=norm_kind,
         activation=activation,
         mlp=mlp_kind,
         mlp_modules=mlp_modules,
