@@ -422,7 +422,8 @@ _TINY_KEYS = {*TINY, "head_dim", "pad_token_id", "bos_token_id", "eos_token_id",
 
 def coverage() -> dict[str, str | None]:
     """Every causal-LM model type of the installed transformers: ``None`` when a builtin
-    family covers it, else why not (refused by inference, or inferred but not verified)."""
+    family covers it, else why not (refused by inference, or inferred and verified on a
+    tiny model but not builtin, i.e. not run by the generated tests)."""
     from layerswap.substitution import families
 
     covered = {family.model_type for family in families().values()}
@@ -439,7 +440,8 @@ def coverage() -> dict[str, str | None]:
             report[model_type] = f"{model_type}: {type(exc).__name__}: {exc}"
         else:
             report[model_type] = (
-                "fits the fused layer but is not verified: register_family(infer_family("
-                f"{model_type!r})) and verify it on your model"
+                "inferred and verified on a tiny model, but not builtin (the generated tests do "
+                f"not run it): register_family(infer_family({model_type!r})), then verify it "
+                "on your model"
             )
     return report
