@@ -274,6 +274,27 @@ def _conflict_message(site: Site, expected: Any, found: Any, live: int) -> str:
     )
 
 
+def unpatched(owner: Any, name: str) -> Any:
+    """``getattr(owner, name)`` as it was before every live patch of that attribute.
+
+    Code that must see the real object while a patch shows another in its place (the
+    original layer class while ``use()`` shows the replacement under its name) asks
+    the engine, which holds each patched site's original, instead of keeping a copy.
+
+    Example::
+
+        with patch(module, "LlamaDecoderLayer", FusedLayer):
+            unpatched(module, "LlamaDecoderLayer")   # the real LlamaDecoderLayer
+    """
+    with LOCK:
+        stack = _STACKS.get((id(owner), name))
+        if stack is not None and stack.site.owner is owner and stack.layers:
+            original = stack.original
+            if original.container is not None:
+                return original.value
+    return getattr(owner, name)
+
+
 def stack_depth(site: Site) -> int:
     """How many live layers ``site`` has (0 when unpatched)."""
     with LOCK:
