@@ -24,7 +24,8 @@ from torch import nn
 
 import layerswap
 from layerswap.backends.fused import FusedRMSNorm
-from layerswap.substitution import Family, Substitution
+from layerswap.family import Family
+from layerswap.substitution import Substitution
 from layerswap.weights import Converter, Rename, gate_up_concat, head_dim, qkv_concat, qkv_sizes
 
 

@@ -17,89 +17,24 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_EXPORTS: dict[str, str] = {
-    # the patching engine
-    "Patch": "layerswap.patching",
-    "PatchGroup": "layerswap.patching",
-    "PatchInfo": "layerswap.patching",
-    "active_patches": "layerswap.patching",
-    "patch": "layerswap.patching",
-    "patch_dict": "layerswap.patching",
-    "patch_many": "layerswap.patching",
-    "patches": "layerswap.patching",
-    "restore_all": "layerswap.patching",
-    "safe_wraps": "layerswap.patching",
-    "wrap": "layerswap.patching",
-    # substitutions
-    "Family": "layerswap.substitution",
-    "Substitution": "layerswap.substitution",
-    "families": "layerswap.substitution",
-    "get": "layerswap.substitution",
-    "get_family": "layerswap.substitution",
-    "register": "layerswap.substitution",
-    "replace_decoder": "layerswap.substitution",
-    "substitutions": "layerswap.substitution",
-    "use": "layerswap.substitution",
-    "SwapHandle": "layerswap.swap",
-    "decoder_layers": "layerswap.swap",
-    "swap": "layerswap.swap",
-    # verification and benchmark
-    "LayerReport": "layerswap.verify",
-    "Tolerance": "layerswap.verify",
-    "VerificationReport": "layerswap.verify",
-    "assert_equivalent": "layerswap.verify",
-    "verify": "layerswap.verify",
-    "BenchReport": "layerswap.bench",
-    "bench": "layerswap.bench",
-}
-
-__all__ = [
-    "BenchReport",
-    "Family",
-    "LayerReport",
-    "Patch",
-    "PatchGroup",
-    "PatchInfo",
-    "Substitution",
-    "SwapHandle",
-    "Tolerance",
-    "VerificationReport",
-    "__version__",
-    "active_patches",
-    "assert_equivalent",
-    "bench",
-    "decoder_layers",
-    "errors",
-    "families",
-    "get",
-    "get_family",
-    "patch",
-    "patch_dict",
-    "patch_many",
-    "patches",
-    "register",
-    "replace_decoder",
-    "restore_all",
-    "safe_wraps",
-    "substitutions",
-    "swap",
-    "use",
-    "verify",
-    "wrap",
-]
-
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _exports)
     from layerswap import errors as errors
+    from layerswap.backend import Backend as Backend
+    from layerswap.backend import Implementation as Implementation
+    from layerswap.backend import Variant as Variant
     from layerswap.bench import BenchReport as BenchReport
     from layerswap.bench import bench as bench
+    from layerswap.families.infer import coverage as coverage
+    from layerswap.family import Family as Family
     from layerswap.patching import Patch as Patch
     from layerswap.patching import PatchGroup as PatchGroup
     from layerswap.patching import PatchInfo as PatchInfo
@@ -111,18 +46,21 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from layerswap.patching import restore_all as restore_all
     from layerswap.patching import safe_wraps as safe_wraps
     from layerswap.patching import wrap as wrap
-    from layerswap.substitution import Family as Family
+    from layerswap.registry import backends as backends
+    from layerswap.registry import families as families
+    from layerswap.registry import get as get
+    from layerswap.registry import get_backend as get_backend
+    from layerswap.registry import get_family as get_family
+    from layerswap.registry import register as register
+    from layerswap.registry import register_backend as register_backend
+    from layerswap.registry import register_family as register_family
+    from layerswap.registry import substitutions as substitutions
     from layerswap.substitution import Substitution as Substitution
-    from layerswap.substitution import families as families
-    from layerswap.substitution import get as get
-    from layerswap.substitution import get_family as get_family
-    from layerswap.substitution import register as register
-    from layerswap.substitution import replace_decoder as replace_decoder
-    from layerswap.substitution import substitutions as substitutions
-    from layerswap.substitution import use as use
     from layerswap.swap import SwapHandle as SwapHandle
     from layerswap.swap import decoder_layers as decoder_layers
     from layerswap.swap import swap as swap
+    from layerswap.use import replace_decoder as replace_decoder
+    from layerswap.use import use as use
     from layerswap.verify import LayerReport as LayerReport
     from layerswap.verify import Tolerance as Tolerance
     from layerswap.verify import VerificationReport as VerificationReport
@@ -130,13 +68,39 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from layerswap.verify import verify as verify
 
 
+def _exports() -> dict[str, str]:
+    """Public name -> defining module, read from the ``TYPE_CHECKING`` block above.
+
+    That block is the one place the API is written: type checkers read it as imports,
+    and at run time each name is imported on first use (PEP 562), so ``import layerswap``
+    for the patching engine imports neither torch nor transformers.
+    """
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    exports: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names:
+            exports[alias.asname or alias.name] = node.module
+    return exports
+
+
+_EXPORTS = _exports()
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
 def __getattr__(name: str) -> Any:
-    if name == "errors":
-        return importlib.import_module("layerswap.errors")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'layerswap' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if module == __name__:  # a submodule given as such (errors)
+        value: Any = importlib.import_module(f"{__name__}.{name}")
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

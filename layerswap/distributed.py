@@ -54,14 +54,14 @@ def applied_substitutions() -> tuple[Substitution, ...]:
         with layerswap.use("llama.decoder.fused"):
             [s.name for s in applied_substitutions()]   # ["llama.decoder.fused"]
     """
-    from layerswap.substitution import applied
+    from layerswap.use import applied
 
     return applied()
 
 
 def _substitution_of_group(scoped: Scoped) -> Substitution | None:
     """The substitution a :func:`layerswap.use` group applies, else ``None``."""
-    from layerswap.substitution import SubstitutionUse
+    from layerswap.use import SubstitutionUse
 
     return scoped.substitution if isinstance(scoped, SubstitutionUse) else None
 
@@ -80,7 +80,7 @@ class Reapply:
         substitutions: Iterable[str | Substitution],
         then: Callable[[int], Any] | None = None,
     ) -> None:
-        from layerswap.substitution import get
+        from layerswap.registry import get
 
         self.substitutions: tuple[Substitution, ...] = tuple(get(s) for s in substitutions)
         self.then = then
@@ -91,7 +91,7 @@ class Reapply:
         return tuple(sub.name for sub in self.substitutions)
 
     def __call__(self, worker_id: int = 0) -> None:
-        from layerswap.substitution import use
+        from layerswap.use import use
 
         present = {sub.name for sub in applied_substitutions()}
         for sub in self.substitutions:
@@ -113,7 +113,7 @@ class Reapply:
 
 def _portable(sub: Substitution) -> Substitution | str:
     """``sub`` itself when it pickles, else its registered name (looked up in the worker)."""
-    from layerswap.substitution import get
+    from layerswap.registry import get
 
     try:
         pickle.dumps(sub)
@@ -132,7 +132,7 @@ def _portable(sub: Substitution) -> Substitution | str:
 
 
 def _rebuild(items: tuple[Substitution | str, ...], then: Callable[[int], Any] | None) -> Reapply:
-    from layerswap.substitution import get
+    from layerswap.registry import get
 
     local = []
     for item in items:

@@ -23,6 +23,7 @@ __all__ = [
     "TargetImportError",
     "TargetReadOnlyError",
     "TargetTypeError",
+    "UnknownBackendError",
     "UnknownSubstitutionError",
     "UnsupportedFamilyError",
     "UnsupportedModelError",
@@ -87,6 +88,10 @@ class UnknownSubstitutionError(SubstitutionError, LookupError):
 
     def __str__(self) -> str:  # LookupError would repr() a lone argument
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownBackendError(UnknownSubstitutionError):
+    """No backend is registered under that name (the message names close ones)."""
 
 
 class RequirementError(SubstitutionError, RuntimeError):

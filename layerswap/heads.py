@@ -1,6 +1,6 @@
 """The ``head`` slot: swapping a causal LM's head (and its loss) on a built model, and undoing it.
 
-A head substitution (:class:`~layerswap.backends._head.HeadSubstitution`) changes the
+A substitution of the ``head`` slot (:mod:`layerswap.backends._head`) changes the
 class of the model object to the backend's subclass of the family's ``*ForCausalLM``;
 no module, parameter or buffer changes, so ``state_dict``, ``save_pretrained``, tied
 embeddings, optimizers holding the parameters and PEFT keep working, and undo sets the

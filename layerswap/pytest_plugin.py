@@ -280,7 +280,7 @@ class LayerswapFixture:
             model = LlamaForCausalLM(config)
         """
         __tracebackhide__ = True
-        from layerswap.substitution import use
+        from layerswap.use import use
 
         started = use(substitution)
         self._started(started)
@@ -445,7 +445,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _unusable(names: tuple[str, ...]) -> str | None:
     """Why one of ``names`` cannot be applied here (unknown, cannot run), else ``None``."""
-    from layerswap.substitution import get
+    from layerswap.registry import get
 
     for name in names:
         try:
@@ -464,7 +464,7 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 def _applied(names: tuple[str, ...], *, where: str) -> PatchGroup | str:
     """One unstarted group that applies ``names`` in order, or the reason it cannot."""
-    from layerswap.substitution import use
+    from layerswap.use import use
 
     try:
         return patches(*(use(name) for name in names))
@@ -483,7 +483,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     names = session_substitutions(config)
     if not names:
         return []
-    from layerswap.substitution import get
+    from layerswap.registry import get
 
     described = []
     for name in names:

@@ -37,9 +37,11 @@ from layerswap.errors import (
     SwapWarning,
     UnknownSubstitutionError,
 )
+from layerswap.family import Family
 from layerswap.peft_targets import guard as guard_peft_targets
+from layerswap.registry import families, get
 from layerswap.state import install_load_hook
-from layerswap.substitution import Family, Substitution, families, get
+from layerswap.substitution import Substitution
 from layerswap.weights import is_extra_state
 
 if TYPE_CHECKING:

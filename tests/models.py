@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from layerswap.substitution import Family, get_family
-from layerswap.substitution import families as _registered
+from layerswap.family import Family
+from layerswap.registry import families as _registered
+from layerswap.registry import get_family
 
 # every registered family: the hand-written ones and those inferred from transformers
 FAMILIES = tuple(sorted(_registered()))

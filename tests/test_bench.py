@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from layerswap.bench import BenchReport, bench
-from layerswap.substitution import get_family
+from layerswap.registry import get_family
 
 FUSED = "llama.decoder.fused"
 

@@ -21,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 from layerswap.cli import app, main
-from layerswap.substitution import families, get, get_family
+from layerswap.registry import families, get, get_family
 
 FAMILIES = sorted(families())
 
@@ -76,9 +76,9 @@ def test_patch_llama_passes_and_prints_a_plain_table() -> None:
 PLUGIN = """
     import dataclasses
 
-    import layerswap.substitution
+    import layerswap
 
-    _FUSED = layerswap.substitution.get("llama.decoder.fused")
+    _FUSED = layerswap.get("llama.decoder.fused")
 
 
     class BrokenLayer(_FUSED.replacement_class()):

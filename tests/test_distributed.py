@@ -35,7 +35,7 @@ from transformers.models.llama import modeling_llama
 import layerswap
 from layerswap.distributed import applied_substitutions, check_ranks_agree, reapply
 from layerswap.errors import SubstitutionError, SwapWarning, UnknownSubstitutionError
-from layerswap.substitution import families, get, unregister
+from layerswap.registry import families, get, unregister
 from layerswap.swap import decoder_layers, substitution_of, swap
 
 SUBSTITUTION = "llama.decoder.fused"

@@ -23,7 +23,7 @@ from layerswap.cli import app
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families import INFERRED
 from layerswap.families.infer import VERIFIED, infer_family
-from layerswap.substitution import families, get_family
+from layerswap.registry import families, get_family
 
 # --- inference -----------------------------------------------------------------------------
 

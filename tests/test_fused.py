@@ -209,7 +209,7 @@ def test_generic_fused_layer_needs_a_family() -> None:
 
 
 def test_layer_classes_are_importable_by_name_for_pickling() -> None:
-    from layerswap.substitution import get_family
+    from layerswap.registry import get_family
 
     cls = fused.layer_class(get_family("gemma"))
     assert fused.FusedGemmaDecoderLayer is cls

@@ -16,8 +16,9 @@ from models import left_padded_batch, tiny_model
 from transformers import PreTrainedModel
 
 import layerswap
+from layerswap.backends import fused
 from layerswap.backends._head import head_class, head_contract
-from layerswap.backends.head_fused import FusedHead, head_substitution_for
+from layerswap.backends.head_fused import FusedHead
 from layerswap.errors import SubstitutionError, UnsupportedModelError, UpstreamDriftError
 from layerswap.heads import HeadSwapHandle, head_substitution_of, swap_head
 from layerswap.ops import LogitTransform
@@ -287,7 +288,7 @@ def test_verify_runs_the_fused_loss_not_the_original() -> None:
             return super()._summed_loss(*args)
 
     family = layerswap.families()["llama"]
-    sub = head_substitution_for(family)
+    sub = fused.BACKEND.substitution(family, "head")
     counting = dataclasses.replace(
         sub, name="llama.head.counting", replacement=head_class(Counting, family)
     )
@@ -386,7 +387,7 @@ def test_a_family_logit_transform_is_read_and_reproduced(
     import importlib
 
     from layerswap.families._tiny import TINY
-    from layerswap.substitution import Family
+    from layerswap.family import Family
 
     modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     causal_lm = getattr(modeling, cls)
@@ -406,7 +407,7 @@ def test_a_family_logit_transform_is_read_and_reproduced(
     reference = copy.deepcopy(model)
     # an unregistered family: the class given directly, not looked up by name
     sub = dataclasses.replace(
-        head_substitution_for(family), replacement=head_class(FusedHead, family)
+        fused.BACKEND.substitution(family, "head"), replacement=head_class(FusedHead, family)
     )
     swap_head(model, sub)
     batch = _batch(model)

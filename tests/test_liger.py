@@ -27,7 +27,7 @@ import layerswap
 from layerswap.backends import head_liger, liger
 from layerswap.cli import app
 from layerswap.errors import RequirementError
-from layerswap.substitution import families
+from layerswap.registry import families
 from layerswap.verify import default_inputs, verify
 
 # the families whose decoder layer Liger's kernels express; the others are refused with
@@ -109,7 +109,7 @@ def test_refused_families_get_no_decoder_substitution_and_a_reason() -> None:
     for name in REFUSED:
         reason = liger.unsupported(families()[name])
         assert reason, name
-        assert liger.substitution_for(families()[name]) is None
+        assert liger.BACKEND.unsupported(families()[name]) is not None
         with pytest.raises(layerswap.errors.UnknownSubstitutionError):
             layerswap.get(f"{name}.decoder.liger")
     if "gemma2" in families():
@@ -213,7 +213,7 @@ def test_an_installation_whose_kernels_fail_to_import_is_reported_with_the_reaso
     "name", ["llama.decoder.liger", "gemma3.decoder.liger", "qwen3.head.liger"]
 )
 def test_swap_refuses_and_leaves_the_model_untouched(name: str) -> None:
-    family = layerswap.get(name).family_spec()
+    family = layerswap.get_family(layerswap.get(name).family)
     model = family.build(seed=0)
     before = _snapshot(model)
     with pytest.raises(RequirementError, match=r"liger-kernel is not installed"):

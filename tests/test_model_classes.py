@@ -18,7 +18,9 @@ from torch import nn
 
 import layerswap
 from layerswap.errors import UnsupportedModelError
-from layerswap.substitution import Substitution, get, use
+from layerswap.registry import get
+from layerswap.substitution import Substitution
+from layerswap.use import use
 from layerswap.verify import default_inputs
 from layerswap.verify.model_classes import head_of
 

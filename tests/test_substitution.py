@@ -25,14 +25,15 @@ from layerswap.errors import (
     UnknownSubstitutionError,
     UpstreamDriftError,
 )
-from layerswap.substitution import (
-    Family,
-    Substitution,
+from layerswap.family import Family
+from layerswap.registry import (
     get_family,
     load_entry_points,
     register_family,
     unregister,
+    unregister_family,
 )
+from layerswap.substitution import Substitution
 from layerswap.weights import Converter, qkv_concat
 
 # --- families -------------------------------------------------------------------------
@@ -216,8 +217,6 @@ def test_register_family_adds_its_backend_substitutions() -> None:
         o_bias=False,
         tiny={**get_family("mistral").tiny, "head_dim": 16},
     )
-    from layerswap import substitution
-
     try:
         added = register_family(ministral)
         assert "ministral-test.decoder.fused" in [sub.name for sub in added]
@@ -229,9 +228,8 @@ def test_register_family_adds_its_backend_substitutions() -> None:
                 actual = model(ids).logits
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
     finally:
-        for sub in layerswap.substitutions(family="ministral-test"):
-            unregister(sub.name)
-        substitution._FAMILIES.pop("ministral-test", None)
+        unregister_family("ministral-test")
+    assert layerswap.substitutions(family="ministral-test") == []
 
 
 # --- upstream checks --------------------------------------------------------------------
@@ -248,7 +246,7 @@ def test_builtin_substitutions_fit_the_installed_transformers() -> None:
 def test_a_family_whose_assumption_fails_is_upstream_drift() -> None:
     # declared without q/k norms, while transformers' Qwen3 layer has them
     wrong = dataclasses.replace(get_family("qwen3"), name="qwen3-without-qk-norm", qk_norm=False)
-    sub = fused.substitution_for(wrong)
+    sub = fused.BACKEND.substitution(wrong)
     with pytest.raises(UpstreamDriftError) as caught:
         sub.check_upstream(tiny_config("qwen3"))
     message = str(caught.value)
@@ -273,7 +271,7 @@ def test_a_bias_the_family_does_not_declare_is_upstream_drift() -> None:
     # declared without q/k/v bias: with attention_bias on, the bias would be dropped
     wrong = dataclasses.replace(get_family("llama"), name="llama-no-bias", qkv_bias=False)
     with pytest.raises(UpstreamDriftError, match=r"'self_attn\.qkv_proj\.bias' .* no place"):
-        fused.substitution_for(wrong).check_upstream(tiny_config("llama", attention_bias=True))
+        fused.BACKEND.substitution(wrong).check_upstream(tiny_config("llama", attention_bias=True))
 
 
 def test_an_original_without_position_embeddings_is_upstream_drift(
@@ -427,11 +425,11 @@ def test_replace_decoder_defaults_to_llama_and_accepts_an_explicit_family() -> N
 def test_substitution_str_is_its_name() -> None:
     sub = layerswap.get("gemma.decoder.fused")
     assert str(sub) == "gemma.decoder.fused"
-    assert isinstance(sub, Substitution) and sub.family_spec() is get_family("gemma")
+    assert isinstance(sub, Substitution) and get_family(sub.family) is get_family("gemma")
 
 
 def test_use_group_names_its_substitution_and_is_listed_while_applied():
-    from layerswap.substitution import applied
+    from layerswap.use import applied
 
     group = layerswap.use("llama.decoder.fused")
     assert "use('llama.decoder.fused')" in repr(group)

@@ -22,12 +22,12 @@ import layerswap
 from layerswap.backends import te
 from layerswap.backends.te_layout import TELayerSpec, te_converter
 from layerswap.errors import ConversionError, RequirementError, SubstitutionError
-from layerswap.substitution import families
+from layerswap.registry import families
 from layerswap.verify import Tolerance, default_inputs, verify
 
 # the families whose structure TransformerEngine's layer expresses (the others are
 # refused with the reason: norms after attention or the MLP, q/k norms across heads)
-FAMILIES = sorted(name for name, f in families().items() if te.substitution_for(f) is not None)
+FAMILIES = sorted(name for name, f in families().items() if te.BACKEND.unsupported(f) is None)
 
 # (family, config overrides): every builtin family, plus the shapes and switches that
 # move tensors around: Llama's optional biases, multi-head and multi-query attention
@@ -67,7 +67,7 @@ def test_every_family_te_can_express_has_a_te_substitution_and_the_rest_a_reason
 
     assert "norms before attention and the MLP only" in str(unexpressible(families()["gemma3"]))
     assert "attn_out, mlp_out" in str(unexpressible(families()["olmo2"]))
-    assert te.substitution_for(families()["olmo2"]) is None
+    assert te.BACKEND.unsupported(families()["olmo2"]) is not None
 
 
 @without_te
@@ -143,9 +143,9 @@ def test_mixed_cudnn_builds_are_named_with_the_way_out(
 
 def test_fp8_substitution_is_the_te_layer_with_an_fp8_requirement() -> None:
     family = families()["llama"]
-    sub = te.fp8_substitution_for(family, recipe="current")
+    sub = te.BACKEND.substitution(family, variant="fp8").with_options(recipe="current")
     assert sub is not None
-    assert sub == te.fp8_substitution_for(family, recipe="current")  # registrable twice
+    assert sub == layerswap.get("llama.decoder.te_fp8").with_options(recipe="current")
     assert sub.name == "llama.decoder.te_fp8" and sub.backend == "te_fp8"
     assert sub.replacement is te.layer_class(family)
     assert sub.unmet_requirement() == te.fp8_unmet_requirement("current")
@@ -453,7 +453,7 @@ def test_generate_with_the_cache_matches_the_original(name: str) -> None:
 @pytest.mark.gpu
 @requires_te
 def test_fp8_forward_stays_close_to_the_original() -> None:
-    sub = te.fp8_substitution_for(families()["llama"], recipe="current")
+    sub = layerswap.get("llama.decoder.te_fp8").with_options(recipe="current")
     assert sub is not None
     reason = sub.unmet_requirement()
     if reason is not None:

@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from layerswap.errors import RequirementError, UnknownSubstitutionError, VerificationError
-from layerswap.substitution import Substitution, families, get, get_family, use
+from layerswap.registry import families, get, get_family
+from layerswap.substitution import Substitution
 from layerswap.swap import swap
+from layerswap.use import use
 from layerswap.verify import (
     Tolerance,
     VerificationReport,

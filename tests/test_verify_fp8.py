@@ -17,7 +17,8 @@ import torch
 
 import layerswap
 from layerswap.errors import VerificationError
-from layerswap.substitution import Substitution, get_family
+from layerswap.registry import get_family
+from layerswap.substitution import Substitution
 from layerswap.swap import swap
 from layerswap.verify import Tolerance, assert_equivalent
 from layerswap.verify.compare import Comparison

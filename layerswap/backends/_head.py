@@ -30,7 +30,7 @@ Example::
         def _loss(self, hidden, weight, bias, targets, transforms, ignore_index):
             return my_summed_cross_entropy(...)
 
-    sub = head_substitution(family, PlainHead, description="...")
+    BACKEND = Backend(name="plain", slots={"head": head_implementation(PlainHead, ...)})
 """
 
 from __future__ import annotations
@@ -51,9 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerswap.backend import Implementation
 from layerswap.errors import UnsupportedModelError, UpstreamDriftError
+from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform
-from layerswap.substitution import Family, Substitution, families
+from layerswap.registry import families
+from layerswap.substitution import Substitution, UpstreamCheck
 from layerswap.weights import Converter
 
 if TYPE_CHECKING:
@@ -62,12 +65,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CausalLMHead",
     "HeadContract",
-    "HeadSubstitution",
+    "check_head",
     "fused_loss_in_eval",
     "head_class",
     "head_class_named",
     "head_contract",
-    "head_substitution",
+    "head_implementation",
 ]
 
 # --- the original forward's head, read from its source -----------------------------------
@@ -182,7 +185,7 @@ def _transformers_version() -> str:
 
 # --- the replacement class ----------------------------------------------------------------
 
-# set by HeadSubstitution.forward_context(): the fused loss also in eval mode (logits kept)
+# set by the head slot's forward context: the fused loss also in eval mode (logits kept)
 _FUSED_IN_EVAL: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "layerswap_fused_loss_in_eval", default=False
 )
@@ -405,6 +408,10 @@ def head_class(base: type[CausalLMHead], family: Family) -> type[nn.Module]:
 
 def head_class_named(base: type[CausalLMHead], qualname: str) -> type[nn.Module]:
     """The head class called ``qualname`` (``FusedLlamaForCausalLM``), for unpickling."""
+    if qualname.startswith("__"):
+        # `from <module> import x` asks for __path__ first, maybe while the registry is
+        # loading this very module: no registry lookup for dunder names
+        raise AttributeError(f"module {base.__module__!r} has no attribute {qualname!r}")
     prefix = base.backend.capitalize()
     for family in families().values():
         if qualname == f"{prefix}{family.causal_lm}":
@@ -412,35 +419,39 @@ def head_class_named(base: type[CausalLMHead], qualname: str) -> type[nn.Module]
     raise AttributeError(f"module {base.__module__!r} has no attribute {qualname!r}")
 
 
-@dataclass(frozen=True)
-class HeadSubstitution(Substitution):
-    """A substitution of the ``head`` slot: a class swap of the family's causal LM."""
-
-    slot: str = "head"
-
-    def forward_context(self) -> contextlib.AbstractContextManager[None]:
-        """Verification's context: the fused loss in eval mode too (see :func:`fused_loss_in_eval`)."""
-        return fused_loss_in_eval()
-
-
 def check_head(sub: Substitution, config: PreTrainedConfig) -> None:
     """The original causal LM's ``forward`` still has the head the substitution reproduces."""
     head_contract(sub.original_class())
 
 
-def head_substitution(
-    family: Family, base: type[CausalLMHead], *, description: str
-) -> HeadSubstitution:
-    """The ``"<family>.head.<backend>"`` substitution for ``base``'s head."""
+def head_implementation(
+    base: type[CausalLMHead],
+    *,
+    description: str,
+    upstream: UpstreamCheck = check_head,
+) -> Implementation:
+    """The ``head`` slot of a backend whose head is ``base``: the family's causal LM class
+    made a subclass of ``base`` (lazily, by name: ``"<module>:Fused<Original>"``), no
+    weights converted, verified with the fused loss in eval mode too.
+
+    Example::
+
+        Backend(name="mine", slots={"head": head_implementation(MyHead, description="...")})
+    """
     module = sys.modules[base.__module__].__name__
-    original = family.causal_lm
-    return HeadSubstitution(
-        name=f"{family.name}.head.{base.backend}",
-        family=family.name,
-        backend=base.backend,
-        original=f"{family.module}:{original}",
-        replacement=f"{module}:{base.backend.capitalize()}{original}",
-        converter=Converter(),
-        upstream=check_head,
+    prefix = base.backend.capitalize()
+
+    def replacement(family: Family) -> str:
+        return f"{module}:{prefix}{family.causal_lm}"
+
+    return Implementation(
+        replacement=replacement,
+        converter=_no_conversion,
         description=description,
+        upstream=upstream,
+        context=fused_loss_in_eval,
     )
+
+
+def _no_conversion(family: Family) -> Converter:
+    return Converter()

@@ -14,8 +14,8 @@ Everything the original layer's callers rely on is here once:
   rotate-half convention of the rotary embedding, the cache update through
   ``past_key_values.update(key, value, layer_idx)``;
 - one subclass per family (:func:`family_layer_class`), importable by name from the
-  backend's module so pickled models load, and its :class:`Substitution`
-  (:func:`decoder_substitution`).
+  backend's module so pickled models load; a backend's declaration names it as its
+  ``decoder`` implementation.
 
 Example::
 
@@ -33,17 +33,19 @@ Example::
         def _feed_forward(self, hidden_states):
             ...
 
-    sub = decoder_substitution(family_layer_class(PlainDecoderLayer, family), ...)
+    def layer_class(family):
+        return family_layer_class(PlainDecoderLayer, family)
+
+    BACKEND = Backend(name="plain", slots={"decoder": Implementation(layer_class, converter)})
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
 
@@ -51,20 +53,18 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from layerswap.errors import RequirementError, SwapWarning
-from layerswap.substitution import Family, Substitution, families
+from layerswap.family import Family
+from layerswap.registry import families
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
     from transformers.cache_utils import Cache
-
-    from layerswap.weights import LayoutConverter
 
 __all__ = [
     "SUPPORTED_ATTENTION",
     "DecoderLayer",
     "Layout",
     "attention_weights_sink",
-    "decoder_substitution",
     "family_layer_class",
     "family_layer_class_named",
     "rotate_half",
@@ -343,33 +343,11 @@ def family_layer_class_named(base: type[LayerT], name: str) -> type[LayerT]:
     A pickled model names its layer class; in a fresh process it is made on demand.
     :class:`AttributeError` when no family's class has that name.
     """
+    if name.startswith("__"):
+        # `from <module> import x` asks for __path__ first, maybe while the registry is
+        # loading this very module: no registry lookup for dunder names
+        raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
     for family in families().values():
         if _class_name(base, family) == name:
             return family_layer_class(base, family)
     raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
-
-
-def decoder_substitution(
-    layer: type[DecoderLayer],
-    *,
-    converter: LayoutConverter,
-    description: str,
-    requirement: Callable[[], str | None] | None = None,
-) -> Substitution:
-    """The ``"<family>.decoder.<backend>"`` substitution of a per-family layer class.
-
-    Example::
-
-        decoder_substitution(layer_class(family), converter=CONVERTER, description="...")
-    """
-    family = layer.declared_family()
-    sub = Substitution(
-        name=f"{family.name}.decoder.{layer.backend}",
-        family=family.name,
-        backend=layer.backend,
-        original=f"{family.module}:{family.decoder}",
-        replacement=layer,
-        converter=converter,
-        description=description,
-    )
-    return sub if requirement is None else dataclasses.replace(sub, requirement=requirement)

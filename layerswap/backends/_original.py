@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-    from layerswap.substitution import Family
+    from layerswap.family import Family
 
 __all__ = ["OriginalNumbers", "original_numbers"]
 

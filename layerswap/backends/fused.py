@@ -16,8 +16,8 @@ Example::
 
     from layerswap.backends import fused
 
-    sub = fused.substitution_for(layerswap.families()["qwen3"])
-    handle = layerswap.swap(model, sub)
+    sub = fused.BACKEND.substitution(layerswap.get_family("qwen3"))
+    handle = layerswap.swap(model, sub)      # the same as layerswap.get("qwen3.decoder.fused")
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from layerswap.backend import Backend, Implementation
 from layerswap.backends import _layer
 from layerswap.backends._original import original_numbers
+from layerswap.backends.head_fused import HEAD
 from layerswap.errors import RequirementError
-from layerswap.substitution import Family, Substitution
+from layerswap.family import Family
 from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, qkv_sizes
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
 __all__ = [
+    "BACKEND",
     "CONVERTER",
     "FusedAttention",
     "FusedDecoderLayer",
@@ -47,7 +50,6 @@ __all__ = [
     "FusedRMSNorm",
     "converter_for",
     "layer_class",
-    "substitution_for",
 ]
 
 # enable_gqa arrived in torch 2.5
@@ -389,28 +391,22 @@ def layer_class(family: Family) -> type[FusedDecoderLayer]:
     return _layer.family_layer_class(FusedDecoderLayer, family)
 
 
-def substitution_for(family: Family) -> Substitution:
-    """The ``"<family>.decoder.fused"`` substitution (every declared family fits).
-
-    Example::
-
-        sub = substitution_for(layerswap.families()["mistral"])
-    """
-    return _layer.decoder_substitution(
-        layer_class(family),
-        converter=converter_for(family),
-        description=(
-            "pure PyTorch, CPU and GPU: fused QKV and gate/up projections, F.rms_norm, "
-            "scaled_dot_product_attention with GQA"
+#: the ``fused`` backend: its decoder layer for every family, and its head
+BACKEND = Backend(
+    name="fused",
+    description="pure PyTorch, CPU and GPU: fused projections, F.rms_norm, SDPA",
+    slots={
+        "decoder": Implementation(
+            replacement=layer_class,
+            converter=converter_for,
+            description=(
+                "pure PyTorch, CPU and GPU: fused QKV and gate/up projections, F.rms_norm, "
+                "scaled_dot_product_attention with GQA"
+            ),
         ),
-    )
-
-
-def substitutions_for(family: Family) -> list[Substitution]:
-    """``"<family>.decoder.fused"`` and ``"<family>.head.fused"`` (:mod:`.head_fused`)."""
-    from layerswap.backends.head_fused import head_substitution_for
-
-    return [substitution_for(family), head_substitution_for(family)]
+        "head": HEAD,
+    },
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -25,17 +25,17 @@ from typing import Any, ClassVar
 
 import torch
 
+from layerswap.backend import Implementation
 from layerswap.backends._head import (
     CausalLMHead,
-    HeadSubstitution,
     head_class,
     head_class_named,
-    head_substitution,
+    head_implementation,
 )
+from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform, linear_cross_entropy
-from layerswap.substitution import Family
 
-__all__ = ["FusedHead", "head_substitution_for", "fused_head_class"]
+__all__ = ["HEAD", "FusedHead", "fused_head_class"]
 
 
 class FusedHead(CausalLMHead):
@@ -69,21 +69,14 @@ def fused_head_class(family: Family) -> type[torch.nn.Module]:
     return head_class(FusedHead, family)
 
 
-def head_substitution_for(family: Family) -> HeadSubstitution:
-    """The ``"<family>.head.fused"`` substitution.
-
-    Example::
-
-        sub = head_substitution_for(layerswap.families()["qwen3"])
-    """
-    return head_substitution(
-        family,
-        FusedHead,
-        description=(
-            "pure PyTorch, CPU and GPU: in training, linear + cross-entropy chunk by chunk "
-            "(never the full logits; logits None)"
-        ),
-    )
+#: the ``fused`` backend's ``head`` slot (:data:`layerswap.backends.fused.BACKEND`)
+HEAD: Implementation = head_implementation(
+    FusedHead,
+    description=(
+        "pure PyTorch, CPU and GPU: in training, linear + cross-entropy chunk by chunk "
+        "(never the full logits; logits None)"
+    ),
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -27,30 +27,30 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from layerswap.backend import Implementation
 from layerswap.backends._head import (
     CausalLMHead,
-    HeadSubstitution,
     check_head,
     head_class,
     head_class_named,
     head_contract,
-    head_substitution,
+    head_implementation,
 )
-from layerswap.backends.liger import kernels, require_cuda, unmet_requirement
+from layerswap.backends.liger_runtime import kernels, require_cuda
 from layerswap.errors import RequirementError
+from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform
-from layerswap.substitution import Family, Substitution
+from layerswap.substitution import Substitution
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["LigerHead", "head_substitution_for", "liger_head_class", "unreproducible"]
+__all__ = ["HEAD", "LigerHead", "liger_head_class", "unreproducible"]
 
 
 def unreproducible(steps: Sequence[tuple[str, Any]]) -> str | None:
@@ -123,29 +123,17 @@ def _check_liger_head(sub: Substitution, config: PreTrainedConfig) -> None:
         raise RequirementError(f"{sub.name} cannot reproduce this head: {reason}")
 
 
-def head_substitution_for(family: Family) -> HeadSubstitution:
-    """The ``"<family>.head.liger"`` substitution.
-
-    Example::
-
-        sub = head_substitution_for(layerswap.families()["qwen3"])
-        sub.unmet_requirement()     # "liger-kernel is not installed (...)" on a CPU machine
-    """
-    sub = head_substitution(
-        family,
-        LigerHead,
-        description=(
-            "Liger-Kernel, GPU only: in training, Liger's fused linear cross-entropy "
-            "(never the full logits; logits None)"
-        ),
-    )
-    return dataclasses.replace(sub, requirement=unmet_requirement, upstream=_check_liger_head)
+#: the ``liger`` backend's ``head`` slot (:data:`layerswap.backends.liger.BACKEND`)
+HEAD: Implementation = head_implementation(
+    LigerHead,
+    description=(
+        "Liger-Kernel, GPU only: in training, Liger's fused linear cross-entropy "
+        "(never the full logits; logits None)"
+    ),
+    upstream=_check_liger_head,
+)
 
 
 def __getattr__(name: str) -> Any:
     # a pickled model names its class; make it on demand in a fresh process
-    if name.startswith("__"):
-        # `from <this module> import x` asks for __path__ first; answering it must not load
-        # the registry, which imports this backend's modules
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return head_class_named(LigerHead, name)

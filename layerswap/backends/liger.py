@@ -35,20 +35,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.util
 from contextlib import AbstractContextManager
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerswap.backend import Backend, Dependency, Implementation
 from layerswap.backends import _layer
 from layerswap.backends._original import OriginalNumbers, original_numbers
+from layerswap.backends.head_liger import HEAD
+from layerswap.backends.liger_runtime import (
+    NO_CUDA,
+    NOT_INSTALLED,
+    kernels,
+    require_cuda,
+    unmet_requirement,
+)
 from layerswap.errors import RequirementError
-from layerswap.substitution import Family, Substitution
+from layerswap.family import Family
 from layerswap.weights import Converter, head_dim, qkv_sizes
 
 if TYPE_CHECKING:
@@ -56,6 +62,7 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
 __all__ = [
+    "BACKEND",
     "CONVERTER",
     "GATED_KERNELS",
     "NOT_INSTALLED",
@@ -66,17 +73,9 @@ __all__ = [
     "LigerRMSNorm",
     "kernels",
     "layer_class",
-    "substitution_for",
-    "substitutions_for",
     "unmet_requirement",
     "unsupported",
 ]
-
-NOT_INSTALLED = "liger-kernel is not installed (pip install 'layerswap[liger]')"
-NO_CUDA = "needs a CUDA GPU (Liger's kernels are Triton)"
-
-#: Liger-Kernel's functional API: its kernels as autograd functions
-_FUNCTIONAL = "liger_kernel.transformers.functional"
 
 #: a config's activation -> the Liger kernel computing ``act(gate) * up`` with it
 GATED_KERNELS = {
@@ -91,63 +90,6 @@ CONVERTER = Converter()
 
 # enable_gqa arrived in torch 2.5
 _SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-# --- requirements ------------------------------------------------------------------------
-
-
-def _installed() -> bool:
-    try:
-        return importlib.util.find_spec("liger_kernel") is not None
-    except (ImportError, ValueError):  # a broken or half-imported package
-        return False
-
-
-def unmet_requirement() -> str | None:
-    """Why the ``liger`` layers and head cannot run here, or ``None`` when they can.
-
-    Checked in order: liger-kernel installed, a CUDA (or ROCm) GPU visible, and Liger's
-    kernels importable (Triton installed and working).
-
-    Example::
-
-        from layerswap.backends import liger
-        liger.unmet_requirement()   # "liger-kernel is not installed (pip install ...)"
-    """
-    if not _installed():
-        return NOT_INSTALLED
-    if not torch.cuda.is_available():
-        return NO_CUDA
-    try:
-        importlib.import_module(_FUNCTIONAL)
-    except Exception as exc:  # no triton, or a triton that does not fit this torch
-        return f"liger-kernel is installed but its kernels cannot be imported: {exc}"
-    return None
-
-
-@functools.cache
-def kernels() -> ModuleType:
-    """``liger_kernel.transformers.functional``, or :class:`RequirementError` with the reason.
-
-    Example::
-
-        liger.kernels().liger_swiglu(gate, up)
-    """
-    reason = unmet_requirement()
-    if reason is not None:
-        raise RequirementError(f"the liger backend cannot run here: {reason}")
-    return importlib.import_module(_FUNCTIONAL)
-
-
-def require_cuda(tensor: torch.Tensor, where: object) -> None:
-    """:class:`RequirementError` unless Liger can run and ``tensor`` is on the GPU."""
-    kernels()
-    if not tensor.is_cuda:
-        # Triton's own failure on a CPU tensor is a pointer error deep in a kernel launch
-        raise RequirementError(
-            f"{type(where).__name__} runs Liger's Triton kernels on CUDA tensors; move the "
-            "model to the GPU (model.cuda())"
-        )
 
 
 # --- what the layer can express ------------------------------------------------------------
@@ -478,39 +420,39 @@ def layer_class(family: Family) -> type[LigerDecoderLayer]:
     return _layer.family_layer_class(LigerDecoderLayer, family)
 
 
-def substitution_for(family: Family) -> Substitution | None:
-    """The ``"<family>.decoder.liger"`` substitution, or ``None`` when :func:`unsupported`.
+def _converter(family: Family) -> Converter:
+    return CONVERTER
 
-    Example::
 
-        sub = substitution_for(layerswap.families()["qwen3"])
-        sub.unmet_requirement()     # None on a CUDA machine with liger-kernel and Triton
-    """
-    if unsupported(family) is not None:
-        return None
-    return _layer.decoder_substitution(
-        layer_class(family),
-        converter=CONVERTER,
-        requirement=unmet_requirement,
-        description=(
-            "Liger-Kernel's Triton kernels, GPU only: RMSNorm, SwiGLU/GeGLU and RoPE in the "
-            "original's modules and weights, scaled_dot_product_attention with GQA"
+#: the ``liger`` backend: its decoder layer (where :func:`unsupported` finds nothing) and head
+BACKEND = Backend(
+    name="liger",
+    description="Liger-Kernel's Triton kernels inside layerswap's decoder layer and head",
+    slots={
+        "decoder": Implementation(
+            replacement=layer_class,
+            converter=_converter,
+            supports=unsupported,
+            description=(
+                "Liger-Kernel's Triton kernels, GPU only: RMSNorm, SwiGLU/GeGLU and RoPE in "
+                "the original's modules and weights, scaled_dot_product_attention with GQA"
+            ),
         ),
-    )
-
-
-def substitutions_for(family: Family) -> list[Substitution]:
-    """``"<family>.decoder.liger"`` (where supported) and ``"<family>.head.liger"``."""
-    from layerswap.backends.head_liger import head_substitution_for
-
-    decoder = substitution_for(family)
-    return [*([] if decoder is None else [decoder]), head_substitution_for(family)]
+        "head": HEAD,
+    },
+    requirement=unmet_requirement,
+    devices=("cuda",),
+    dependencies=(
+        Dependency(
+            label="Liger-Kernel",
+            module="liger_kernel",
+            distribution="liger-kernel",
+            install="pip install 'layerswap[liger]' on a CUDA machine",
+        ),
+    ),
+)
 
 
 def __getattr__(name: str) -> Any:
     # a pickled model names its layer class; make it on demand in a fresh process
-    if name.startswith("__"):
-        # `from <this module> import x` asks for __path__ first; answering it must not load
-        # the registry, which imports this backend's modules
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return _layer.family_layer_class_named(LigerDecoderLayer, name)

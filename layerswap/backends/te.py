@@ -39,16 +39,16 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from layerswap.backend import Backend, Dependency, Implementation, Variant
 from layerswap.backends import _layer
 from layerswap.backends.te_layout import TELayerSpec, te_converter, unexpressible
 from layerswap.errors import RequirementError
-from layerswap.substitution import Family, Substitution
+from layerswap.family import Family
 from layerswap.weights import is_extra_state
 
 if TYPE_CHECKING:
@@ -56,21 +56,19 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
 __all__ = [
+    "BACKEND",
     "NOT_INSTALLED",
     "NO_CUDA",
-    "FP8Substitution",
     "TEAttention",
     "TEDecoderLayer",
     "fp8_autocast",
     "fp8_recipe",
-    "fp8_substitution_for",
     "fp8_unmet_requirement",
     "layer_class",
     "rotate",
-    "substitution_for",
-    "substitutions_for",
     "te_mask",
     "unmet_requirement",
+    "unsupported",
 ]
 
 NOT_INSTALLED = "TransformerEngine is not installed (pip install 'layerswap[te]')"
@@ -589,97 +587,67 @@ def layer_class(family: Family) -> type[TEDecoderLayer]:
     return _layer.family_layer_class(TEDecoderLayer, family)
 
 
-def substitution_for(family: Family) -> Substitution | None:
-    """The ``"<family>.decoder.te"`` substitution, or ``None`` if TE cannot express the family.
+def unsupported(family: Family) -> str | None:
+    """Why TransformerEngine's modules cannot express ``family``'s layer, or ``None``.
 
     TE's RMSNorm scales by ``weight`` or ``1 + weight`` (``zero_centered_gamma``), so a
-    family with another norm offset has no TE layer. Everything else the builtin
-    families declare (q/k/v-only biases, q/k norm, GQA, sliding windows, tanh-GELU)
-    maps onto TE modules.
+    family with another norm offset has no TE layer; the rest is :func:`unexpressible`.
+    Everything else the builtin families declare (q/k/v-only biases, q/k norm, GQA,
+    sliding windows, tanh-GELU) maps onto TE modules.
 
     Example::
 
-        sub = substitution_for(layerswap.families()["qwen2"])
-        sub.unmet_requirement()     # None on a CUDA machine with TransformerEngine
+        te.unsupported(layerswap.get_family("olmo2"))   # "... q/k norm across heads ..."
     """
-    if family.norm_offset not in (0.0, 1.0) or unexpressible(family) is not None:
-        return None
-    return _layer.decoder_substitution(
-        layer_class(family),
-        converter=te_converter(family),
-        requirement=unmet_requirement,
-        description=(
-            "NVIDIA TransformerEngine, GPU only: RMSNorm fused into the q/k/v and gate/up "
-            "GEMMs, cuDNN/flash attention with GQA; BF16, and FP8 inside te.fp8_autocast"
+    if family.norm_offset not in (0.0, 1.0):
+        return (
+            f"TransformerEngine's RMSNorm scales by weight or 1 + weight; this family's "
+            f"norm offset is {family.norm_offset}"
+        )
+    return unexpressible(family)
+
+
+#: the ``te`` backend: TransformerEngine decoder layers in BF16, and the ``fp8`` variant:
+#: the same layers and weights inside :func:`fp8_autocast` (``llama.decoder.te_fp8``;
+#: ``sub.with_options(recipe="delayed")`` picks the recipe)
+BACKEND = Backend(
+    name="te",
+    description="NVIDIA TransformerEngine decoder layers, BF16 and FP8, GPU only",
+    slots={
+        "decoder": Implementation(
+            replacement=layer_class,
+            converter=te_converter,
+            supports=unsupported,
+            description=(
+                "NVIDIA TransformerEngine, GPU only: RMSNorm fused into the q/k/v and gate/up "
+                "GEMMs, cuDNN/flash attention with GQA; BF16, and FP8 inside te.fp8_autocast"
+            ),
         ),
-    )
-
-
-@dataclass(frozen=True)
-class _FP8Requirement:
-    """``fp8_unmet_requirement(recipe)`` as a value (equal for equal recipes)."""
-
-    recipe: str
-
-    def __call__(self) -> str | None:
-        return fp8_unmet_requirement(self.recipe)
-
-
-@dataclass(frozen=True)
-class FP8Substitution(Substitution):
-    """A ``te`` substitution whose layers run in FP8.
-
-    Same layers and weights as ``"<family>.decoder.te"``; :meth:`forward_context` is the
-    :func:`fp8_autocast` its forward passes run in, which :func:`layerswap.verify` and
-    :func:`layerswap.bench` enter around the swapped model. Its requirement adds the
-    FP8 check ("FP8 needs compute capability >= 8.9 (found 8.0)").
-
-    Example::
-
-        sub = dataclasses.replace(fp8_substitution_for(family), recipe="delayed")
-        layerswap.verify(model, sub, dtype="bfloat16", device="cuda")
-    """
-
-    recipe: str = "auto"
-
-    def forward_context(self) -> AbstractContextManager[Any]:
-        """The FP8 autocast the swapped model's forward runs in."""
-        return fp8_autocast(self.recipe)
-
-    def unmet_requirement(self) -> str | None:
-        return fp8_unmet_requirement(self.recipe)
-
-
-def fp8_substitution_for(family: Family, recipe: str = "auto") -> FP8Substitution | None:
-    """The ``"<family>.decoder.te_fp8"`` substitution: the te layers inside :func:`fp8_autocast`.
-
-    Example::
-
-        sub = fp8_substitution_for(layerswap.families()["llama"], recipe="current")
-        with layerswap.swap(model, sub), sub.forward_context():
-            logits = model(input_ids, use_cache=False).logits
-    """
-    base = substitution_for(family)
-    if base is None:
-        return None
-    return FP8Substitution(
-        name=f"{family.name}.decoder.te_fp8",
-        family=base.family,
-        backend="te_fp8",
-        original=base.original,
-        replacement=base.replacement,
-        converter=base.converter,
-        requirement=_FP8Requirement(recipe),
-        description=base.description.replace("BF16, and FP8 inside te.fp8_autocast", "FP8")
-        + f" (recipe {recipe!r})",
-        recipe=recipe,
-    )
-
-
-def substitutions_for(family: Family) -> list[Substitution]:
-    """``te`` (BF16) and ``te_fp8`` for ``family``; empty if TE cannot express it."""
-    found = [substitution_for(family), fp8_substitution_for(family)]
-    return [sub for sub in found if sub is not None]
+    },
+    requirement=unmet_requirement,
+    devices=("cuda",),
+    dependencies=(
+        Dependency(
+            label="TransformerEngine",
+            module="transformer_engine",
+            distribution="transformer-engine",
+            install="pip install 'layerswap[te]' on a CUDA machine",
+        ),
+    ),
+    variants=(
+        Variant(
+            name="fp8",
+            context=fp8_autocast,
+            requirement=fp8_unmet_requirement,
+            options={"recipe": "auto"},
+            precision="fp8",
+            description=(
+                "NVIDIA TransformerEngine, GPU only: RMSNorm fused into the q/k/v and gate/up "
+                "GEMMs, cuDNN/flash attention with GQA; FP8"
+            ),
+        ),
+    ),
+)
 
 
 def __getattr__(name: str) -> Any:

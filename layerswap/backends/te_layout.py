@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from layerswap.backends._original import original_numbers
 from layerswap.errors import SubstitutionError
-from layerswap.substitution import GATED_MLP, PRE_NORMS, SEPARATE_QKV
+from layerswap.family import GATED_MLP, PRE_NORMS, SEPARATE_QKV
 from layerswap.weights import (
     Concat,
     Converter,
@@ -59,7 +59,7 @@ from layerswap.weights import (
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-    from layerswap.substitution import Family
+    from layerswap.family import Family
 
 __all__ = ["TE_ACTIVATIONS", "TELayerSpec", "te_converter", "unexpressible"]
 

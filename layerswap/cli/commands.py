@@ -89,7 +89,7 @@ def list_command(
         _list_coverage(json_output)
         return
     with exit_codes():
-        from layerswap.substitution import substitutions
+        from layerswap.registry import substitutions
 
         if family is not None:
             family = find_family(family).name
@@ -115,7 +115,7 @@ def list_command(
 def _list_coverage(json_output: bool) -> None:
     with exit_codes():
         from layerswap.families.infer import coverage
-        from layerswap.substitution import families, substitutions
+        from layerswap.registry import families, substitutions
 
         by_type = {family.model_type: family.name for family in families().values()}
         rows = []

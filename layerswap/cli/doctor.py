@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import platform
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from layerswap.backend import Backend, Dependency
 
 __all__ = ["backend_problems", "environment"]
 
@@ -22,25 +26,36 @@ def environment() -> list[dict[str, str]]:
     import transformers
 
     import layerswap
-    from layerswap.substitution import families
+    from layerswap.registry import backends, families
 
     rows = [
         {"component": "python", "status": platform.python_version(), "enables": ""},
         {"component": "layerswap", "status": layerswap.__version__, "enables": ""},
     ]
+    declared = list(backends().values())
+    anywhere = [b.name for b in declared if "cpu" in b.devices]
+    gpu_only = [b.name for b in declared if "cpu" not in b.devices]
     cuda = torch.cuda.is_available()
     if cuda:
         name = torch.cuda.get_device_name(0)
         major, minor = torch.cuda.get_device_capability(0)
         cuda_status = f"available: {name} (compute capability {major}.{minor})"
-        cuda_enables = "--device cuda; bfloat16 at full speed; the te backend"
+        cuda_enables = "--device cuda; bfloat16 at full speed" + "".join(
+            f"; the {backend} backend" for backend in gpu_only
+        )
         if major < 8:
             cuda_enables = "--device cuda (bfloat16 needs compute capability 8.0+ to be fast)"
     else:
         build = "CPU-only build" if torch.version.cuda is None else "no GPU visible"
         cuda_status = f"not available ({build})"
-        cuda_enables = "CPU only: the te backend needs CUDA"
-    rows.append({"component": "torch", "status": torch.__version__, "enables": "the fused backend"})
+        cuda_enables = "CPU only" + "".join(f": the {b} backend needs CUDA" for b in gpu_only[:1])
+    rows.append(
+        {
+            "component": "torch",
+            "status": torch.__version__,
+            "enables": ", ".join(f"the {b} backend" for b in anywhere if not _needs(b)),
+        }
+    )
     rows.append({"component": "CUDA", "status": cuda_status, "enables": cuda_enables})
     major_version = int(transformers.__version__.split(".")[0])
     supported = "supported" if major_version == 5 else "NOT supported (need >=5,<6)"
@@ -51,46 +66,43 @@ def environment() -> list[dict[str, str]]:
             "enables": "families: " + ", ".join(sorted(families())),
         }
     )
-    te_version = _version("transformer_engine") or _version("transformer-engine")
-    te_found = importlib.util.find_spec("transformer_engine") is not None
-    if te_found:
-        rows.append(
-            {
-                "component": "TransformerEngine",
-                "status": te_version or "installed",
-                "enables": "te backend (bfloat16, FP8)"
-                if cuda
-                else "te backend once CUDA is there",
-            }
-        )
-    else:
-        rows.append(
-            {
-                "component": "TransformerEngine",
-                "status": "not installed",
-                "enables": "te backend: pip install 'layerswap[te]' on a CUDA machine",
-            }
-        )
-    liger_found = importlib.util.find_spec("liger_kernel") is not None
-    rows.append(
-        {
-            "component": "Liger-Kernel",
-            "status": (_version("liger-kernel") or "installed") if liger_found else "not installed",
-            "enables": (
-                ("liger backend (needs Triton)" if cuda else "liger backend once CUDA is there")
-                if liger_found
-                else "liger backend: pip install 'layerswap[liger]' on a CUDA machine"
-            ),
-        }
-    )
+    for backend in declared:
+        for dependency in backend.dependencies:
+            rows.append(_dependency_row(backend, dependency, cuda))
     return rows
 
 
-def backend_problems() -> dict[str, str | None]:
-    """Per backend, why it cannot run here (its first substitution's reason), or None."""
-    from layerswap.substitution import substitutions
+def _needs(name: str) -> bool:
+    """Whether backend ``name`` needs a package beyond torch and transformers."""
+    from layerswap.registry import get_backend
 
-    reasons: dict[str, list[str | None]] = {}
-    for sub in substitutions():
-        reasons.setdefault(sub.backend, []).append(sub.unmet_requirement())
-    return {name: next((r for r in found if r), None) for name, found in reasons.items()}
+    return bool(get_backend(name).dependencies)
+
+
+def _dependency_row(backend: Backend, dependency: Dependency, cuda: bool) -> dict[str, str]:
+    try:
+        found = importlib.util.find_spec(dependency.module) is not None
+    except (ImportError, ValueError):  # a broken or half-imported package
+        found = False
+    on_gpu = "cpu" not in backend.devices
+    if not found:
+        status = "not installed"
+        enables = f"{backend.name} backend: {dependency.install}"
+    else:
+        status = _version(dependency.distribution) or "installed"
+        ready = cuda or not on_gpu
+        enables = f"{backend.name} backend" + ("" if ready else " once CUDA is there")
+    return {"component": dependency.label, "status": status, "enables": enables}
+
+
+def backend_problems() -> dict[str, str | None]:
+    """Per backend and variant (``te_fp8``), why it cannot run here, or None."""
+    from layerswap.registry import backends
+
+    problems: dict[str, str | None] = {}
+    for backend in backends().values():
+        problems[backend.name] = backend.requirement()
+        for variant in backend.variants:
+            name = f"{backend.name}_{variant.name}"
+            problems[name] = problems[backend.name] or variant.unmet_requirement()
+    return problems

@@ -20,7 +20,8 @@ from layerswap.cli.problems import UsageProblem, one_line
 if TYPE_CHECKING:
     import torch
 
-    from layerswap.substitution import Family, Substitution
+    from layerswap.family import Family
+    from layerswap.substitution import Substitution
 
 __all__ = ["Setup", "build", "find_family"]
 
@@ -55,7 +56,7 @@ class Setup:
 
 def find_family(name: str) -> Family:
     """The registered family ``name``; an unknown one is a usage problem with suggestions."""
-    from layerswap.substitution import families
+    from layerswap.registry import families
 
     known = families()
     key = name.strip().lower()
@@ -69,20 +70,12 @@ def find_family(name: str) -> Family:
 
 
 def _choose_substitution(choice: ModelChoice) -> tuple[Family, Substitution]:
-    from layerswap.substitution import get, substitutions
+    from layerswap.registry import get, get_backend
 
     model, backend, substitution = choice.model, choice.backend, choice.substitution
-    if choice.fp8:
-        if substitution is not None or backend not in ("te", "te_fp8"):
-            raise UsageProblem("--fp8 runs TransformerEngine layers: use it with --backend te")
-        from layerswap.backends.te import fp8_substitution_for
-
-        family = find_family(model if model is not None else _family_of_config(choice.config))
-        fp8 = fp8_substitution_for(family, recipe=choice.fp8_recipe)
-        if fp8 is None:
-            raise UsageProblem(f"TransformerEngine cannot express the {family.name} family")
-        return family, fp8
     if substitution is not None:
+        if choice.fp8:
+            raise UsageProblem(_fp8_usage())
         sub = get(substitution)
         family = find_family(sub.family)
         if model is not None and find_family(model).name != family.name:
@@ -90,19 +83,45 @@ def _choose_substitution(choice: ModelChoice) -> tuple[Family, Substitution]:
                 f"--substitution {sub.name} is for {family.name}, not --model {model}"
             )
         return family, sub
-    if model is None:
-        model = _family_of_config(choice.config)
-    family = find_family(model)
-    name = f"{family.name}.decoder.{backend}"
-    matches = [s for s in substitutions(family=family.name) if s.backend == backend]
-    if not matches:
-        backends = sorted({s.backend for s in substitutions(family=family.name)})
-        raise UsageProblem(
-            f"no {backend!r} substitution for {family.name} "
-            f"(backends for {family.name}: {', '.join(backends) or 'none'})"
-        )
-    preferred = [s for s in matches if s.name == name]
-    return family, (preferred or matches)[0]
+    family = find_family(model if model is not None else _family_of_config(choice.config))
+    name, _, variant = backend.partition("_")
+    if choice.fp8:
+        if variant not in ("", "fp8"):
+            raise UsageProblem(_fp8_usage())
+        variant = "fp8"
+    try:
+        declared = get_backend(name)
+    except LookupError:
+        raise UsageProblem(_no_backend(backend, family)) from None
+    if variant and not any(v.name == variant for v in declared.variants):
+        raise UsageProblem(_fp8_usage() if choice.fp8 else _no_backend(backend, family))
+    reason = declared.unsupported(family)
+    if reason is not None:
+        raise UsageProblem(f"the {name} backend cannot express the {family.name} family: {reason}")
+    sub = get(f"{family.name}.decoder.{declared.name}{'_' + variant if variant else ''}")
+    if variant and choice.fp8:
+        sub = sub.with_options(recipe=choice.fp8_recipe)
+    return family, sub
+
+
+def _no_backend(backend: str, family: Family) -> str:
+    from layerswap.registry import substitutions
+
+    names = sorted({s.backend for s in substitutions(family=family.name, slot="decoder")})
+    return (
+        f"no {backend!r} substitution for {family.name} "
+        f"(backends for {family.name}: {', '.join(names) or 'none'})"
+    )
+
+
+def _fp8_usage() -> str:
+    """What --fp8 needs, from the backends that declare an ``fp8`` variant."""
+    from layerswap.registry import backends
+
+    with_fp8 = [b for b in backends().values() if any(v.name == "fp8" for v in b.variants)]
+    labels = " or ".join(b.dependencies[0].label if b.dependencies else b.name for b in with_fp8)
+    names = " or ".join(b.name for b in with_fp8)
+    return f"--fp8 runs {labels or 'FP8'} layers: use it with --backend {names or '(none)'}"
 
 
 def _family_of_config(config: str) -> str:
@@ -110,7 +129,7 @@ def _family_of_config(config: str) -> str:
     path = _config_file(config)
     if path is None:
         raise UsageProblem("--model is required with --config tiny (e.g. --model llama)")
-    from layerswap.substitution import families
+    from layerswap.registry import families
 
     model_type = _read_json(path).get("model_type")
     if not isinstance(model_type, str):
@@ -160,14 +179,20 @@ def _placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 
 def build(choice: ModelChoice, progress: Progress) -> Setup:
     """Validate everything cheap first, then build the original model."""
+    from layerswap.registry import backend_of
+
     target_device, target_dtype = _placement(choice.device, choice.dtype)
     _quiet_transformers()
     family, sub = _choose_substitution(choice)
     reason = sub.unmet_requirement()
     if reason is not None:
         raise UsageProblem(f"{sub.name} cannot run here: {reason}")
-    if target_device.type != "cuda" and sub.backend.startswith("te"):
-        raise UsageProblem(f"{sub.name} needs CUDA; pass --device cuda on a GPU machine")
+    declared = backend_of(sub)
+    if declared is not None and target_device.type not in declared.devices:
+        raise UsageProblem(
+            f"{sub.name} runs on {' or '.join(declared.devices)}, not {target_device.type}; "
+            f"pass --device {declared.devices[0]}"
+        )
     config_file = _config_file(choice.config)
     progress.step(f"building {family.name} model")
     built, source = _build_model(family, choice.config, config_file, choice.seed)

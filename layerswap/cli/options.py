@@ -28,7 +28,14 @@ ModelOption = Annotated[
         show_default=False,
     ),
 ]
-BackendOption = Annotated[str, typer.Option("--backend", "-b", help="Backend: fused or te.")]
+BackendOption = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        "-b",
+        help="Backend name, or <backend>_<variant> (layerswap list shows which run here).",
+    ),
+]
 SubstitutionOption = Annotated[
     str | None,
     typer.Option(
@@ -52,13 +59,14 @@ DtypeOption = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed for random weights and inputs.")]
 Fp8Option = Annotated[
-    bool, typer.Option("--fp8", help="With --backend te: run the TE layers under FP8 autocast.")
+    bool,
+    typer.Option("--fp8", help="Run the chosen backend's fp8 variant (its layers in FP8 GEMMs)."),
 ]
 Fp8RecipeOption = Annotated[
     str,
     typer.Option(
         "--fp8-recipe",
-        help="FP8 scaling recipe: auto, current, delayed, block, mxfp8 or nvfp4.",
+        help="The fp8 variant's scaling recipe: auto, current, delayed, block, mxfp8 or nvfp4.",
     ),
 ]
 

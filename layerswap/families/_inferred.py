@@ -8,7 +8,7 @@ matches inference with the installed transformers.
 
 from __future__ import annotations
 
-from layerswap.substitution import Family
+from layerswap.family import Family
 
 INFERRED = (
     Family(

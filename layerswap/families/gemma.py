@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from layerswap.families._tiny import TINY
-from layerswap.substitution import Family
+from layerswap.family import Family
 
 FAMILY = Family(
     name="gemma",

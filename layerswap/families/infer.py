@@ -36,7 +36,7 @@ from torch import nn
 
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families._tiny import TINY
-from layerswap.substitution import GATED_MLP, PRE_NORMS, SEPARATE_QKV, Family
+from layerswap.family import GATED_MLP, PRE_NORMS, SEPARATE_QKV, Family
 
 __all__ = ["VERIFIED", "coverage", "decoder_model_types", "infer_family", "tiny_config_for"]
 
@@ -395,14 +395,14 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
 def _verify_inferred(family: Family, where: str) -> None:
     """Refuse ``family`` unless its fused layer matches the original on a tiny model."""
     from layerswap.backends import fused
-    from layerswap.substitution import families, register_family, unregister_family
+    from layerswap.registry import families, register_family, unregister_family
     from layerswap.verify import verify
 
     known = family.name in families()
     try:
         if not known:
             register_family(family)
-        report = verify(family.build(seed=0), fused.substitution_for(family), backward=True)
+        report = verify(family.build(seed=0), fused.BACKEND.substitution(family), backward=True)
     except Exception as exc:
         raise UnsupportedFamilyError(
             f"{where}: the inferred fused layer cannot run ({exc})"
@@ -424,7 +424,7 @@ def coverage() -> dict[str, str | None]:
     """Every causal-LM model type of the installed transformers: ``None`` when a builtin
     family covers it, else why not (refused by inference, or inferred and verified on a
     tiny model but not builtin, i.e. not run by the generated tests)."""
-    from layerswap.substitution import families
+    from layerswap.registry import families
 
     covered = {family.model_type for family in families().values()}
     report: dict[str, str | None] = {}

@@ -7,7 +7,7 @@ replacement layer that honours the mask it is given needs nothing more.
 from __future__ import annotations
 
 from layerswap.families._tiny import TINY
-from layerswap.substitution import Family
+from layerswap.family import Family
 
 FAMILY = Family(
     name="mistral",

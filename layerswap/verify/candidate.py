@@ -24,7 +24,7 @@ def resolve_substitution(substitution: SubstitutionLike) -> Substitution:
 
     Raises :class:`~layerswap.errors.RequirementError` naming what is missing.
     """
-    from layerswap.substitution import get
+    from layerswap.registry import get
 
     sub = get(substitution)
     reason = sub.unmet_requirement()
@@ -35,5 +35,4 @@ def resolve_substitution(substitution: SubstitutionLike) -> Substitution:
 
 def candidate_context(substitution: Substitution | None) -> ContextFactory:
     """The context a substitution's layers must run in (e.g. an FP8 autocast), if any."""
-    factory = getattr(substitution, "forward_context", None) if substitution else None
-    return factory if callable(factory) else contextlib.nullcontext
+    return contextlib.nullcontext if substitution is None else substitution.forward_context

@@ -113,10 +113,8 @@ _DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 
 
 def precision(substitution: Substitution | None, dtype: torch.dtype) -> DTypeLike:
-    """What the default tolerance is chosen for: ``"fp8"`` for substitutions that compute
-    in FP8 (their backend or name says so: ``te_fp8``), else the parameters' dtype."""
-    if substitution is not None and any(
-        "fp8" in label.lower() for label in (substitution.backend, substitution.name)
-    ):
-        return "fp8"
+    """What the default tolerance is chosen for: the substitution's own precision where its
+    variant declares one (``"fp8"`` for ``te_fp8``), else the parameters' dtype."""
+    if substitution is not None and substitution.precision is not None:
+        return substitution.precision  # type: ignore[return-value]
     return dtype

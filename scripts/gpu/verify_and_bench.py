@@ -49,7 +49,7 @@ import transformers
 import layerswap
 from layerswap.backends import te
 from layerswap.errors import RequirementError
-from layerswap.substitution import families
+from layerswap.registry import families
 from layerswap.swap import swap
 from layerswap.verify import default_inputs, verify
 
@@ -166,8 +166,8 @@ def verify_tiny(names: list[str], fp8_recipe: str, backends: list[str]) -> list[
                 ):
                     action = functools.partial(verify_fresh, family, sub, dtype, **options)
                     checks.append(run_check(f"{sub} {label} {what}", action))
-        fp8 = te.fp8_substitution_for(family, recipe=fp8_recipe) if "te" in backends else None
-        if fp8 is not None:
+        if "te" in backends and te.BACKEND.unsupported(family) is None:
+            fp8 = te.BACKEND.substitution(family, variant="fp8").with_options(recipe=fp8_recipe)
             action = functools.partial(
                 verify_fresh,
                 family,
@@ -186,11 +186,12 @@ def verify_large(model: Any, fp8_recipe: str) -> list[Check]:
         )
         for sub in ("llama.decoder.fused", "llama.decoder.te")
     ]
-    fp8 = te.fp8_substitution_for(families()["llama"], recipe=fp8_recipe)
-    if fp8 is not None:
-        # the default tolerance: FP8 is held to twice ideal FP8 rounding's error per layer
-        action = functools.partial(verify, model, fp8, inputs=inputs)
-        checks.append(run_check(f"benchmark model: {fp8.name} ({fp8_recipe})", action))
+    fp8 = te.BACKEND.substitution(families()["llama"], variant="fp8").with_options(
+        recipe=fp8_recipe
+    )
+    # the default tolerance: FP8 is held to twice ideal FP8 rounding's error per layer
+    action = functools.partial(verify, model, fp8, inputs=inputs)
+    checks.append(run_check(f"benchmark model: {fp8.name} ({fp8_recipe})", action))
     return checks
 
 

@@ -1,0 +1,196 @@
+"""What a model family is: a short declaration of a transformers model family, as data.
+
+A :class:`Family` says where transformers keeps a family's classes (its ``model_type``
+is its name) and which structural features its decoder layer has; every backend builds
+its replacement from that. Builtin declarations live in :mod:`layerswap.families`, one
+short (or derived) module each; the registry (:mod:`layerswap.registry`) holds them.
+
+Example::
+
+    family = layerswap.get_family("qwen3")
+    model = family.build(seed=1)            # tiny config, random weights, eval mode
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from layerswap.errors import UpstreamDriftError
+from layerswap.patching import unpatched
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+__all__ = [
+    "GATED_MLP",
+    "NORM_PLACES",
+    "PRE_NORMS",
+    "SEPARATE_QKV",
+    "Family",
+    "resolve",
+    "transformers_version",
+]
+
+
+def resolve(spec: str) -> Any:
+    """``"pkg.mod:Qual.name"`` -> the object (imports the module).
+
+    A module attribute that a live patch shows under another value resolves to the
+    real one (:func:`~layerswap.patching.unpatched`): inside ``use()`` the original
+    decoder class name shows the replacement, and checks must still find the original.
+
+    Example::
+
+        resolve("transformers.models.llama.modeling_llama:LlamaDecoderLayer")
+    """
+    module_name, _, qualname = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = unpatched(obj, part)
+    return obj
+
+
+def transformers_version() -> str:
+    """The installed transformers version, as error messages name it."""
+    import transformers
+
+    return str(transformers.__version__)
+
+
+#: Llama's norms: one before attention, one before the MLP
+PRE_NORMS: tuple[tuple[str, str], ...] = (
+    ("attn_in", "input_layernorm"),
+    ("mlp_in", "post_attention_layernorm"),
+)
+#: the places a norm can have in a decoder layer, in the order they apply
+NORM_PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+#: Llama's projections, the ones the fused layer concatenates
+SEPARATE_QKV = ("q_proj", "k_proj", "v_proj")
+GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers model family, declared as data.
+
+    Class names are resolved lazily from ``module``. A structural feature given as a
+    string names the config attribute that switches it (``qkv_bias="attention_bias"``);
+    a bool means the modeling code fixes it.
+
+    Example::
+
+        Family(
+            name="qwen2", model_type="qwen2",
+            module="transformers.models.qwen2.modeling_qwen2",
+            decoder="Qwen2DecoderLayer", config_class="Qwen2Config",
+            causal_lm="Qwen2ForCausalLM",
+            qkv_bias=True, o_bias=False, mlp_bias=False,
+        )
+    """
+
+    name: str
+    model_type: str
+    module: str
+    decoder: str
+    config_class: str
+    causal_lm: str
+    qkv_bias: bool | str = "attention_bias"
+    o_bias: bool | str = "attention_bias"
+    mlp_bias: bool | str = False
+    #: q/k RMSNorm: ``True`` over each head (Qwen3), ``"across"`` over all heads before
+    #: they are split (OLMo 2), ``False`` none
+    qk_norm: bool | str = False
+    norm_offset: float = 0.0
+    #: the norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with a bias: StarCoder2)
+    norm: str = "rms"
+    activation: str = "hidden_act"
+    #: the MLP: ``"gated"``, ``down(act(gate(x)) * up(x))``, or ``"plain"``, ``down(act(up(x)))``
+    mlp: str = "gated"
+    #: the original's MLP modules in that order: gated (gate, up, down), or (gate_up, down)
+    #: where the original fuses them already (Phi-3); plain (up, down), Starcoder 2's
+    #: ``("c_fc", "c_proj")``
+    mlp_modules: tuple[str, ...] = GATED_MLP
+    #: the original's q/k/v projections, or ``("qkv_proj",)`` where it fuses them (Phi-3)
+    qkv_modules: tuple[str, ...] = SEPARATE_QKV
+    #: where the decoder layer's norms sit: (place, module name) pairs, places
+    #: ``attn_in`` / ``attn_out`` (around attention) and ``mlp_in`` / ``mlp_out``
+    norms: tuple[tuple[str, str], ...] = PRE_NORMS
+    tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    description: str = field(default="", compare=False)
+
+    def norm_at(self, place: str) -> str | None:
+        """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""
+        return dict(self.norms).get(place)
+
+    def flag(self, feature: str, config: PreTrainedConfig) -> bool:
+        """Whether ``feature`` (e.g. ``"qkv_bias"``) is on for ``config``."""
+        value = getattr(self, feature)
+        if isinstance(value, str):
+            return bool(getattr(config, value, False))
+        return bool(value)
+
+    def modeling_module(self) -> ModuleType:
+        """The family's modeling module (imported on first use)."""
+        return importlib.import_module(self.module)
+
+    def _class(self, name: str) -> type:
+        try:
+            cls = resolve(f"{self.module}:{name}")
+        except (ImportError, AttributeError) as exc:
+            raise UpstreamDriftError(
+                f"{self.name}: transformers {transformers_version()} has no {name} in "
+                f"{self.module} ({exc})"
+            ) from exc
+        return cls  # type: ignore[no-any-return]
+
+    def decoder_class(self) -> type[torch.nn.Module]:
+        """The original decoder layer class."""
+        return self._class(self.decoder)
+
+    def config_type(self) -> type[PreTrainedConfig]:
+        """The family's config class."""
+        return self._class(self.config_class)
+
+    def causal_lm_class(self) -> type[PreTrainedModel]:
+        """The family's causal LM class."""
+        return self._class(self.causal_lm)
+
+    def tiny_config(self, **overrides: Any) -> PreTrainedConfig:
+        """A tiny config of this family (several layers, grouped-query attention).
+
+        Example::
+
+            config = layerswap.families()["llama"].tiny_config(num_hidden_layers=2)
+        """
+        return self.config_type()(**{**self.tiny, **overrides})
+
+    def build(self, config: PreTrainedConfig | None = None, *, seed: int = 0) -> PreTrainedModel:
+        """A causal LM with random weights from ``seed``, in eval mode.
+
+        Norm weights and biases are perturbed away from their 1/0 initialisation, so a
+        converter or layer that drops a bias or ignores a norm shows in a comparison.
+        The global RNG state is left as it was.
+
+        Example::
+
+            model = layerswap.families()["qwen3"].build(seed=1)
+        """
+        config = self.tiny_config() if config is None else config
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = self.causal_lm_class()(config)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if param.dim() != 1 or param.is_meta:
+                        continue
+                    if "norm" in name:
+                        param.add_(torch.randn_like(param), alpha=0.1)
+                    elif name.endswith("bias"):
+                        param.normal_(0.0, 0.1)
+        return model.eval()
