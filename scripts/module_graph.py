@@ -1,0 +1,177 @@
+"""The import graph of the ``layerswap`` package: modules, their imports, cycles, private reaches.
+
+Reads every module's source (nothing is imported). An edge is any ``import`` of a
+``layerswap`` module, at the top or inside a function (a function-local import that
+hides a cycle is still a cycle); imports under ``if TYPE_CHECKING:`` are left out, as
+they never run. Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too, so
+those edges count, except to the importer's own packages (they ran before it). Lazy imports of third-party packages are not edges.
+
+Prints, per module: its lines and the layerswap modules it imports; then every import
+cycle, and every import of an underscore name from a module in another folder.
+
+    python scripts/module_graph.py            # the listing
+    python scripts/module_graph.py --check    # exit 1 on a cycle or a private reach
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "layerswap"
+PACKAGE = "layerswap"
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Module name -> source file, for every module of the package."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in (
+        "TYPE_CHECKING",
+        "typing.TYPE_CHECKING",
+    )
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, at any depth, outside TYPE_CHECKING blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                stack.extend(child.orelse)  # type: ignore[attr-defined]
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            stack.append(child)
+
+
+def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _with_parents(name: str, known: dict[str, Path]) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts) + 1) if ".".join(parts[:i]) in known]
+
+
+def graph(
+    known: dict[str, Path] | None = None,
+) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """(module -> the modules it imports, [(importer, imported module, private name)])."""
+    known = modules() if known is None else known
+    edges: dict[str, set[str]] = {name: set() for name in known}
+    private: list[tuple[str, str, str]] = []
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        is_package = path.name == "__init__.py"
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+                names: list[tuple[str, str]] = []
+            else:
+                source = _absolute(module, node, is_package)
+                targets = [source]
+                names = [(source, alias.name) for alias in node.names]
+                # `from pkg import submodule` imports the submodule
+                targets += [f"{source}.{alias.name}" for alias in node.names]
+            for target in targets:
+                if target.split(".")[0] != PACKAGE:
+                    continue
+                for imported in _with_parents(target, known):
+                    # a module's own packages have run before it: no edge back to them
+                    if imported != module and not module.startswith(imported + "."):
+                        edges[module].add(imported)
+            for source, name in names:
+                if source.split(".")[0] != PACKAGE or f"{source}.{name}" in known:
+                    continue
+                underscore = name.startswith("_") and not name.startswith("__")
+                if underscore and _folder(source, known) != _folder(module, known):
+                    private.append((module, source, name))
+    return edges, private
+
+
+def _folder(module: str, known: dict[str, Path]) -> Path:
+    return known[module].parent if module in known else Path()
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(edges.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 on a cycle or private reach")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the package folder to read")
+    args = parser.parse_args(argv)
+    known = modules(args.root)
+    edges, private = graph(known)
+    for module in sorted(known):
+        lines = len(known[module].read_text(encoding="utf-8").splitlines())
+        imported = ", ".join(sorted(edges[module])) or "-"
+        print(f"{module} ({lines} lines) -> {imported}")
+    found = cycles(edges)
+    print(f"\n{len(known)} modules, {sum(map(len, edges.values()))} imports")
+    print(f"cycles: {len(found)}")
+    for component in found:
+        print("  " + " <-> ".join(component))
+    print(f"underscore names imported from another folder: {len(private)}")
+    for importer, source, name in private:
+        print(f"  {importer} imports {source}.{name}")
+    return 1 if args.check and (found or private) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
