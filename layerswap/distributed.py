@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import SubstitutionError, SwapWarning
-from layerswap.patching import PatchGroup, Scoped
+from layerswap.patching import PatchGroup
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,7 +47,7 @@ def applied_substitutions() -> tuple[Substitution, ...]:
 
     A substitution counts as applied while the group that :func:`layerswap.use` (or
     :func:`layerswap.replace_decoder`) started is active (see
-    :func:`layerswap.substitution.applied`).
+    :func:`layerswap.use.applied`).
 
     Example::
 
@@ -57,13 +57,6 @@ def applied_substitutions() -> tuple[Substitution, ...]:
     from layerswap.use import applied
 
     return applied()
-
-
-def _substitution_of_group(scoped: Scoped) -> Substitution | None:
-    """The substitution a :func:`layerswap.use` group applies, else ``None``."""
-    from layerswap.use import SubstitutionUse
-
-    return scoped.substitution if isinstance(scoped, SubstitutionUse) else None
 
 
 class Reapply:

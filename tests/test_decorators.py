@@ -275,6 +275,28 @@ def test_bare_warn_once_runs_the_body_once_per_distinct_arguments() -> None:
     assert logged[-1] == ("gelu", "fp32") and len(logged) == 4
 
 
+def test_bare_warn_once_above_classmethod_and_staticmethod_keeps_the_binding() -> None:
+    logged: list[Any] = []
+
+    class Kernels:
+        @warn_once
+        @classmethod
+        def fallback(cls, kernel: str) -> str:
+            logged.append((cls.__name__, kernel))
+            return "warned"
+
+        @warn_once
+        @staticmethod
+        def note(kernel: str) -> None:
+            logged.append(kernel)
+
+    assert Kernels.fallback("gelu") == "warned"
+    assert Kernels.fallback("gelu") is None
+    Kernels.note("silu")
+    Kernels().note("silu")
+    assert logged == [("Kernels", "gelu"), "silu"]
+
+
 def test_bare_warn_once_body_runs_once_when_threads_race() -> None:
     import threading
 

@@ -458,6 +458,19 @@ def test_active_patches_reports_target_and_origin_line(mod):
     assert layerswap.active_patches() == []
 
 
+def test_start_with_an_origin_reports_it_and_counts_as_started_with_start(mod):
+    # what a helper that starts patches on its caller's behalf (the pytest fixture) does
+    p = layerswap.patch(mod, "VALUE", "x").start(origin=("user_code.py", 7, "test_it"))
+    (info,) = layerswap.active_patches()
+    assert info.patch is p and info.origin == "user_code.py:7 in test_it"
+    assert info.started_with_start
+    assert "started at user_code.py:7 in test_it" in repr(p)
+    with pytest.raises(PatchStateError, match=r"already started.*user_code\.py:7"):
+        p.start(origin=("elsewhere.py", 1, "f"))
+    assert layerswap.restore_all() == 1
+    assert mod.VALUE == "original" and p.origin is None
+
+
 def test_restore_all_stops_started_patches_lifo_and_leaves_with_blocks(mod):
     with layerswap.patch(mod, "greet", lambda: "with"):
         layerswap.patch(mod, "VALUE", "a").start()

@@ -2,8 +2,9 @@
 
 Each decorator in this package is an object whose logic is around-advice in wrapt's
 convention ``(wrapped, instance, args, kwargs)``, written once as hooks (see
-:class:`Advice`). From the hooks the base class makes a sync and an async advice, and
-from those the object offers two faces:
+:class:`Advice`): what runs before the call, after it returned, after it ended. The
+base class runs the hooks around a sync call and around an awaited one, and one
+adapter picks between the two by the function, for both faces of the object:
 
 * ``obj(func)`` returns a plain function made with :func:`layerswap.safe_wraps`.
   Being a plain function, it binds as a method like any other (``args[0]`` is then
@@ -122,108 +123,33 @@ class Answer:
         self.value = value
 
 
-# The shapes advice can take, one per set of hooks a class defines, each as a sync and
-# an async function. A class gets the one for its hooks, so no call runs a hook that
-# does nothing: a call costs what the decorator does, plus one frame.
-
-
-def _before_call(self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-    self._before(wrapped, instance, args, kwargs)
-    return wrapped(*args, **kwargs)
-
-
-async def _before_await(
-    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
-) -> Any:
-    self._before(wrapped, instance, args, kwargs)
-    return await wrapped(*args, **kwargs)
-
-
-def _before_call_returned(
-    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
-) -> Any:
-    token = self._before(wrapped, instance, args, kwargs)
-    if isinstance(token, Answer):
-        return token.value
-    result = wrapped(*args, **kwargs)
-    self._returned(wrapped, instance, token, result)
-    return result
-
-
-async def _before_await_returned(
-    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
-) -> Any:
-    token = self._before(wrapped, instance, args, kwargs)
-    if isinstance(token, Answer):
-        return token.value
-    result = await wrapped(*args, **kwargs)
-    self._returned(wrapped, instance, token, result)
-    return result
-
-
-def _call_after(self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        self._after(wrapped, instance, None)
-
-
-async def _await_after(
-    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
-) -> Any:
-    try:
-        return await wrapped(*args, **kwargs)
-    finally:
-        self._after(wrapped, instance, None)
-
-
-def _before_call_after(
-    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
-) -> Any:
-    token = self._before(wrapped, instance, args, kwargs)
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        self._after(wrapped, instance, token)
-
-
-async def _before_await_after(
-    self: Any, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
-) -> Any:
-    token = self._before(wrapped, instance, args, kwargs)
-    try:
-        return await wrapped(*args, **kwargs)
-    finally:
-        self._after(wrapped, instance, token)
-
-
 _HOOKS = ("_before", "_returned", "_after")
-_SHAPES: dict[tuple[str, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {
-    ("_before",): (_before_call, _before_await),
-    ("_before", "_returned"): (_before_call_returned, _before_await_returned),
-    ("_after",): (_call_after, _await_after),
-    ("_before", "_after"): (_before_call_after, _before_await_after),
-}
-_MADE = frozenset(sync for sync, _ in _SHAPES.values())
+# The sets of hooks Advice documents. Another set is refused when the class is defined,
+# so that a new combination is a decision, not an accident: ``_returned`` alone gets no
+# token worth having, ``_returned`` with ``_after`` would need an order nobody chose.
+_HOOK_SETS = frozenset({("_before",), ("_before", "_returned"), ("_after",), ("_before", "_after")})
 
 
 class Advice:
     """Base class of the decorators: say what happens around a call, get both faces.
 
-    A subclass defines the hooks it needs, and the base class makes its sync and
-    async advice from them:
+    A subclass defines the hooks it needs; the others do nothing:
 
     * ``_before(wrapped, instance, args, kwargs)`` runs before the call and may raise
-      to stop it. What it returns is the call's token, handed to the other hooks.
+      to stop it. What it returns is the call's token, handed to the other hooks; an
+      :class:`Answer` instead answers the call without making it (a cache hit), and
+      then no other hook runs.
     * ``_returned(wrapped, instance, token, result)`` runs after the call returned.
-      With it, ``_before`` may return an :class:`Answer` instead of a token: the call
-      is not made and the answer's value is its result.
     * ``_after(wrapped, instance, token)`` runs after the call, returned or raised.
 
     Supported sets: ``_before``; ``_before`` and ``_returned``; ``_after``;
     ``_before`` and ``_after``. Advice of another shape (one that calls the function
     more than once, say) writes ``_advice`` and ``_async_advice`` itself, and then
     the hooks are not used.
+
+    One adapter turns the advice into both faces, for sync and async functions alike
+    (generator functions count as sync: the advice runs around the call that creates
+    the generator, not around its iteration).
 
     Example (a subclass)::
 
@@ -255,25 +181,55 @@ class Advice:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls._advice is not Advice._advice and cls._advice not in _MADE:
-            return  # written by hand, here or in a base class
-        hooks = tuple(hook for hook in _HOOKS if hasattr(cls, hook))
-        if not hooks:
-            return  # a base for other decorators
-        if hooks not in _SHAPES:
+        if cls._advice is not Advice._advice:
+            return  # written by hand, here or in a base class: the hooks are not used
+        hooks = tuple(hook for hook in _HOOKS if getattr(cls, hook) is not getattr(Advice, hook))
+        if hooks and hooks not in _HOOK_SETS:
             raise TypeError(
                 f"{cls.__name__} defines {', '.join(hooks)}: no advice has that shape; "
                 "write _advice and _async_advice instead"
             )
-        cls._advice, cls._async_advice = _SHAPES[hooks]  # type: ignore[method-assign]
+
+    # -- the hooks: by default nothing happens -------------------------------------
+
+    def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
+        return None
+
+    def _returned(self, wrapped: Wrapped, instance: Any, token: Any, result: Any) -> None:
+        return None
+
+    def _after(self, wrapped: Wrapped, instance: Any, token: Any) -> None:
+        return None
+
+    # -- the advice the hooks make, once for sync and once for async functions -----
 
     def _advice(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        raise NotImplementedError
+        token = self._before(wrapped, instance, args, kwargs)
+        # None, the commonest token, skips the isinstance
+        if token is not None and isinstance(token, Answer):
+            return token.value
+        try:
+            result = wrapped(*args, **kwargs)
+            self._returned(wrapped, instance, token, result)
+        finally:
+            self._after(wrapped, instance, token)
+        return result
 
     async def _async_advice(
         self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs
     ) -> Any:
-        raise NotImplementedError
+        token = self._before(wrapped, instance, args, kwargs)
+        # None, the commonest token, skips the isinstance
+        if token is not None and isinstance(token, Answer):
+            return token.value
+        try:
+            result = await wrapped(*args, **kwargs)
+            self._returned(wrapped, instance, token, result)
+        finally:
+            self._after(wrapped, instance, token)
+        return result
+
+    # -- the adapter: the two faces ------------------------------------------------
 
     def __layerswap_advice__(
         self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs

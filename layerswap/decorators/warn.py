@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import threading
 import warnings
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
-from layerswap.decorators._advice import Advice, describe, external_stacklevel
-from layerswap.patching import safe_wraps
+from layerswap.decorators._advice import Advice, Answer, describe, external_stacklevel
 
 if TYPE_CHECKING:
     from layerswap.decorators._advice import Args, Kwargs, Wrapped
@@ -114,7 +112,7 @@ class warn_once(Advice):
 
     @classmethod
     def _bare_decorate(cls, func: Any) -> Any:
-        return _once_per_arguments(func)
+        return _OncePerArguments()(func)
 
     @staticmethod
     def reset() -> None:
@@ -152,31 +150,26 @@ def _arguments_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     return (tuple(part(a) for a in args), tuple(sorted((k, part(v)) for k, v in kwargs.items())))
 
 
-def _once_per_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``func`` once per distinct arguments (``@warn_once`` bare)."""
-    seen: set[Hashable] = set()
-    armed = [_generation[0]]
+class _OncePerArguments(Advice):
+    """``@warn_once`` bare: the body runs once per distinct arguments, later calls
+    with the same arguments return ``None`` without running it."""
 
-    def first_time(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    __slots__ = ("_armed", "_seen")
+
+    def __init__(self) -> None:
+        self._seen: set[Hashable] = set()
+        self._armed = _generation[0]
+
+    def _before(self, wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Answer | None:
         key = _arguments_key(args, kwargs)
         with _lock:
-            if armed[0] != _generation[0]:  # warn_once.reset() since the last call
-                seen.clear()
-                armed[0] = _generation[0]
-            if key in seen:
-                return False
-            seen.add(key)
-            return True
+            if self._armed != _generation[0]:  # warn_once.reset() since the last call
+                self._seen.clear()
+                self._armed = _generation[0]
+            if key in self._seen:
+                return _SKIP
+            self._seen.add(key)
+        return None
 
-    wrapper: Callable[..., Any]
-    if inspect.iscoroutinefunction(func):
 
-        async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return await func(*args, **kwargs) if first_time(args, kwargs) else None
-
-    else:
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return func(*args, **kwargs) if first_time(args, kwargs) else None
-
-    return safe_wraps(func)(wrapper)
+_SKIP = Answer(None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from layerswap.patching.dicts import DictPatch, patch_dict
 from layerswap.patching.group import PatchGroup, patch_many, patches
 from layerswap.patching.patch import Patch, patch
-from layerswap.patching.scoped import PatchInfo, Scoped, active_patches, restore_all
+from layerswap.patching.scoped import Origin, PatchInfo, Scoped, active_patches, restore_all
 from layerswap.patching.sites import NOTSET
 from layerswap.patching.stack import unpatched
 from layerswap.patching.wrap import wrap
@@ -20,6 +20,7 @@ from layerswap.patching.wraps import safe_update_wrapper, safe_wraps
 __all__ = [
     "NOTSET",
     "DictPatch",
+    "Origin",
     "Patch",
     "PatchGroup",
     "PatchInfo",

@@ -1,4 +1,4 @@
-"""``patches(...)`` / ``patch_many([...])``: several patches, all or nothing."""
+"""``patches(...)``: several patches, all or nothing (``patch_many([...])``, its alias for a list)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,10 @@ class PatchGroup(Scoped):
 def patches(*members: Scoped) -> PatchGroup:
     """Group patches into one all-or-nothing unit.
 
+    Starting the group starts the members in order; if one fails, those already
+    started are stopped again and the error propagates. Stopping the group stops
+    them newest first.
+
     Example::
 
         with layerswap.patches(
@@ -81,5 +85,15 @@ def patches(*members: Scoped) -> PatchGroup:
 
 
 def patch_many(members: Iterable[Scoped]) -> PatchGroup:
-    """Like :func:`patches`, from an iterable: ``patch_many([p1, p2])``."""
-    return PatchGroup(members)
+    """:func:`patches` for patches already in a list (or any iterable).
+
+    ``patch_many(ps)`` is ``patches(*ps)``; the alias is kept for code that builds
+    its patches in a list first.
+
+    Example::
+
+        timers = [layerswap.wrap(layer, "forward", profiled(stats)) for layer in layers]
+        with layerswap.patch_many(timers):
+            model(input_ids)
+    """
+    return patches(*members)

@@ -24,15 +24,18 @@ import sys
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from layerswap.errors import PatchStateError, TargetTypeError
 from layerswap.patching.wraps import safe_update_wrapper
 
-__all__ = ["PatchInfo", "Scoped", "active_patches", "restore_all"]
+__all__ = ["Origin", "PatchInfo", "Scoped", "active_patches", "restore_all"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 S = TypeVar("S", bound="Scoped")
+
+#: Where a patch was started: ``(file, line, function)``.
+Origin: TypeAlias = tuple[str, int, str]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Registry of live objects. Single dict operations are atomic under the GIL, and
@@ -41,7 +44,7 @@ _ACTIVE: dict[int, Scoped] = {}
 _SEQUENCE = itertools.count(1)
 
 
-def _caller_origin() -> tuple[str, int, str]:
+def _caller_origin() -> Origin:
     """(file, line, function) of the first frame outside the patching engine."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_HERE):
@@ -93,7 +96,7 @@ class Scoped:
         return "_started" in self.__dict__
 
     @property
-    def _origin(self) -> tuple[str, int, str] | None:
+    def _origin(self) -> Origin | None:
         started = self.__dict__.get("_started")
         return None if started is None else started[0]  # type: ignore[no-any-return]
 
@@ -148,9 +151,26 @@ class Scoped:
         file, line, func = self._origin
         return f"{file}:{line} in {func}"
 
-    def start(self: S) -> S:
-        """Apply the change now. Raises :class:`PatchStateError` if already started."""
-        self._start(manual=True, origin=_caller_origin())
+    def start(self: S, *, origin: Origin | None = None) -> S:
+        """Apply the change now. Raises :class:`PatchStateError` if already started.
+
+        ``origin`` is the ``(file, line, function)`` that :func:`active_patches`,
+        ``repr`` and leak reports name as the place that started it; by default, the
+        caller. Code that starts patches on a user's behalf (a test fixture, a
+        helper) passes the user's line, so reports point there and not at itself.
+        Either way the object counts as started with ``start()``: :func:`restore_all`
+        stops it.
+
+        Example::
+
+            p = layerswap.patch(mod, "VALUE", 1).start()
+            p.stop()
+
+            # on behalf of the caller's caller:
+            frame = sys._getframe(2)
+            p.start(origin=(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        """
+        self._start(manual=True, origin=_caller_origin() if origin is None else origin)
         return self
 
     def stop(self) -> None:
@@ -164,7 +184,7 @@ class Scoped:
         finally:
             self.__dict__.pop("_claim", None)  # startable again
 
-    def _start(self, *, manual: bool, origin: tuple[str, int, str]) -> None:
+    def _start(self, *, manual: bool, origin: Origin) -> None:
         claim = object()
         if self.__dict__.setdefault("_claim", claim) is not claim:
             self._refuse_start()
@@ -281,7 +301,7 @@ def _thread_name(ident: int) -> str:
     return f"thread {ident} (ended)"
 
 
-def _origin_of(func: Callable[..., Any]) -> tuple[str, int, str]:
+def _origin_of(func: Callable[..., Any]) -> Origin:
     code = getattr(func, "__code__", None)
     if code is None:
         return ("<unknown>", 0, getattr(func, "__qualname__", "<callable>"))
