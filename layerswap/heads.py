@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from layerswap import hf_internals
 from layerswap.backends._head import CausalLMHead
 from layerswap.errors import SubstitutionError
 from layerswap.swap import SwapHandle
@@ -157,4 +158,4 @@ def head_use(sub: Substitution) -> list[Scoped]:
             instance.__class__ = replacement
         return result
 
-    return [wrap("transformers.modeling_utils:PreTrainedModel.post_init", adopt)]
+    return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
