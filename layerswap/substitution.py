@@ -660,8 +660,8 @@ def use(substitution: str | Substitution) -> SubstitutionUse:
             model = LlamaForCausalLM.from_pretrained(path)
         model.save_pretrained(out)      # loadable by plain transformers
     """
+    from layerswap.loading import adopt_constructed, loading_transforms
     from layerswap.patching import patch, patch_dict, wrap
-    from layerswap.swap import adopt_constructed, loading_transforms
 
     sub = get(substitution)
     if sub.slot == "head":
