@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -47,12 +48,11 @@ def _parallel_wrapper_types() -> tuple[type[nn.Module], ...]:
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     found: list[type[nn.Module]] = [DataParallel, DistributedDataParallel]
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - a torch built without distributed
-        pass
-    else:
-        found.append(FullyShardedDataParallel)
+    # no model is an FSDP instance before FSDP was imported, and importing it only to
+    # check would cost every first swap() seconds
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        found.append(fsdp.FullyShardedDataParallel)
     return tuple(found)
 
 
