@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap.bench import bench as bench
     from layerswap.families.infer import coverage as coverage
     from layerswap.family import Family as Family
+    from layerswap.handle import SwapHandle as SwapHandle
+    from layerswap.model import decoder_layers as decoder_layers
     from layerswap.patching import Patch as Patch
     from layerswap.patching import PatchGroup as PatchGroup
     from layerswap.patching import PatchInfo as PatchInfo
@@ -56,8 +58,6 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap.registry import register_family as register_family
     from layerswap.registry import substitutions as substitutions
     from layerswap.substitution import Substitution as Substitution
-    from layerswap.swap import SwapHandle as SwapHandle
-    from layerswap.swap import decoder_layers as decoder_layers
     from layerswap.swap import swap as swap
     from layerswap.use import replace_decoder as replace_decoder
     from layerswap.use import use as use

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import ConversionError
-from layerswap.swap import decoder_layers, substitution_of
+from layerswap.model import decoder_layers, layer_config, substitution_of, unwrap
 from layerswap.weights import Concat
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def fused_groups(model: nn.Module) -> list[FusedGroup]:
         sub = substitution_of(layer)
         if sub is None or config is None:
             continue
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text_config = layer_config(config)
         for rule in getattr(sub.converter, "rules", ()):
             if not (isinstance(rule, Concat) and rule.target.endswith(".weight") and rule.dim == 0):
                 continue
@@ -296,11 +296,6 @@ def _explicit_config(config: Any, ranks: Mapping[str, int], alphas: Mapping[str,
 # --- public API -----------------------------------------------------------------------------
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
 def load_adapter(
     model: nn.Module,
     adapter: str | Path,
@@ -360,7 +355,7 @@ def save_adapter(
 
     config = peft_model.peft_config[adapter_name]
     weights = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-    weights, config = _to_original(weights, config, fused_groups(_base_model(peft_model)))
+    weights, config = _to_original(weights, config, fused_groups(unwrap(peft_model, peft=True)))
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
     config.inference_mode = True

@@ -176,23 +176,15 @@ def reapply(
     return Reapply(captured, then)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP, FSDP (v1) and DataParallel keep the user's model as ``.module``
-    inner = getattr(model, "module", None)
-    from torch import nn
-
-    return inner if isinstance(inner, nn.Module) else model
-
-
 def _fingerprint(model: nn.Module | None) -> dict[str, Any]:
     applied = sorted(sub.name for sub in applied_substitutions())
     layers: dict[str, int] = {}
     if model is not None:
-        from layerswap.swap import decoder_layers
+        from layerswap.model import decoder_layers, unwrap
 
         counts = Counter(
             f"{type(layer).__module__}.{type(layer).__qualname__}"
-            for _, layer in decoder_layers(_unwrap(model))
+            for _, layer in decoder_layers(unwrap(model))
         )
         layers = dict(sorted(counts.items()))
     return {"applied": applied, "decoder_layers": layers}

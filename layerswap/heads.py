@@ -1,6 +1,6 @@
 """The ``head`` slot: swapping a causal LM's head (and its loss) on a built model, and undoing it.
 
-A substitution of the ``head`` slot (:mod:`layerswap.backends._head`) changes the
+A substitution of the ``head`` slot (:mod:`layerswap.backends.head`) changes the
 class of the model object to the backend's subclass of the family's ``*ForCausalLM``;
 no module, parameter or buffer changes, so ``state_dict``, ``save_pretrained``, tied
 embeddings, optimizers holding the parameters and PEFT keep working, and undo sets the
@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerswap.backends._head import CausalLMHead
+from layerswap import hf_internals
+from layerswap.backends.head import CausalLMHead
 from layerswap.errors import SubstitutionError
-from layerswap.swap import SwapHandle
+from layerswap.handle import SwapHandle
 
 if TYPE_CHECKING:
     from layerswap.patching import Scoped
@@ -78,7 +79,6 @@ class HeadSwapHandle(SwapHandle):
         self.substitution = substitution
         self._original = original
         self._replacement = type(model)
-        self._records = []
         self._active = True
 
     @property
@@ -157,4 +157,4 @@ def head_use(sub: Substitution) -> list[Scoped]:
             instance.__class__ = replacement
         return result
 
-    return [wrap("transformers.modeling_utils:PreTrainedModel.post_init", adopt)]
+    return [wrap(hf_internals.POST_INIT_TARGET, adopt)]

@@ -205,8 +205,14 @@ class Substitution:
 
     @property
     def precision(self) -> str | None:
-        """What the layers compute in when it is not the parameters' dtype (``"fp8"``), else ``None``."""
-        return None if self.variant is None else self.variant.precision
+        """What the layers compute in when it is not the parameters' dtype, else ``None``:
+        the variant's declared precision (``"fp8"`` for ``te_fp8``), or ``"fp8"`` for a
+        substitution without one whose backend or name says FP8 (``"mine_fp8"``)."""
+        if self.variant is not None and self.variant.precision is not None:
+            return self.variant.precision
+        if any("fp8" in label.lower() for label in (self.backend, self.name)):
+            return "fp8"
+        return None
 
     def with_options(self, **options: Any) -> Substitution:
         """This substitution with its variant's options changed (``recipe="delayed"``).

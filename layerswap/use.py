@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
+from layerswap import hf_internals
 from layerswap.heads import head_use
+from layerswap.loading import adopt_constructed, loading_transforms
 from layerswap.patching import PatchGroup, Scoped, active_patches, patch, wrap
 from layerswap.registry import families, get, get_family
 from layerswap.substitution import Substitution
-from layerswap.swap import adopt_constructed, loading_transforms
 from layerswap.weights import Converter
 
 __all__ = ["SubstitutionUse", "applied", "replace_decoder", "use"]
@@ -93,8 +94,8 @@ def use(substitution: str | Substitution) -> SubstitutionUse:
         sub,
         (
             patch(sub.original, replacement),
-            wrap("transformers.modeling_utils:PreTrainedModel.post_init", adopt),
-            wrap("transformers.modeling_utils:get_model_conversion_mapping", with_conversions),
+            wrap(hf_internals.POST_INIT_TARGET, adopt),
+            wrap(hf_internals.CONVERSION_MAPPING_TARGET, with_conversions),
         ),
     )
 

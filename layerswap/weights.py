@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from layerswap import hf_internals
 from layerswap.errors import ConversionError
 
 if TYPE_CHECKING:
@@ -392,8 +393,6 @@ class Converter:
         (``"layers.3"``), so the transforms touch that layer's keys and nothing else.
         ``from_pretrained`` applies them when loading; ``save_pretrained`` reverses them.
         """
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-
         transforms: list[Any] = []
         for rule in self.rules:
             # anchored and escaped: a rule names one exact layer-relative key
@@ -401,9 +400,9 @@ class Converter:
             targets = [f"^{key}" for key in rule.targets]
             transform: Any
             if isinstance(rule, Rename):
-                transform = WeightRenaming(sources, targets)
+                transform = hf_internals.weight_renaming(sources, targets)
             else:
-                transform = WeightConverter(sources, targets, operations=[_rule_op(rule, config)])
+                transform = hf_internals.weight_converter(sources, targets, _rule_op(rule, config))
             transform.scope_prefix = scope_prefix
             transform.base_model_prefix = base_model_prefix
             transforms.append(transform)
@@ -413,9 +412,9 @@ class Converter:
 @functools.cache
 def _rule_op_class() -> type:
     """A ``transformers`` ``ConversionOps`` running a rule (made on first use: lazy import)."""
-    from transformers.core_model_loading import ConversionOps
+    conversion_ops: Any = hf_internals.conversion_ops_class()
 
-    class RuleOp(ConversionOps):  # type: ignore[misc]
+    class RuleOp(conversion_ops):  # type: ignore[misc]
         # a Custom rule may map several tensors to several
         supports_many_to_many = True
 

@@ -7,7 +7,7 @@ they never run. Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too
 those edges count, except to the importer's own packages (they ran before it). Lazy imports of third-party packages are not edges.
 
 Prints, per module: its lines and the layerswap modules it imports; then every import
-cycle, and every import of an underscore name from a module in another folder.
+cycle, and every import of an underscore name (or module) from another folder.
 
     python scripts/module_graph.py            # the listing
     python scripts/module_graph.py --check    # exit 1 on a cycle or a private reach
@@ -95,6 +95,12 @@ def graph(
             for target in targets:
                 if target.split(".")[0] != PACKAGE:
                     continue
+                if (
+                    target in known
+                    and _private_module(target)
+                    and not _same_folder(target, module, known)
+                ):
+                    private.append((module, target.rpartition(".")[0], target.rpartition(".")[2]))
                 for imported in _with_parents(target, known):
                     # a module's own packages have run before it: no edge back to them
                     if imported != module and not module.startswith(imported + "."):
@@ -106,6 +112,15 @@ def graph(
                 if underscore and _folder(source, known) != _folder(module, known):
                     private.append((module, source, name))
     return edges, private
+
+
+def _private_module(name: str) -> bool:
+    last = name.rpartition(".")[2]
+    return last.startswith("_") and not last.startswith("__")
+
+
+def _same_folder(target: str, module: str, known: dict[str, Path]) -> bool:
+    return _folder(target, known) == _folder(module, known)
 
 
 def _folder(module: str, known: dict[str, Path]) -> Path:

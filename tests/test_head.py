@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 import layerswap
 from layerswap.backends import fused
-from layerswap.backends._head import head_class, head_contract
+from layerswap.backends.head import head_class, head_contract
 from layerswap.backends.head_fused import FusedHead
 from layerswap.errors import SubstitutionError, UnsupportedModelError, UpstreamDriftError
 from layerswap.heads import HeadSwapHandle, head_substitution_of, swap_head

@@ -10,7 +10,7 @@ optional dependencies (those are its ``requirement``).
 Every builtin backend's decoder layer derives from ``_layer.DecoderLayer``, which holds the
 transformers decoder-layer contract (forward signature, residual structure, cache update,
 ``extra_repr``); a backend supplies only its attention and feed-forward. Its head derives
-from ``_head.CausalLMHead``.
+from ``head.CausalLMHead``.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from layerswap import hf_internals
 from layerswap.errors import RequirementError, SwapWarning
 from layerswap.family import Family
 from layerswap.registry import families
@@ -203,13 +204,12 @@ def attention_weights_sink(asked: bool = False) -> list[Any] | None:
         if sink is not None:
             sink.append(weights)          # (batch, heads, query, key)
     """
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - a transformers without output capturing
+    collector = hf_internals.attention_collector()
+    if collector is None:  # pragma: no cover - a transformers without output capturing
         return None
-    if not asked and torch.compiler.is_compiling() and not _active_collector.compiling:
+    if not asked and torch.compiler.is_compiling() and not collector.compiling:
         return None
-    collected = _active_collector.get()
+    collected = collector.get()
     if collected is None or "attentions" not in collected:
         return None
     sink: list[Any] = collected["attentions"]

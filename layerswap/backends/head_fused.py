@@ -7,7 +7,7 @@ all of them, their float32 copy and their gradient. ``logits`` is ``None`` then 
 Liger-Kernel's fused linear cross-entropy); ``skip_logits=False`` gives the original
 computation and the logits. Inference (no labels, or eval mode) runs the original
 ``forward`` untouched. The head contract (class swap, what is reproduced, what is
-refused) is :mod:`layerswap.backends._head`.
+refused) is :mod:`layerswap.backends.head`.
 
 Example::
 
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from layerswap.backend import Implementation
-from layerswap.backends._head import (
+from layerswap.backends.head import (
     CausalLMHead,
     head_class,
     head_class_named,

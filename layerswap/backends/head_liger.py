@@ -6,7 +6,7 @@ gradient taken in the same pass, so the full-vocabulary logits never exist; ``lo
 ``None`` then (``skip_logits=False`` gives the original computation and the logits).
 Inference (no labels, or eval mode) runs the original ``forward`` untouched. The head
 contract (class swap, label shift, ``num_items_in_batch``, what is refused) is
-:mod:`layerswap.backends._head`, shared with ``<family>.head.fused``.
+:mod:`layerswap.backends.head`, shared with ``<family>.head.fused``.
 
 The family's logit transforms are reproduced: a soft-cap (Gemma 2's
 ``final_logit_softcapping``) by Liger's own ``softcap``; a scaling (Granite's
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from layerswap.backend import Implementation
-from layerswap.backends._head import (
+from layerswap.backends.head import (
     CausalLMHead,
     check_head,
     head_class,

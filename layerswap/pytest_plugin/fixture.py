@@ -22,8 +22,8 @@ from layerswap.pytest_plugin.session import session_substitutions
 if TYPE_CHECKING:
     from torch import nn
 
+    from layerswap.handle import SwapHandle
     from layerswap.substitution import Substitution
-    from layerswap.swap import SwapHandle
 
 __all__ = ["LayerswapFixture", "layerswap"]
 

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from layerswap.errors import VerificationError
+from layerswap.model import decoder_layers, substitution_of
+from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.compare import Comparison
 from layerswap.verify.forward import Run, forward
@@ -34,8 +36,6 @@ __all__ = ["assert_equivalent", "verify"]
 
 def _fp8_floor(model: nn.Module, batch: dict[str, torch.Tensor]) -> Run:
     """``model`` (original layers) run with its decoder GEMMs on FP8-rounded operands."""
-    from layerswap.swap import decoder_layers
-
     with ideal_fp8(layer for _, layer in decoder_layers(model)):
         return forward(model, batch)
 
@@ -88,8 +88,6 @@ def verify(
         raise ValueError(
             "generate= needs the whole swapped model; use streaming=False to compare generation"
         )
-    from layerswap.swap import decoder_layers, rebuild_originals, substitution_of, swap
-
     already_swapped = any(substitution_of(layer) for _, layer in decoder_layers(model))
     if sub.slot == "head":
         from layerswap.heads import head_substitution_of

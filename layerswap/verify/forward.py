@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from layerswap.errors import UnsupportedModelError
+from layerswap.model import decoder_layers
 from layerswap.verify.inputs import pad_token_id, text_config
 from layerswap.verify.model_classes import head_of
 
@@ -124,8 +125,6 @@ def forward(
     ``torch.autograd.grad`` rather than ``loss.backward()``, which leaves every ``.grad``
     as it was. ``generate`` then greedily generates that many tokens.
     """
-    from layerswap.swap import decoder_layers
-
     head = head_of(model)
     head.check(model, batch, generate=generate)
     valid = batch["attention_mask"].bool()

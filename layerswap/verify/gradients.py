@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from layerswap.model import decoder_layers
 from layerswap.verify.inputs import text_config
 
 if TYPE_CHECKING:
@@ -63,8 +64,6 @@ def gradients_to_original(
     substitution: Substitution,
 ) -> dict[str, torch.Tensor]:
     """The swapped model's gradients, keyed and shaped as in the original model."""
-    from layerswap.swap import decoder_layers
-
     replacement = substitution.replacement_class()
     config = text_config(model)
     mapped = dict(gradients)

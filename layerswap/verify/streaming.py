@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from layerswap.layers import convert_layer, layer_index
+from layerswap.model import decoder_layers
 from layerswap.verify.candidate import candidate_context
 from layerswap.verify.compare import Comparison
 from layerswap.verify.forward import (
@@ -42,24 +44,19 @@ _LayerInput = tuple[tuple[Any, ...], dict[str, Any]]
 def _replacement_layer(
     sub: Substitution, layer: nn.Module, position: int, config: Any
 ) -> nn.Module:
-    """The replacement for one original ``layer``, built the way :func:`swap` builds it.
+    """The replacement for one original ``layer``, converted the way :func:`swap` converts.
 
-    The original is only read: renamed tensors are shared with it (detached), computed
-    ones are new, so the replacement costs at most one layer of memory.
+    The original is only read: renamed tensors are shared with it (detached and frozen),
+    computed ones are new, so the replacement costs at most one layer of memory.
     """
-    from layerswap.swap import _build, _layer_index
-
-    state = {key: value.detach() for key, value in layer.state_dict(keep_vars=True).items()}
-    with torch.no_grad():
-        converted = sub.converter.to_replacement(state, config)
-    device = next(iter(state.values())).device if state else torch.device("cpu")
-    replacement = _build(
-        sub.replacement_class(),
+    replacement = convert_layer(
+        layer,
+        sub,
         config,
-        _layer_index(layer, position),
-        device,
-        converted,
-        f"layer {position}",
+        layer_idx=layer_index(layer, position),
+        where=f"layer {position}",
+        grad=False,
+        detach=True,
     )
     return replacement.eval()
 
@@ -68,8 +65,6 @@ def verify_streaming(
     model: nn.Module, sub: Substitution, comparison: Comparison, *, backward: bool
 ) -> VerificationReport:
     """:func:`~layerswap.verify` with ``streaming=True`` (see the module docstring)."""
-    from layerswap.swap import decoder_layers
-
     device, dtype = comparison.device, comparison.dtype
     in_place = model_placement(model) == (device, dtype)
     host = model if in_place else working_copy(model, device, dtype, trainable=False)

@@ -1,0 +1,140 @@
+"""Loading and saving models whose layers were replaced: the weight transforms, and ``use()``.
+
+``from_pretrained`` converts an original-layout checkpoint into replacement layers
+with per-layer transforms (:func:`conversion_transforms`); ``save_pretrained``
+reverses the same list to write the original layout again. A model built inside
+:func:`layerswap.use` is finished by :func:`adopt_constructed`, which keeps the list it
+made so loading (:func:`loading_transforms`) and saving share it.
+
+Example::
+
+    transforms = conversion_transforms(model, layerswap.get("llama.decoder.fused"))
+    len(transforms)   # a few per swapped layer
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+
+from layerswap import hf_internals
+from layerswap.layers import adopt_layer
+from layerswap.model import layer_config, substitution_of
+from layerswap.peft_targets import guard as guard_peft_targets
+from layerswap.substitution import Substitution
+
+__all__ = [
+    "adopt_constructed",
+    "conversion_transforms",
+    "loading_transforms",
+    "model_attributes",
+]
+
+# models finished by adopt_constructed -> the weight transforms made for them
+_ADOPTED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def conversion_transforms(
+    model: nn.Module, sub: Substitution, replacement_cls: type[nn.Module] | None = None
+) -> list[Any]:
+    """``transformers`` weight transforms for the layers of ``model`` that ``sub`` made.
+
+    ``from_pretrained`` applies them to load an original-layout checkpoint into the
+    replacement layers; ``save_pretrained`` reverses them to write that layout. Layers
+    of class ``replacement_cls`` count too, marked or not (a model still being built).
+
+    Example::
+
+        conversion_transforms(swapped_model, layerswap.get("llama.decoder.fused"))
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    transforms: list[Any] = []
+    for name, module in model.named_modules():
+        made_here = substitution_of(module) is sub
+        if not made_here and not (replacement_cls is not None and type(module) is replacement_cls):
+            continue
+        scope = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+        transforms.extend(
+            sub.converter.weight_transforms(
+                layer_config(config), scope_prefix=scope, base_model_prefix=prefix
+            )
+        )
+    return transforms
+
+
+def model_attributes(
+    model: nn.Module, replacement_cls: type[nn.Module], transforms: list[Any]
+) -> dict[str, Any]:
+    """The attributes a ``PreTrainedModel`` holding replacement layers needs, by name.
+
+    Its weight conversions with ``transforms`` added (``save_pretrained`` reverses them)
+    and its no-split classes with ``replacement_cls`` added (``device_map`` keeps each
+    replacement layer on one device).
+    """
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    return {
+        hf_internals.WEIGHT_CONVERSIONS_ATTRIBUTE: (
+            hf_internals.base_weight_conversions(model) + transforms
+        ),
+        "_no_split_modules": no_split | {replacement_cls.__name__},
+    }
+
+
+def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Module]) -> None:
+    """Finish a model built inside :func:`layerswap.use`: checks and bookkeeping.
+
+    Runs the upstream-structure check, adopts the replacement layers
+    (:func:`layerswap.layers.adopt_layer`), gives them the hidden-state capture hooks,
+    and records the weight conversions that ``save_pretrained`` reverses and the
+    no-split class for ``device_map``. Nested ``use()`` blocks finish a model once.
+
+    Example::
+
+        adopt_constructed(LlamaForCausalLM(config), sub, sub.replacement_class())
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return
+    layers = [(name, m) for name, m in model.named_modules() if type(m) is replacement_cls]
+    if not layers:
+        return
+    fresh = [(name, layer) for name, layer in layers if substitution_of(layer) is None]
+    if fresh:
+        config = layer_config(model.config)
+        sub.check_upstream(config)
+        original_cls = sub.original_class()
+        for _, layer in fresh:
+            adopt_layer(layer, sub, config)
+            hf_internals.capture_like_original(layer, model, original_cls)
+        guard_peft_targets()  # a new PEFT adapter cannot silently miss fused modules
+    if model in _ADOPTED:
+        return  # nested use() of the same substitution: done once
+    transforms = conversion_transforms(model, sub)
+    _ADOPTED[model] = transforms
+    for attribute, value in model_attributes(model, replacement_cls, transforms).items():
+        setattr(model, attribute, value)
+
+
+def loading_transforms(
+    model: Any, sub: Substitution, replacement_cls: type[nn.Module], found: list[Any]
+) -> list[Any]:
+    """The transforms ``from_pretrained`` needs for ``model``'s replacement layers.
+
+    Those made when the model was adopted (so loading and saving share one list),
+    unless ``found`` already holds them.
+
+    Example::
+
+        extra = loading_transforms(model, sub, sub.replacement_class(), transforms)
+    """
+    transforms = _ADOPTED.get(model)
+    if transforms is None:
+        transforms = conversion_transforms(model, sub, replacement_cls)
+    present = {id(transform) for transform in found}
+    return [transform for transform in transforms if id(transform) not in present]
