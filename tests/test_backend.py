@@ -1,0 +1,171 @@
+"""Backends as declarations: the registry derives family x slot x backend from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import layerswap
+from layerswap import Backend, Implementation, Variant
+from layerswap.backends import fused
+from layerswap.errors import SubstitutionError, UnknownBackendError, UnsupportedFamilyError
+from layerswap.registry import unregister_backend, unregister_family
+from layerswap.weights import Converter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _identity(family: layerswap.Family) -> Converter:
+    return Converter()
+
+
+def _only_llama(family: layerswap.Family) -> str | None:
+    return None if family.name.startswith("llama") else "this backend knows llama only"
+
+
+MINE = Backend(
+    name="mine",
+    description="the fused layer under another name",
+    slots={
+        "decoder": Implementation(
+            replacement=fused.layer_class, converter=fused.converter_for, supports=_only_llama
+        )
+    },
+)
+
+
+@pytest.fixture
+def mine() -> Backend:
+    added = layerswap.register_backend(MINE)
+    yield MINE
+    unregister_backend("mine")
+    assert not [s for s in added if s.name in {x.name for x in layerswap.substitutions()}]
+
+
+def test_the_builtin_backends_are_declared() -> None:
+    assert {"fused", "te", "liger"} <= set(layerswap.backends())
+    te = layerswap.get_backend("te")
+    assert te.names() == ("te", "te_fp8")
+    assert set(layerswap.get_backend("fused").slots) == {"decoder", "head"}
+    assert layerswap.get_backend("liger").devices == ("cuda",)
+
+
+def test_every_builtin_substitution_is_derived_from_a_declaration() -> None:
+    for sub in layerswap.substitutions():
+        backend = layerswap.registry.backend_of(sub)
+        assert backend is not None, sub.name
+        family = layerswap.get_family(sub.family)
+        variant = sub.backend.removeprefix(backend.name).removeprefix("_") or None
+        assert backend.substitution(family, sub.slot, variant=variant) == sub
+
+
+def test_a_backend_registered_later_covers_every_family_it_supports(mine: Backend) -> None:
+    names = {s.name for s in layerswap.substitutions(backend="mine")}
+    assert names == {"llama.decoder.mine"}
+    report = layerswap.verify(layerswap.get_family("llama").build(), "llama.decoder.mine")
+    assert report.passed
+
+
+def test_a_family_registered_later_gets_every_backends_substitutions(mine: Backend) -> None:
+    later = dataclasses.replace(layerswap.get_family("llama"), name="llama-later")
+    try:
+        added = {s.name for s in layerswap.register_family(later)}
+        assert {"llama-later.decoder.fused", "llama-later.head.fused"} <= added
+        assert "llama-later.decoder.mine" in added
+        assert {"llama-later.decoder.te", "llama-later.decoder.te_fp8"} <= added
+    finally:
+        unregister_family("llama-later")
+    assert layerswap.substitutions(family="llama-later") == []
+
+
+def test_an_unsupported_family_is_refused_with_the_backends_reason(mine: Backend) -> None:
+    qwen3 = layerswap.get_family("qwen3")
+    assert mine.unsupported(qwen3) == "this backend knows llama only"
+    with pytest.raises(UnsupportedFamilyError, match=r"qwen3\.decoder\.mine: this backend knows"):
+        mine.substitution(qwen3)
+    assert mine.unsupported(qwen3, "head") == "the mine backend has no head implementation"
+
+
+def test_unknown_backend_names_close_ones() -> None:
+    with pytest.raises(UnknownBackendError, match="did you mean 'fused'") as caught:
+        layerswap.get_backend("fusd")
+    assert isinstance(caught.value, LookupError)
+
+
+def test_registering_a_different_backend_under_a_taken_name_changes_nothing(mine: Backend) -> None:
+    before = layerswap.substitutions()
+    other = dataclasses.replace(MINE, description="another")
+    with pytest.raises(SubstitutionError, match="already registered as 'mine'"):
+        layerswap.register_backend(other)
+    assert layerswap.substitutions() == before
+    assert layerswap.get_backend("mine") is MINE
+
+
+def test_a_backend_whose_names_clash_with_a_variant_is_refused() -> None:
+    clash = dataclasses.replace(MINE, name="te_fp8")
+    before = layerswap.substitutions()
+    with pytest.raises(SubstitutionError, match="'te_fp8', which the 'te' backend names"):
+        layerswap.register_backend(clash)
+    assert layerswap.substitutions() == before
+
+
+def test_a_declaration_with_an_unknown_slot_or_variant_slot_is_refused() -> None:
+    implementation = MINE.slots["decoder"]
+    with pytest.raises(SubstitutionError, match="unknown slots \\['tail'\\]"):
+        Backend(name="bad", slots={"tail": implementation})
+    with pytest.raises(SubstitutionError, match="names slots \\['head'\\]"):
+        Backend(
+            name="bad",
+            slots={"decoder": implementation},
+            variants=(Variant(name="v", context=torch.no_grad, slots=("head",)),),
+        )
+
+
+def test_a_variant_is_a_forward_context_with_options_on_the_same_layers() -> None:
+    base = layerswap.get("llama.decoder.te")
+    fp8 = layerswap.get("llama.decoder.te_fp8")
+    assert (fp8.replacement, fp8.converter) == (base.replacement, base.converter)
+    assert fp8.variant is not None and fp8.variant.options == {"recipe": "auto"}
+    assert fp8.precision == "fp8" and base.precision is None
+    delayed = fp8.with_options(recipe="delayed")
+    assert delayed.variant is not None and delayed.variant.options == {"recipe": "delayed"}
+    assert fp8.variant.options == {"recipe": "auto"}  # derived, not changed
+    with pytest.raises(SubstitutionError, match="has no option 'recipes'"):
+        fp8.with_options(recipes="delayed")
+    with pytest.raises(SubstitutionError, match="has no variant"):
+        base.with_options(recipe="delayed")
+
+
+def test_a_variant_context_is_entered_around_the_forward() -> None:
+    entered: list[dict[str, object]] = []
+
+    class Context:
+        def __init__(self, **options: object) -> None:
+            self.options = options
+
+        def __enter__(self) -> None:
+            entered.append(self.options)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    counted = dataclasses.replace(
+        MINE, name="counted", variants=(Variant(name="ctx", context=Context, options={"n": 1}),)
+    )
+    sub = counted.substitution(layerswap.get_family("llama"), variant="ctx")
+    assert sub.name == "llama.decoder.counted_ctx" and sub.backend == "counted_ctx"
+    report = layerswap.verify(layerswap.get_family("llama").build(), sub)
+    assert report.passed and {"n": 1} in entered
+
+
+def test_the_import_graph_has_no_cycles_and_no_private_reaches() -> None:
+    graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
+    edges, private = graph["graph"]()
+    assert graph["cycles"](edges) == []
+    assert private == []
+    # the script sees a cycle when there is one
+    assert graph["cycles"]({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
