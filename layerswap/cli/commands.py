@@ -19,6 +19,7 @@ from layerswap.cli.render import (
     render_coverage,
     render_environment,
     render_header,
+    render_model_coverage,
     render_substitutions,
     render_verification,
 )
@@ -114,21 +115,54 @@ def list_command(
 
 def _list_coverage(json_output: bool) -> None:
     with exit_codes():
-        from layerswap.families.infer import coverage
-        from layerswap.registry import families, substitutions
+        from layerswap.coverage import coverage
+        from layerswap.registry import substitutions
 
-        by_type = {family.model_type: family.name for family in families().values()}
         rows = []
-        for model_type, reason in coverage().items():
-            name = by_type.get(model_type)
+        for model_type, found in coverage().items():
+            name = found.family
             backends = sorted(sub.backend for sub in substitutions(family=name)) if name else []
             rows.append(
-                {"model_type": model_type, "family": name, "backends": backends, "reason": reason}
+                {
+                    "model_type": model_type,
+                    "family": name,
+                    "backends": backends,
+                    "reason": found.reason,
+                    "not_covered": {
+                        backend: why for backend, why in found.backends.items() if why is not None
+                    }
+                    if name
+                    else {},
+                }
             )
     if json_output:
         print_json(rows)
         return
     render_coverage(Output(), rows)
+
+
+@app.command("coverage")
+def coverage_command(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="A family name (its tiny config), a config JSON file or a checkpoint directory.",
+            show_default=False,
+        ),
+    ],
+    json_output: JsonOption = False,
+) -> None:
+    """Which modules of a model each substitution replaces, and which stay the original's."""
+    with exit_codes():
+        from layerswap.coverage import model_coverage
+
+        if not Path(target).exists():
+            target = find_family(target).name
+        report = model_coverage(target)
+    if json_output:
+        print_json(report.as_dict())
+        return
+    render_model_coverage(Output(), report.as_dict())
 
 
 @app.command()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "render_bench",
     "render_coverage",
+    "render_model_coverage",
     "render_environment",
     "render_header",
     "render_substitutions",
@@ -151,15 +152,36 @@ def render_coverage(console: Output, rows: list[dict[str, Any]]) -> None:
     """One row per decoder model type: the family and backends covering it, or why not."""
     table = _table("model type", "family", "backends", "why not")
     for row in rows:
+        why = row["reason"]
+        if why is None:
+            why = "; ".join(f"{b}: {reason}" for b, reason in row["not_covered"].items())
         table.add_row(
             row["model_type"],
             row["family"] or "-",
             ", ".join(row["backends"]) or "-",
-            "" if row["reason"] is None else Text(row["reason"]),
+            Text(why),
         )
     console.emit(table)
     covered = sum(row["reason"] is None for row in rows)
     console.print(f"{covered} of {len(rows)} causal-LM model types covered")
+
+
+def render_model_coverage(console: Output, report: dict[str, Any]) -> None:
+    """Per backend and slot: what its substitution replaces and keeps, or why there is none."""
+    console.print(f"{report['family']} ({report['source']})")
+    table = _table("substitution", "replaces", "keeps the original's", "here")
+    for row in report["rows"]:
+        if row["unsupported"] is not None:
+            table.add_row(row["substitution"], Text(f"none: {row['unsupported']}"), "", "")
+            continue
+        usable = row["unmet_requirement"]
+        table.add_row(
+            row["substitution"],
+            "\n".join(row["replaces"]),
+            "\n".join(row["keeps"]),
+            Text("usable", style="green") if usable is None else Text(f"no: {usable}"),
+        )
+    console.emit(table)
 
 
 def render_environment(

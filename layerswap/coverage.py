@@ -1,0 +1,203 @@
+"""What layerswap covers: every decoder family transformers ships, and one model's modules.
+
+:func:`coverage` answers, for every causal-LM model type of the installed transformers,
+which registered family covers it and, per backend, whether that backend's decoder layer
+does and why not; a model type no family covers says why (refused by inference, or
+inferred and verified but not builtin). :func:`model_coverage` answers, for one model
+(a family name, a config file or a checkpoint directory), which of its modules each
+substitution replaces and which stay the original's (embeddings, final norm, rotary,
+``lm_head``).
+
+Example::
+
+    layerswap.coverage()["olmo2"].backends["te"]     # "TransformerEngine ... across heads"
+    model_coverage("qwen3").rows[0].replaces           # ("model.layers.0-1 (Qwen3DecoderLayer)",)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from layerswap.errors import UnknownSubstitutionError, UnsupportedFamilyError
+from layerswap.families.infer import decoder_model_types, infer_family
+from layerswap.family import Family
+from layerswap.model import decoder_layers
+from layerswap.registry import backends, families, get_family, substitutions
+from layerswap.substitution import SLOTS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+__all__ = ["Coverage", "ModelCoverage", "SlotCoverage", "coverage", "model_coverage"]
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """One model type: the family covering it (or why none does) and each backend's answer."""
+
+    model_type: str
+    #: the registered family covering it, ``None`` when none does
+    family: str | None
+    #: why no family covers it (``None`` when one does)
+    reason: str | None
+    #: every registered backend: ``None`` when its decoder layer covers the family, else why not
+    backends: Mapping[str, str | None]
+
+    @property
+    def covered(self) -> bool:
+        """Whether a registered family covers the model type."""
+        return self.family is not None
+
+
+def coverage() -> dict[str, Coverage]:
+    """Every causal-LM model type of the installed transformers, by name.
+
+    A model type a registered family covers lists every backend's answer for the family's
+    decoder layer (``None``: covered, else the backend's reason); one no family covers
+    says why (inference refused it, or it was inferred and verified but is not builtin),
+    and every backend gives that reason. Inferring takes a minute for all model types.
+
+    Example::
+
+        report = layerswap.coverage()
+        sorted(t for t, c in report.items() if c.backends.get("te") is None)
+    """
+    by_type = {family.model_type: family for family in families().values()}
+    declared = backends()
+    report: dict[str, Coverage] = {}
+    for model_type in decoder_model_types():
+        family = by_type.get(model_type)
+        if family is not None:
+            answers = {name: backend.unsupported(family) for name, backend in declared.items()}
+            report[model_type] = Coverage(model_type, family.name, None, answers)
+            continue
+        reason = _why_not_covered(model_type)
+        report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
+    return report
+
+
+def _why_not_covered(model_type: str) -> str:
+    try:
+        infer_family(model_type)
+    except UnsupportedFamilyError as exc:
+        return str(exc)
+    except Exception as exc:  # a modeling module that fails to import or build here
+        return f"{model_type}: {type(exc).__name__}: {exc}"
+    return (
+        "inferred and verified on a tiny model, but not builtin (the generated tests do not "
+        f"run it): register_family(infer_family({model_type!r})), then verify it on your model"
+    )
+
+
+@dataclass(frozen=True)
+class SlotCoverage:
+    """One backend in one slot of a model: what it replaces and keeps, or why it cannot."""
+
+    substitution: str
+    backend: str
+    slot: str
+    #: why the backend has no substitution for this family and slot (``None``: it has)
+    unsupported: str | None
+    #: why the substitution cannot run on this machine (``None``: it can)
+    unmet_requirement: str | None
+    replaces: tuple[str, ...]
+    keeps: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelCoverage:
+    """One model's family and, per backend and slot, the modules replaced and kept."""
+
+    family: str
+    source: str
+    rows: tuple[SlotCoverage, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data, as ``layerswap coverage --json`` prints it."""
+        return {
+            "family": self.family,
+            "source": self.source,
+            "rows": [
+                row.__dict__ | {"replaces": list(row.replaces), "keeps": list(row.keeps)}
+                for row in self.rows
+            ],
+        }
+
+
+def model_coverage(target: str | Path | Family) -> ModelCoverage:
+    """Which modules of a model each substitution replaces and which stay the original's.
+
+    ``target`` is a family (or its name), a config JSON file, or a checkpoint directory
+    (its ``config.json``). The model is built on the meta device (no memory, no weights).
+
+    Example::
+
+        for row in model_coverage("llama").rows:
+            print(row.substitution, row.replaces, row.keeps)
+    """
+    family, config, source = _family_and_config(target)
+    with torch.device("meta"):
+        model = family.causal_lm_class()(config)
+    layers = decoder_layers(model)
+    rows = []
+    for backend in backends().values():
+        for slot in SLOTS:
+            if slot not in backend.slots:
+                continue
+            name = f"{family.name}.{slot}.{backend.name}"
+            reason = backend.unsupported(family, slot)
+            registered = {s.name: s for s in substitutions(family=family.name, slot=slot)}
+            sub = registered.get(name)
+            unmet = None if sub is None else sub.unmet_requirement()
+            replaces, keeps = _split(model, layers, slot) if reason is None else ((), ())
+            rows.append(SlotCoverage(name, backend.name, slot, reason, unmet, replaces, keeps))
+    return ModelCoverage(family.name, source, tuple(rows))
+
+
+def _family_and_config(target: str | Path | Family) -> tuple[Family, PreTrainedConfig, str]:
+    if isinstance(target, Family):
+        return target, target.tiny_config(), "tiny config"
+    path = Path(target)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        return get_family(str(target)), get_family(str(target)).tiny_config(), "tiny config"
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    found = [f for f in families().values() if f.model_type == model_type]
+    if not found:
+        raise UnknownSubstitutionError(
+            f"{config_file} describes a {model_type!r} model, which no registered family "
+            "covers (layerswap list --all says why)"
+        )
+    family = found[0]
+    return family, family.config_type().from_json_file(str(config_file)), str(config_file)
+
+
+def _holds_tensors(module: torch.nn.Module) -> bool:
+    return bool(module._parameters) or bool(module._buffers)
+
+
+def _split(
+    model: torch.nn.Module, layers: list[tuple[str, torch.nn.Module]], slot: str
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(what ``slot`` replaces, what stays the original's), as readable module names."""
+    layer_names = [name for name, _ in layers]
+    kinds = sorted({type(layer).__name__ for _, layer in layers})
+    span = f"{layer_names[0]}-{layer_names[-1].rpartition('.')[2]}" if layer_names else "-"
+    decoder = f"{span} ({', '.join(kinds)})"
+    own = [
+        f"{name} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if name
+        and not any(name == layer or name.startswith(layer + ".") for layer in layer_names)
+        and _holds_tensors(module)
+    ]
+    if slot == "decoder":
+        return (decoder,), tuple(own)
+    head = f"the causal LM's loss and lm_head in training ({type(model).__name__})"
+    return (head,), (decoder, *own)
