@@ -29,6 +29,9 @@ INFERRED = (
         mlp_modules=("up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -65,6 +68,9 @@ INFERRED = (
         mlp_modules=("gate_proj", "up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -106,6 +112,9 @@ INFERRED = (
             ("mlp_in", "pre_feedforward_layernorm"),
             ("mlp_out", "post_feedforward_layernorm"),
         ),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -147,6 +156,9 @@ INFERRED = (
             ("mlp_in", "pre_feedforward_layernorm"),
             ("mlp_out", "post_feedforward_layernorm"),
         ),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -188,6 +200,9 @@ INFERRED = (
         mlp_modules=("gate_proj", "up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -224,6 +239,9 @@ INFERRED = (
         mlp_modules=("up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -260,6 +278,9 @@ INFERRED = (
         mlp_modules=("gate_proj", "up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -296,6 +317,9 @@ INFERRED = (
         mlp_modules=("up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -336,6 +360,9 @@ INFERRED = (
         mlp_modules=("gate_proj", "up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_out", "post_attention_layernorm"), ("mlp_out", "post_feedforward_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -372,6 +399,9 @@ INFERRED = (
         mlp_modules=("gate_proj", "up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_out", "post_attention_layernorm"), ("mlp_out", "post_feedforward_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -413,6 +443,9 @@ INFERRED = (
         mlp_modules=("gate_up_proj", "down_proj"),
         qkv_modules=("qkv_proj",),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -453,6 +486,9 @@ INFERRED = (
         mlp_modules=("gate_proj", "up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "intermediate_size": 256,
@@ -493,6 +529,9 @@ INFERRED = (
         mlp_modules=("c_fc", "c_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -529,6 +568,9 @@ INFERRED = (
         mlp_modules=("gate_proj", "up_proj", "down_proj"),
         qkv_modules=("q_proj", "k_proj", "v_proj"),
         norms=(("attn_in", "input_layernorm"), ("mlp_in", "pre_feedforward_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
