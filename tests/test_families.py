@@ -166,6 +166,23 @@ def test_partial_rotary_embeddings_rotate_the_first_dims_of_each_head(factor: fl
         assert not torch.allclose(model(**batch).logits, full(**batch).logits, atol=1e-4)
 
 
+def test_cohere_q_k_norms_with_a_weight_per_head_are_computed_as_the_original_does() -> None:
+    model = tiny_model("cohere", seed=6, use_qk_norm=True)
+    layer = model.model.layers[0]
+    assert tuple(layer.self_attn.q_norm.weight.shape) == (8, 16)
+    batch = left_padded_batch(model.config.vocab_size)
+    report = layerswap.verify(model, "cohere.decoder.fused", batch, backward=True, generate=4)
+    assert report.passed, report.summary()
+    # the per-head weights count: the same model with one head's weight changed differs
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.q_norm.weight[3].mul_(3.0)
+        assert not torch.allclose(model(**batch).logits, changed(**batch).logits, atol=1e-4)
+    layerswap.swap(changed, "cohere.decoder.fused")
+    with torch.no_grad():
+        assert not torch.allclose(model(**batch).logits, changed(**batch).logits, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("feature", "reason"),
     [
@@ -189,6 +206,20 @@ def test_te_and_liger_refuse_what_their_layers_do_not_compute(
     family = dataclasses.replace(llama, name="llama_variant", **feature)
     assert reason in str(unexpressible(family))
     assert reason in str(liger.unsupported(family))
+
+
+def test_the_new_families_are_refused_by_te_and_liger_with_their_reason() -> None:
+    from layerswap.backends import liger
+    from layerswap.backends.te_layout import unexpressible
+
+    assert "parallel" in str(unexpressible(get_family("cohere")))
+    assert "LayerNorm" in str(liger.unsupported(get_family("cohere")))
+    for name in ("glm4", "glm", "helium", "ernie4_5"):
+        assert "interleaved" in str(unexpressible(get_family(name))), name
+        assert "interleaved" in str(liger.unsupported(get_family(name))), name
+    assert {sub.family for sub in layerswap.substitutions(backend="te")}.isdisjoint(
+        {"cohere", "glm4", "glm", "helium", "ernie4_5"}
+    )
 
 
 # --- the fused layer, for every registered family -------------------------------------------

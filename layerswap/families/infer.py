@@ -49,10 +49,15 @@ __all__ = ["VERIFIED", "coverage", "decoder_model_types", "infer_family", "tiny_
 #: families beyond the hand-written ones
 VERIFIED: tuple[str, ...] = (
     "arcee",
+    "cohere",
     "cwm",
+    "ernie4_5",
     "gemma2",
     "gemma3_text",
+    "glm",
+    "glm4",
     "granite",
+    "helium",
     "jais2",
     "ministral",
     "nemotron",
