@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap.backend import Variant as Variant
     from layerswap.bench import BenchReport as BenchReport
     from layerswap.bench import bench as bench
-    from layerswap.families.infer import coverage as coverage
+    from layerswap.coverage import coverage as coverage
     from layerswap.family import Family as Family
     from layerswap.handle import SwapHandle as SwapHandle
     from layerswap.model import decoder_layers as decoder_layers

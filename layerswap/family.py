@@ -103,11 +103,13 @@ class Family:
     qkv_bias: bool | str = "attention_bias"
     o_bias: bool | str = "attention_bias"
     mlp_bias: bool | str = False
-    #: q/k RMSNorm: ``True`` over each head (Qwen3), ``"across"`` over all heads before
-    #: they are split (OLMo 2), ``False`` none
+    #: q/k norms: ``True`` over each head with one weight for all heads (Qwen3),
+    #: ``"head_weights"`` over each head with a weight per head (Cohere), ``"across"`` over
+    #: all heads before they are split (OLMo 2), ``False`` none
     qk_norm: bool | str = False
     norm_offset: float = 0.0
-    #: the norm: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm with a bias: StarCoder2)
+    #: the norm: ``"rms"`` (RMSNorm), ``"layer"`` (LayerNorm with a bias: StarCoder2) or
+    #: ``"layer_nobias"`` (mean-centred LayerNorm without a bias: Cohere)
     norm: str = "rms"
     activation: str = "hidden_act"
     #: the MLP: ``"gated"``, ``down(act(gate(x)) * up(x))``, or ``"plain"``, ``down(act(up(x)))``
@@ -121,6 +123,17 @@ class Family:
     #: where the decoder layer's norms sit: (place, module name) pairs, places
     #: ``attn_in`` / ``attn_out`` (around attention) and ``mlp_in`` / ``mlp_out``
     norms: tuple[tuple[str, str], ...] = PRE_NORMS
+    #: the config field that switches the q/k norms on (Cohere's ``use_qk_norm``); ``None``:
+    #: ``qk_norm`` alone decides
+    qk_norm_switch: str | None = None
+    #: attention and MLP in parallel, both reading the layer's input:
+    #: ``x + attn(attn_in(x)) + mlp(mlp_in(x))`` (Cohere: both places name one norm)
+    parallel: bool = False
+    #: the rotary pairing of a head's dims: ``"half"`` (i, i + d/2), Llama's rotate-half, or
+    #: ``"interleaved"`` (2i, 2i + 1) with the model's cos/sin applied as they come (Cohere),
+    #: or ``"interleaved_from_half"``, (2i, 2i + 1) with the first half of cos/sin
+    #: repeated pairwise, as GLM applies the rotate-half layout it is given
+    rotary: str = "half"
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
 
@@ -131,6 +144,9 @@ class Family:
     def flag(self, feature: str, config: PreTrainedConfig) -> bool:
         """Whether ``feature`` (e.g. ``"qkv_bias"``) is on for ``config``."""
         value = getattr(self, feature)
+        if feature == "qk_norm":
+            switch = self.qk_norm_switch
+            return bool(value) and (switch is None or bool(getattr(config, switch, False)))
         if isinstance(value, str):
             return bool(getattr(config, value, False))
         return bool(value)

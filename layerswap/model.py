@@ -1,7 +1,7 @@
 """What layerswap reads off a model: its wrappers, its family, its decoder layers.
 
 One of each: :func:`unwrap` sees through ``torch.compile``, DDP/FSDP/DataParallel and
-PEFT wrappers; :func:`family_of` names the model's :class:`~layerswap.substitution.Family`
+PEFT wrappers; :func:`family_of` names the model's :class:`~layerswap.family.Family`
 or says why it cannot (it never guesses); :func:`decoder_layers` lists the original and
 swapped decoder layers; :func:`substitution_of` tells which substitution made a layer.
 
@@ -109,7 +109,7 @@ def _unknown_family(target: nn.Module, model_type: str | None, known: dict[str, 
     return (
         f"no layerswap family fits {type(target).__name__} (model_type {model_type!r}){hint} "
         f"known families: {', '.join(sorted(known))}. Declare one with "
-        "layerswap.substitution.register_family(Family(...))"
+        "layerswap.register_family(Family(...))"
     )
 
 

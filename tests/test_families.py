@@ -10,6 +10,7 @@ generation, a training step, save -> plain transformers load, undo bitwise.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -66,6 +67,37 @@ def test_inference_reads_norm_placement_qk_norms_offsets_and_bias_switches() -> 
     )
     phi3 = infer_family("phi3", verify=False)  # fuses q/k/v and gate/up itself
     assert (phi3.qkv_modules, phi3.mlp_modules) == (("qkv_proj",), ("gate_up_proj", "down_proj"))
+
+
+def test_inference_reads_parallel_blocks_bias_free_layernorms_and_per_head_qk_weights() -> None:
+    cohere = infer_family("cohere", verify=False)
+    # x + attn(norm(x)) + mlp(norm(x)): one norm feeds both branches
+    assert cohere.parallel is True
+    assert cohere.norms == (("attn_in", "input_layernorm"), ("mlp_in", "input_layernorm"))
+    # CohereLayerNorm has a weight and no bias, yet centres: a LayerNorm, not an RMSNorm
+    assert (cohere.norm, cohere.norm_offset) == ("layer_nobias", 0.0)
+    # its q/k norms, (heads, head_dim) weights, exist where use_qk_norm switches them on
+    assert (cohere.qk_norm, cohere.qk_norm_switch) == ("head_weights", "use_qk_norm")
+    assert cohere.rotary == "interleaved"  # its rotary module hands interleaved cos/sin
+    assert infer_family("llama", verify=False).parallel is False
+
+
+def test_inference_reads_the_rotary_layout_and_renamed_norm_places() -> None:
+    glm4 = infer_family("glm4", verify=False)
+    assert glm4.norms == (
+        ("attn_in", "input_layernorm"),
+        ("attn_out", "post_self_attn_layernorm"),
+        ("mlp_in", "post_attention_layernorm"),
+        ("mlp_out", "post_mlp_layernorm"),
+    )
+    assert (glm4.qkv_bias, glm4.o_bias) == ("attention_bias", False)
+    assert glm4.mlp_modules == ("gate_up_proj", "down_proj")
+    # cos/sin arrive in rotate-half layout; GLM repeats their first half over pairs
+    assert glm4.rotary == "interleaved_from_half"
+    assert [infer_family(t, verify=False).rotary for t in ("helium", "llama")] == [
+        "interleaved_from_half",
+        "half",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -132,6 +164,62 @@ def test_partial_rotary_embeddings_rotate_the_first_dims_of_each_head(factor: fl
     full = tiny_model("phi3", seed=5, rope_parameters={**rope, "partial_rotary_factor": 1.0})
     with torch.no_grad():
         assert not torch.allclose(model(**batch).logits, full(**batch).logits, atol=1e-4)
+
+
+def test_cohere_q_k_norms_with_a_weight_per_head_are_computed_as_the_original_does() -> None:
+    model = tiny_model("cohere", seed=6, use_qk_norm=True)
+    layer = model.model.layers[0]
+    assert tuple(layer.self_attn.q_norm.weight.shape) == (8, 16)
+    batch = left_padded_batch(model.config.vocab_size)
+    report = layerswap.verify(model, "cohere.decoder.fused", batch, backward=True, generate=4)
+    assert report.passed, report.summary()
+    # the per-head weights count: the same model with one head's weight changed differs
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[0].self_attn.q_norm.weight[3].mul_(3.0)
+        assert not torch.allclose(model(**batch).logits, changed(**batch).logits, atol=1e-4)
+    layerswap.swap(changed, "cohere.decoder.fused")
+    with torch.no_grad():
+        assert not torch.allclose(model(**batch).logits, changed(**batch).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("feature", "reason"),
+    [
+        ({"parallel": True}, "in parallel"),
+        ({"rotary": "interleaved"}, "interleaved pairs"),
+        ({"rotary": "interleaved_from_half"}, "interleaved pairs"),
+        ({"qk_norm": "head_weights"}, "one per head"),
+        ({"qk_norm": True, "qk_norm_switch": "use_qk_norm"}, "follow use_qk_norm"),
+    ],
+    ids=["parallel", "interleaved", "interleaved_from_half", "head_weights", "qk_norm_switch"],
+)
+def test_te_and_liger_refuse_what_their_layers_do_not_compute(
+    feature: dict[str, object], reason: str
+) -> None:
+    from layerswap.backends import liger
+    from layerswap.backends.te_layout import unexpressible
+
+    # Llama but for one feature: both backends build Llama, so only that feature refuses
+    llama = get_family("llama")
+    assert unexpressible(llama) is None and liger.unsupported(llama) is None
+    family = dataclasses.replace(llama, name="llama_variant", **feature)
+    assert reason in str(unexpressible(family))
+    assert reason in str(liger.unsupported(family))
+
+
+def test_the_new_families_are_refused_by_te_and_liger_with_their_reason() -> None:
+    from layerswap.backends import liger
+    from layerswap.backends.te_layout import unexpressible
+
+    assert "parallel" in str(unexpressible(get_family("cohere")))
+    assert "LayerNorm" in str(liger.unsupported(get_family("cohere")))
+    for name in ("glm4", "glm", "helium", "ernie4_5"):
+        assert "interleaved" in str(unexpressible(get_family(name))), name
+        assert "interleaved" in str(liger.unsupported(get_family(name))), name
+    assert {sub.family for sub in layerswap.substitutions(backend="te")}.isdisjoint(
+        {"cohere", "glm4", "glm", "helium", "ernie4_5"}
+    )
 
 
 # --- the fused layer, for every registered family -------------------------------------------

@@ -11,7 +11,7 @@ Everything the original layer's callers rely on is here once:
   the mask the model built (which already holds padding and any sliding window) and the
   cache, and returns the hidden-states tensor, ``h + attention(h)`` then ``+ mlp(...)``;
 - the attention steps both layouts share: one q/k/v projection split into heads, the
-  rotate-half convention of the rotary embedding, the cache update through
+  rotate-half and interleaved conventions of the rotary embedding, the cache update through
   ``past_key_values.update(key, value, layer_idx)``;
 - one subclass per family (:func:`family_layer_class`), importable by name from the
   backend's module so pickled models load; a backend's declaration names it as its
@@ -69,6 +69,7 @@ __all__ = [
     "family_layer_class",
     "family_layer_class_named",
     "rotate_half",
+    "rotate_interleaved",
     "split_heads",
     "update_cache",
 ]
@@ -142,13 +143,17 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         if not self.records_attention_weights and _attention_weights_asked(weights_asked):
             _warn_no_attention_weights(type(self))
         with self._call_context(hidden_states):
-            hidden_states = hidden_states + self._attention(
+            attended = self._attention(
                 hidden_states,
                 position_embeddings,
                 attention_mask,
                 past_key_values,
                 output_attentions=weights_asked,
             )
+            if self.declared_family().parallel:
+                # both branches read the layer's input (Cohere): x + attn(...) + mlp(...)
+                return hidden_states + attended + self._feed_forward(hidden_states)
+            hidden_states = hidden_states + attended
             return hidden_states + self._feed_forward(hidden_states)
 
     def _attention(
@@ -267,6 +272,17 @@ def rotate_half(states: torch.Tensor) -> torch.Tensor:
     """
     half = states.shape[-1] // 2
     return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+
+
+def rotate_interleaved(states: torch.Tensor) -> torch.Tensor:
+    """``[-x1, x0, -x3, x2, ...]``: each adjacent pair of the last axis turned, the
+    interleaved rotary convention (Cohere, GLM), used as :func:`rotate_half` is.
+
+    Example::
+
+        rotate_interleaved(torch.tensor([1.0, 2.0, 3.0, 4.0]))   # tensor([-2., 1., -4., 3.])
+    """
+    return torch.stack((-states[..., 1::2], states[..., ::2]), dim=-1).flatten(-2)
 
 
 def update_cache(

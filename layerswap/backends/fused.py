@@ -1,8 +1,11 @@
 """The ``fused`` backend: a pure PyTorch decoder layer for every family, CPU and GPU.
 
 One projection computes q, k and v; one computes gate and up; norms are
-``torch.nn.functional.rms_norm``; attention is ``scaled_dot_product_attention``
-with grouped-query attention (computed eagerly where the family soft-caps the logits). The layer follows the transformers 5 decoder-layer
+``torch.nn.functional.rms_norm`` or ``layer_norm`` (with or without a bias); attention is
+``scaled_dot_product_attention`` with grouped-query attention (computed eagerly where the
+family soft-caps the logits); the rotary embedding rotates halves or interleaved pairs,
+as the family does, over all or the first dims of each head; attention and MLP run one
+after the other or, where the family does, in parallel. The layer follows the transformers 5 decoder-layer
 contract: it receives ``position_embeddings=(cos, sin)``, the 4-D mask the model
 built (which already encodes padding and any sliding window) and the cache, and
 returns the hidden-states tensor.
@@ -77,76 +80,103 @@ def converter_for(family: Family) -> Converter:
 
 
 class FusedRMSNorm(nn.Module):
-    """RMSNorm through ``F.rms_norm``; scales by ``offset + weight`` (Gemma: offset 1)."""
+    """RMSNorm through ``F.rms_norm``; scales by ``offset + weight`` (Gemma: offset 1).
 
-    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
+    ``size`` may be a shape, ``(heads, head_dim)``: q/k norms with a weight per head
+    (Cohere) normalise each head over its last axis and scale by that head's weight.
+    """
+
+    def __init__(self, size: int | tuple[int, ...], eps: float, offset: float = 0.0) -> None:
         super().__init__()
         # the original's initial value, so an unloaded weight means the same thing
-        self.weight = nn.Parameter(torch.full((size,), 1.0 - offset))
+        self.weight = nn.Parameter(torch.full(_shape(size), 1.0 - offset))
         self.eps = eps
         self.offset = offset
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight + self.offset if self.offset else self.weight
+        weight = weight.to(hidden_states.dtype)
         if torch.onnx.is_in_onnx_export():
             # the TorchScript ONNX exporter has no rms_norm (ONNX has it from opset 23)
             scale = torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.eps)
-            return hidden_states * scale * weight.to(hidden_states.dtype)
-        return F.rms_norm(
-            hidden_states, (hidden_states.shape[-1],), weight.to(hidden_states.dtype), self.eps
-        )
+            return hidden_states * scale * weight
+        axis = (hidden_states.shape[-1],)
+        if weight.dim() > 1:
+            return F.rms_norm(hidden_states, axis, None, self.eps) * weight
+        return F.rms_norm(hidden_states, axis, weight, self.eps)
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""
         return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}"
 
 
-def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _shape(size: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (size,) if isinstance(size, int) else tuple(size)
+
+
+def _rotate(
+    states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half"
+) -> torch.Tensor:
     """Rotary position embedding of bhsd ``states``; cos/sin are (batch, seq, rotary dim).
 
-    Partial rotary (``partial_rotary_factor`` < 1, Phi-3): cos/sin are narrower than a
-    head, and only its first dims rotate; the rest pass through, as in transformers.
+    Partial rotary (``partial_rotary_factor`` < 1, Phi-3, GLM): cos/sin are narrower than
+    a head, and only its first dims rotate; the rest pass through, as in transformers.
+    ``layout`` is the family's :attr:`~layerswap.Family.rotary`: rotate halves, or
+    interleaved pairs with cos/sin as given (Cohere) or from their first half (GLM).
     """
     width = cos.shape[-1]
     if width != states.shape[-1]:
         passed = states[..., width:]
-        return torch.cat((_rotate(states[..., :width], cos, sin), passed), dim=-1)
-    rotated = _layer.rotate_half(states)
+        return torch.cat((_rotate(states[..., :width], cos, sin, layout), passed), dim=-1)
+    if layout == "half":
+        rotated = _layer.rotate_half(states)
+    else:
+        if layout == "interleaved_from_half":
+            cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
+        rotated = _layer.rotate_interleaved(states)
     return states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
 class FusedLayerNorm(nn.Module):
-    """LayerNorm with a bias through ``F.layer_norm``; scales by ``offset + weight``."""
+    """LayerNorm through ``F.layer_norm``; scales by ``offset + weight``, adds a bias unless
+    ``bias=False`` (Cohere's mean-centred norm has none). ``size`` may be a shape, as for
+    :class:`FusedRMSNorm`."""
 
-    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(
+        self, size: int | tuple[int, ...], eps: float, offset: float = 0.0, *, bias: bool = True
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.full((size,), 1.0 - offset))
-        self.bias = nn.Parameter(torch.zeros(size))
+        self.weight = nn.Parameter(torch.full(_shape(size), 1.0 - offset))
+        self.bias = nn.Parameter(torch.zeros(_shape(size))) if bias else None
         self.eps = eps
         self.offset = offset
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight + self.offset if self.offset else self.weight
         dtype = hidden_states.dtype
-        return F.layer_norm(
-            hidden_states,
-            (hidden_states.shape[-1],),
-            weight.to(dtype),
-            self.bias.to(dtype),
-            self.eps,
-        )
+        bias = None if self.bias is None else self.bias.to(dtype)
+        axis = (hidden_states.shape[-1],)
+        if weight.dim() > 1:
+            normed = F.layer_norm(hidden_states, axis, None, None, self.eps) * weight.to(dtype)
+            return normed if bias is None else normed + bias
+        return F.layer_norm(hidden_states, axis, weight.to(dtype), bias, self.eps)
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""
-        return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}"
+        bias = "" if self.bias is not None else ", bias=False"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}{bias}"
 
 
 def _family_norm(
-    size: int, config: PreTrainedConfig, family: Family, eps: float | None = None
+    size: int | tuple[int, ...],
+    config: PreTrainedConfig,
+    family: Family,
+    eps: float | None = None,
 ) -> nn.Module:
     eps = float(config.rms_norm_eps) if eps is None else eps
-    if family.norm == "layer":
-        return FusedLayerNorm(size, eps, family.norm_offset)
+    if family.norm in ("layer", "layer_nobias"):
+        return FusedLayerNorm(size, eps, family.norm_offset, bias=family.norm == "layer")
     return FusedRMSNorm(size, eps, family.norm_offset)
 
 
@@ -174,11 +204,17 @@ class FusedAttention(nn.Module):
         )
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
-        # per head (Qwen3) or over all heads at once (OLMo 2)
+        # per head (Qwen3), per head with a weight each (Cohere), or over all heads (OLMo 2)
         self.qk_norm_across = family.qk_norm == "across"
-        if family.qk_norm:
+        self.rotary = family.rotary
+        if family.flag("qk_norm", config):
+            heads = [size // self.head_dim for size in self.sizes[:2]]
             q_size, k_size = (
-                (self.sizes[0], self.sizes[1]) if self.qk_norm_across else (self.head_dim,) * 2
+                (self.sizes[0], self.sizes[1])
+                if self.qk_norm_across
+                else ((heads[0], self.head_dim), (heads[1], self.head_dim))
+                if family.qk_norm == "head_weights"
+                else (self.head_dim, self.head_dim)
             )
             self.q_norm = _family_norm(q_size, config, family, numbers.norm_eps)
             self.k_norm = _family_norm(k_size, config, family, numbers.norm_eps)
@@ -204,7 +240,7 @@ class FusedAttention(nn.Module):
                 query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+        query, key = _rotate(query, cos, sin, self.rotary), _rotate(key, cos, sin, self.rotary)
         key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bhsd")
         asked = output_attentions or bool(getattr(self.config, "output_attentions", False))
         sink = _layer.attention_weights_sink(asked)
@@ -344,7 +380,7 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         self.mlp = FusedMLP(config, family)
         # the norms under the original's names, wherever the family puts them
         numbers = original_numbers(family, config, layer_idx)
-        for _, name in family.norms:
+        for name in dict.fromkeys(name for _, name in family.norms):
             self.add_module(
                 name, _family_norm(config.hidden_size, config, family, numbers.norm_eps)
             )

@@ -133,6 +133,20 @@ def unsupported(family: Family) -> str | None:
     """
     if getattr(family, "norm", "rms") != "rms":
         return "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)"
+    if getattr(family, "parallel", False):
+        return "the liger layer runs attention, then the MLP (this family runs them in parallel)"
+    if getattr(family, "rotary", "half") != "half":
+        return (
+            "Liger's RoPE kernel rotates halves of each head (this family rotates interleaved "
+            f"pairs: {getattr(family, 'rotary', None)})"
+        )
+    if getattr(family, "qk_norm", False) == "head_weights":
+        return "the liger layer's q/k norms have one weight for all heads (this family's: one per head)"
+    if getattr(family, "qk_norm_switch", None) is not None:
+        return (
+            "the liger layer's q/k norms are fixed per family (this family's follow "
+            f"{getattr(family, 'qk_norm_switch', None)})"
+        )
     if getattr(family, "mlp", "gated") != "gated":
         return (
             "Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is "

@@ -231,15 +231,27 @@ def unexpressible(family: Family) -> str | None:
 
     TE fuses one norm into the q/k/v GEMM and one into the MLP's first GEMM, so only
     Llama's placement (a norm before attention and one before the MLP) maps; its q/k
-    norms are per head.
+    norms are per head, with one weight for all heads; its layer runs attention, then
+    the MLP, and rotates halves of each head.
     """
+    if family.parallel:
+        return "the te layer runs attention, then the MLP (this family runs them in parallel)"
+    if family.rotary != "half":
+        return (
+            "the te layer applies the rotate-half rotary embedding (this family rotates "
+            f"interleaved pairs: {family.rotary})"
+        )
     if family.norms != PRE_NORMS:
         places = ", ".join(place for place, _ in family.norms)
         return f"TransformerEngine's layer has norms before attention and the MLP only (this family: {places})"
     if family.qk_norm == "across":
         return "TransformerEngine's q/k norm is per head; this family normalises across heads"
+    if family.qk_norm == "head_weights":
+        return "TransformerEngine's q/k norm has one weight for all heads; this family's has one per head"
+    if family.qk_norm_switch is not None:
+        return f"the te layer's q/k norms are fixed per family (this family's follow {family.qk_norm_switch})"
     if family.norm != "rms":
-        return "the te layer maps RMSNorm only (this family's norm is a LayerNorm)"
+        return f"the te layer maps RMSNorm only (this family's norm is {_NORM_NAMES[family.norm]})"
     if family.mlp != "gated":
         # TE's LayerNormMLP has ungated activations, but the te layer and converter map
         # the gated MLP only
@@ -250,6 +262,13 @@ def unexpressible(family: Family) -> str | None:
             f"original has {', '.join((*family.qkv_modules, *family.mlp_modules))})"
         )
     return None
+
+
+_NORM_NAMES = {
+    "rms": "an RMSNorm",
+    "layer": "a LayerNorm",
+    "layer_nobias": "a LayerNorm without a bias",
+}
 
 
 def _sliding_window(config: PreTrainedConfig, layer_idx: int) -> int | None:

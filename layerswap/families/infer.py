@@ -4,19 +4,24 @@
 LM, config and decoder-layer classes from transformers' auto mappings, and the layer's
 structure from one layer built for a tiny config -- which projections (separate or
 already fused, a gated or a plain MLP) and norms it has and where the norms sit (by
-their names), per-head or across-head q/k norms, which
-biases follow which config switch, whether its RMSNorm scales by ``weight`` or
-``1 + weight`` (probed numerically), and which config field names the activation. What
-the layer computes with beyond structure (softmax scale, Granite's residual multiplier)
-the replacement reads off the original layer itself (:mod:`layerswap.backends._original`).
+their names), q/k norms per head (one weight, or a weight per head) or across heads and
+the config field that switches them on, which biases follow which config switch. Probed
+numerically: the norm's kind (RMSNorm, LayerNorm with or without a bias) and whether it
+scales by ``weight`` or ``1 + weight``; the rotary layout (rotate-half or interleaved
+pairs, from the module's ``apply_rotary_pos_emb``); whether attention and MLP run in
+parallel (the MLP's input does not change when the attention's output does). Also which
+config field names the activation. What the layer computes with beyond structure
+(softmax scale, Granite's residual multiplier) the replacement reads off the original
+layer itself (:mod:`layerswap.backends._original`).
 
-A family whose layer has anything else -- another module, a parameter of its own, a
-LayerNorm, absent rotary embeddings, mixture-of-experts -- is refused with the reason (:class:`~layerswap.errors.UnsupportedFamilyError`), never declared half-right.
+A family whose layer has anything else -- another module, a parameter of its own, absent
+rotary embeddings, mixture-of-experts -- is refused with the reason
+(:class:`~layerswap.errors.UnsupportedFamilyError`), never declared half-right.
 
 Inference sees structure, not every detail of a forward pass, so a family becomes
 builtin only once the generated tests verify it (:data:`VERIFIED`): the fused layer
 against the original in float32 on padded inputs, a training step, greedy generation,
-save and plain reload, undo. :func:`coverage` reports every decoder family the installed
+save and plain reload, undo. :func:`layerswap.coverage.coverage` reports every decoder family the installed
 transformers ships.
 
 Example::
@@ -38,16 +43,21 @@ from layerswap.errors import UnsupportedFamilyError
 from layerswap.families._tiny import TINY
 from layerswap.family import GATED_MLP, PRE_NORMS, SEPARATE_QKV, Family
 
-__all__ = ["VERIFIED", "coverage", "decoder_model_types", "infer_family", "tiny_config_for"]
+__all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 
 #: model types whose inferred declaration the generated tests verify in CI; the builtin
 #: families beyond the hand-written ones
 VERIFIED: tuple[str, ...] = (
     "arcee",
+    "cohere",
     "cwm",
+    "ernie4_5",
     "gemma2",
     "gemma3_text",
+    "glm",
+    "glm4",
     "granite",
+    "helium",
     "jais2",
     "ministral",
     "nemotron",
@@ -87,7 +97,23 @@ _NORM_LAYOUTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
         ("attn_in", "attention_layernorm"),
         ("mlp_in", "feedforward_layernorm"),
     ),
+    frozenset(
+        {
+            "input_layernorm",
+            "post_self_attn_layernorm",
+            "post_attention_layernorm",
+            "post_mlp_layernorm",
+        }
+    ): (  # GLM-4: Gemma 2's placement, other names
+        ("attn_in", "input_layernorm"),
+        ("attn_out", "post_self_attn_layernorm"),
+        ("mlp_in", "post_attention_layernorm"),
+        ("mlp_out", "post_mlp_layernorm"),
+    ),
+    # one norm whose output both branches read (parallel blocks: Cohere)
+    frozenset({"input_layernorm"}): (("attn_in", "input_layernorm"), ("mlp_in", "input_layernorm")),
 }
+_ONE_NORM = _NORM_LAYOUTS[frozenset({"input_layernorm"})]
 # the projections a layer can have, by their names: q/k/v separate or fused (Phi-3), and
 # the MLPs, (kind, modules): gated, gated with gate/up fused (Phi-3), plain
 _QKV = (SEPARATE_QKV, ("qkv_proj",))
@@ -185,22 +211,23 @@ def _with(config: Any, name: str, value: Any) -> Any:
     return clone
 
 
-def _norm_kind(norm: nn.Module, size: int, where: str) -> tuple[str, float]:
-    """(``"rms"`` or ``"layer"``, offset): RMSNorm or LayerNorm with a bias, scaling by
-    ``weight`` (offset 0) or ``1 + weight`` (offset 1), probed numerically; else refused."""
+def _norm_kind(norm: nn.Module, shape: tuple[int, ...], where: str) -> tuple[str, float]:
+    """(kind, offset) of a norm over the last axis, probed numerically, else refused.
+
+    Kind ``"rms"`` (RMSNorm), ``"layer"`` (LayerNorm with a bias) or ``"layer_nobias"``
+    (mean-centred, no bias: Cohere); offset 0 (scales by ``weight``) or 1 (``1 + weight``).
+    With its parameters zeroed a norm of offset 0 gives zeros; the unit-weight output
+    (weight 1, or 0 at offset 1) is then compared with RMSNorm and with LayerNorm, since
+    a bias-free LayerNorm looks like an RMSNorm from its parameters alone.
+    """
     weight = getattr(norm, "weight", None)
-    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (size,):
-        raise UnsupportedFamilyError(f"{where}: a norm without a weight of size {size}")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+        raise UnsupportedFamilyError(f"{where}: a norm without a weight of shape {shape}")
     bias = getattr(norm, "bias", None)
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (size,)):
-        raise UnsupportedFamilyError(f"{where}: a norm whose bias is not of size {size}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != shape):
+        raise UnsupportedFamilyError(f"{where}: a norm whose bias is not of shape {shape}")
     eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or 1e-6
-    sample = torch.randn(3, size, generator=torch.Generator().manual_seed(0)) + 0.5
-    kind = "rms" if bias is None else "layer"
-    if kind == "rms":
-        unit = sample * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + eps)
-    else:
-        unit = torch.nn.functional.layer_norm(sample, (size,), eps=eps)
+    sample = torch.randn(3, *shape, generator=torch.Generator().manual_seed(0)) + 0.5
     params = [weight] if bias is None else [weight, bias]
     with torch.no_grad():
         saved = [p.detach().clone() for p in params]
@@ -208,14 +235,123 @@ def _norm_kind(norm: nn.Module, size: int, where: str) -> tuple[str, float]:
             for p in params:
                 p.zero_()
             out = norm(sample).float()
+            offset = 0.0 if torch.allclose(out, torch.zeros_like(out)) else 1.0
+            if not offset:
+                weight.fill_(1.0)
+                out = norm(sample).float()
         finally:
             for p, value in zip(params, saved, strict=True):
                 p.copy_(value)
-    if torch.allclose(out, torch.zeros_like(out)):
-        return kind, 0.0
-    if torch.allclose(out, unit, atol=1e-4):
-        return kind, 1.0
+    rms = sample * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + eps)
+    centred = sample - sample.mean(-1, keepdim=True)
+    layer = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    if torch.allclose(out, rms, atol=1e-4) and bias is None:
+        return "rms", offset
+    if torch.allclose(out, layer, atol=1e-4):
+        return ("layer" if bias is not None else "layer_nobias"), offset
     raise UnsupportedFamilyError(f"{where}: a norm that is neither RMSNorm nor LayerNorm")
+
+
+#: the rotary layouts :func:`_rotary_layout` tells apart (:attr:`Family.rotary`)
+ROTARY_LAYOUTS = ("half", "interleaved", "interleaved_from_half")
+
+
+def _rotated(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> Any:
+    """``states`` rotated the way ``layout`` names, for comparison with the original's."""
+    if layout == "half":
+        half = states.shape[-1] // 2
+        turned = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+        return states * cos + turned * sin
+    if layout == "interleaved_from_half":
+        half = cos.shape[-1] // 2
+        cos = cos[..., :half].repeat_interleave(2, dim=-1)
+        sin = sin[..., :half].repeat_interleave(2, dim=-1)
+    turned = torch.stack((-states[..., 1::2], states[..., ::2]), dim=-1).flatten(-2)
+    return states * cos + turned * sin
+
+
+def _rotary_layout(module: Any, head_dim: int, where: str) -> str:
+    """How the modeling module's ``apply_rotary_pos_emb`` rotates, probed numerically.
+
+    Random cos/sin (not the model's, whose repeated halves hide the difference) tell the
+    pairing of dims and the layout cos/sin are read in apart.
+    """
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if not callable(apply):
+        raise UnsupportedFamilyError(f"{where}: no apply_rotary_pos_emb to read the rotary from")
+    generator = torch.Generator().manual_seed(0)
+    query, key = (torch.randn(1, 2, 3, head_dim, generator=generator) for _ in range(2))
+    cos, sin = (torch.randn(1, 3, head_dim, generator=generator) for _ in range(2))
+    try:
+        rotated = apply(query, key, cos, sin)[0]
+    except Exception as exc:
+        raise UnsupportedFamilyError(
+            f"{where}: its apply_rotary_pos_emb cannot be probed ({_gist(exc)})"
+        ) from exc
+    for layout in ROTARY_LAYOUTS:
+        expected = _rotated(query, cos.unsqueeze(1), sin.unsqueeze(1), layout)
+        if isinstance(rotated, torch.Tensor) and torch.allclose(rotated, expected, atol=1e-5):
+            return layout
+    raise UnsupportedFamilyError(
+        f"{where}: a rotary embedding that rotates neither halves nor interleaved pairs"
+    )
+
+
+def _branch_inputs(layer: nn.Module, config: Any) -> tuple[Any, Any, Any]:
+    """One forward pass of ``layer``: (attention input, MLP input, MLP input with the
+    attention's output projection zeroed). The MLP reads the attention's output unless
+    zeroing it leaves the MLP's input as it was: then the two run in parallel."""
+    inputs: dict[str, torch.Tensor] = {}
+
+    def recorder(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            inputs[name] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+
+        return hook
+
+    attention, mlp = layer.get_submodule("self_attn"), layer.get_submodule("mlp")
+    hooks = [
+        attention.register_forward_pre_hook(recorder("attention"), with_kwargs=True),
+        mlp.register_forward_pre_hook(recorder("mlp"), with_kwargs=True),
+    ]
+    hidden = torch.randn(1, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(5)[None]
+    # no rotation (cos 1, sin 0): which tensor reaches which branch does not depend on it
+    head_dim = int(getattr(attention, "head_dim", None) or config.head_dim)
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    width = int(head_dim * (factor or 1.0))
+    cos_sin = (torch.ones(1, 5, width), torch.zeros(1, 5, width))
+    found = []
+    try:
+        with torch.no_grad():
+            for zeroed in (False, True):
+                if zeroed:
+                    attention.get_parameter("o_proj.weight").zero_()
+                layer(
+                    hidden, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
+                )
+                found.append(dict(inputs))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found[0]["attention"], found[0]["mlp"], found[1]["mlp"]
+
+
+def _qk_norm_switch(build: Any, config: Any) -> str | None:
+    """The boolean config field with "norm" in its name that adds ``self_attn.q_norm``."""
+    for key, value in config.to_dict().items():
+        if isinstance(value, bool) and "norm" in key:
+            try:
+                on, off = (
+                    hasattr(build(_with(config, key, flag)).self_attn, "q_norm")
+                    for flag in (True, False)
+                )
+            except Exception:  # a field other code ties to other settings: not the switch
+                continue
+            if on and not off:
+                return str(key)
+    return None
 
 
 def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
@@ -327,30 +463,51 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         )
     assert layout is not None
     head_dim = int(getattr(attention, "head_dim", config.head_dim))
-    qk_norm: bool | str = False
-    q_width = int(config.num_attention_heads * head_dim)
-    if hasattr(attention, "q_norm"):
-        shape = tuple(attention.q_norm.weight.shape)
-        if shape not in ((head_dim,), (q_width,)):
-            raise UnsupportedFamilyError(f"{where}: a q norm of shape {shape}")
-        qk_norm = True if shape == (head_dim,) else "across"
 
     def build(cfg: Any) -> nn.Module:
         with torch.device("meta"):
             return decoder(cfg, 0)
 
-    # norms on real tensors: the offset is probed numerically
+    # q/k norms: always there, or where a config field switches them on (Cohere)
+    qk_norm_switch = _qk_norm_switch(build, config)
+    qk_config = config if qk_norm_switch is None else _with(config, qk_norm_switch, True)
+    # norms on real tensors: the kind and offset are probed numerically
     real: nn.Module = decoder(config, 0)
+    real_qk: nn.Module = real if qk_norm_switch is None else decoder(qk_config, 0)
+    qk_norm: bool | str = False
+    q_norm: Any = getattr(real_qk.get_submodule("self_attn"), "q_norm", None)
+    if q_norm is not None:
+        per_head: dict[tuple[int, ...], bool | str] = {
+            (head_dim,): True,
+            (config.num_attention_heads, head_dim): "head_weights",
+            (config.num_attention_heads * head_dim,): "across",
+        }
+        shape = tuple(q_norm.weight.shape)
+        if shape not in per_head:
+            raise UnsupportedFamilyError(f"{where}: a q norm of shape {shape}")
+        qk_norm = per_head[shape]
     offsets = {
-        _norm_kind(real.get_submodule(n), config.hidden_size, f"{where} {n}") for _, n in layout
+        _norm_kind(real.get_submodule(n), (config.hidden_size,), f"{where} {n}") for _, n in layout
     }
     if qk_norm:
-        size = head_dim if qk_norm is True else q_width
-        q_norm = real.get_submodule("self_attn.q_norm")
-        offsets.add(_norm_kind(q_norm, size, f"{where} self_attn.q_norm"))
+        offsets.add(_norm_kind(q_norm, tuple(q_norm.weight.shape), f"{where} self_attn.q_norm"))
     if len(offsets) != 1:
         raise UnsupportedFamilyError(f"{where}: norms of different kinds or offsets")
     norm_kind, norm_offset = offsets.pop()
+    rotary = _rotary_layout(module, head_dim, where)
+    try:
+        attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config)
+    except Exception as exc:
+        raise UnsupportedFamilyError(f"{where}: one layer cannot run ({_gist(exc)})") from exc
+    parallel = torch.equal(mlp_in, mlp_in_unattended)
+    if layout == _ONE_NORM:
+        # one norm: the MLP shares the attention's normalised input (Cohere), or has none
+        if not parallel:
+            raise UnsupportedFamilyError(
+                f"{where}: one norm, and the MLP reads the attention's output"
+            )
+        if not torch.equal(mlp_in, attention_in):
+            layout = layout[:1]
     activation = next(
         (
             field
@@ -380,6 +537,9 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         mlp_modules=mlp_modules,
         qkv_modules=qkv_modules,
         norms=layout,
+        qk_norm_switch=qk_norm_switch,
+        parallel=parallel,
+        rotary=rotary,
         tiny={
             key: value
             for key, value in tiny_config_for(config_class).to_diff_dict().items()
@@ -418,30 +578,3 @@ def _verify_inferred(family: Family, where: str) -> None:
 
 
 _TINY_KEYS = {*TINY, "head_dim", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
-
-
-def coverage() -> dict[str, str | None]:
-    """Every causal-LM model type of the installed transformers: ``None`` when a builtin
-    family covers it, else why not (refused by inference, or inferred and verified on a
-    tiny model but not builtin, i.e. not run by the generated tests)."""
-    from layerswap.registry import families
-
-    covered = {family.model_type for family in families().values()}
-    report: dict[str, str | None] = {}
-    for model_type in decoder_model_types():
-        if model_type in covered:
-            report[model_type] = None
-            continue
-        try:
-            infer_family(model_type)
-        except UnsupportedFamilyError as exc:
-            report[model_type] = str(exc)
-        except Exception as exc:  # a modeling module that fails to import or build here
-            report[model_type] = f"{model_type}: {type(exc).__name__}: {exc}"
-        else:
-            report[model_type] = (
-                "inferred and verified on a tiny model, but not builtin (the generated tests do "
-                f"not run it): register_family(infer_family({model_type!r})), then verify it "
-                "on your model"
-            )
-    return report
