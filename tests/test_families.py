@@ -137,6 +137,11 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
         assert row["reason"] is None and row["family"] == family.name
         assert "fused" in row["backends"]
     assert "te" in rows["llama"]["backends"] and "te" not in rows["olmo2"]["backends"]
+    # per backend: why one does not cover a family another covers
+    assert rows["olmo2"]["not_covered"]["te"] == layerswap.get_backend("te").unsupported(
+        families()["olmo2"]
+    )
+    assert "fused" not in rows["olmo2"]["not_covered"]
     assert "not a dense MLP" in rows["mixtral"]["reason"]
     assert "does not compute what the original does" in rows["exaone4"]["reason"]
 

@@ -1,0 +1,75 @@
+"""What one model's substitutions replace and keep (``layerswap coverage``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import layerswap
+from layerswap.cli import app
+from layerswap.coverage import model_coverage
+from layerswap.errors import UnknownSubstitutionError
+
+
+def _rows(target: object) -> dict[str, object]:
+    return {row.substitution: row for row in model_coverage(target).rows}  # type: ignore[arg-type]
+
+
+def test_the_decoder_slot_replaces_every_decoder_layer_and_keeps_the_rest() -> None:
+    layers = layerswap.get_family("qwen3").tiny_config().num_hidden_layers
+    row = _rows("qwen3")["qwen3.decoder.fused"]
+
+    assert row.unsupported is None and row.unmet_requirement is None
+    assert row.replaces == (f"model.layers.0-{layers - 1} (Qwen3DecoderLayer)",)
+    assert row.keeps == (
+        "model.embed_tokens (Embedding)",
+        "model.norm (Qwen3RMSNorm)",
+        "model.rotary_emb (Qwen3RotaryEmbedding)",
+        "lm_head (Linear)",
+    )
+
+
+def test_the_head_slot_replaces_the_loss_and_keeps_every_module() -> None:
+    row = _rows("llama")["llama.head.fused"]
+
+    assert row.replaces == ("the causal LM's loss and lm_head in training (LlamaForCausalLM)",)
+    assert row.keeps[0].startswith("model.layers.0-") and "lm_head (Linear)" in row.keeps
+
+
+def test_a_backend_that_cannot_express_the_family_says_why() -> None:
+    row = _rows("olmo2")["olmo2.decoder.te"]
+
+    assert row.unsupported == layerswap.get_backend("te").unsupported(layerswap.get_family("olmo2"))
+    assert row.unsupported and row.replaces == () and row.keeps == ()
+
+
+def test_a_checkpoint_directory_is_read_from_its_config(tmp_path: Path) -> None:
+    config = layerswap.get_family("mistral").tiny_config(num_hidden_layers=3)
+    config.save_pretrained(tmp_path)
+
+    report = model_coverage(tmp_path)
+
+    assert report.family == "mistral" and report.source == str(tmp_path / "config.json")
+    assert report.rows[0].replaces == ("model.layers.0-2 (MistralDecoderLayer)",)
+
+
+def test_a_config_no_family_covers_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+
+    with pytest.raises(UnknownSubstitutionError, match="'mixtral' model, which no registered"):
+        model_coverage(tmp_path)
+
+
+def test_the_cli_prints_the_rows_as_json_and_refuses_an_unknown_family() -> None:
+    result = CliRunner().invoke(app, ["coverage", "gemma", "--json"])
+    unknown = CliRunner().invoke(app, ["coverage", "gema"])
+
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["family"] == "gemma"
+    names = {row["substitution"] for row in report["rows"]}
+    assert {"gemma.decoder.fused", "gemma.head.fused", "gemma.decoder.te"} <= names
+    assert unknown.exit_code == 2 and "did you mean gemma" in unknown.output
