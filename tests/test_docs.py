@@ -26,3 +26,11 @@ def test_relative_links_in_docs_point_at_existing_files():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_family_tables_are_generated_from_the_registry():
+    generator = runpy.run_path(str(ROOT / "scripts" / "gen_family_table.py"))
+    for path, expected in generator["render"]().items():
+        assert path.read_text() == expected, (
+            f"{path.name}'s family table is stale: run python scripts/gen_family_table.py"
+        )
