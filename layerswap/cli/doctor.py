@@ -48,7 +48,12 @@ def environment() -> list[dict[str, str]]:
     else:
         build = "CPU-only build" if torch.version.cuda is None else "no GPU visible"
         cuda_status = f"not available ({build})"
-        cuda_enables = "CPU only" + "".join(f": the {b} backend needs CUDA" for b in gpu_only[:1])
+        if gpu_only:
+            names = " and ".join(gpu_only)
+            verb = "needs" if len(gpu_only) == 1 else "need"
+            cuda_enables = f"CPU only: the {names} backend{'s' * (len(gpu_only) > 1)} {verb} CUDA"
+        else:
+            cuda_enables = "CPU only"
     rows.append(
         {
             "component": "torch",
