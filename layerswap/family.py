@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ __all__ = [
     "GATED_MLP",
     "NORM_PLACES",
     "PRE_NORMS",
+    "ROTARY_LAYERS",
     "SEPARATE_QKV",
     "Family",
     "resolve",
@@ -73,6 +74,29 @@ NORM_PLACES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 #: Llama's projections, the ones the fused layer concatenates
 SEPARATE_QKV = ("q_proj", "k_proj", "v_proj")
 GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _sliding(attention: Any, config: Any) -> bool:
+    return getattr(attention, "sliding_window", None) is not None
+
+
+def _sliding_or_unwindowed(attention: Any, config: Any) -> bool:
+    return getattr(config, "sliding_window", None) is None or bool(
+        getattr(attention, "is_sliding", False)
+    )
+
+
+#: the rules of :attr:`Family.rotary_layers`: (the original layer's attention, config) ->
+#: whether that layer applies the rotary embedding
+ROTARY_LAYERS: dict[str, Callable[[Any, Any], bool]] = {
+    "all": lambda attention, config: True,
+    # SmolLM3: config.no_rope_layers[layer_idx], kept by the attention as use_rope
+    "use_rope": lambda attention, config: bool(getattr(attention, "use_rope", True)),
+    # Cohere 2: only layers with a sliding window rotate
+    "sliding": _sliding,
+    # EXAONE 4: sliding layers rotate, and every layer does when there is no window at all
+    "sliding_or_unwindowed": _sliding_or_unwindowed,
+}
 
 
 @dataclass(frozen=True)
@@ -134,8 +158,16 @@ class Family:
     #: or ``"interleaved_from_half"``, (2i, 2i + 1) with the first half of cos/sin
     #: repeated pairwise, as GLM applies the rotate-half layout it is given
     rotary: str = "half"
+    #: which layers apply the rotary embedding, a key of :data:`ROTARY_LAYERS`: ``"all"``,
+    #: or a rule read off the original attention (Cohere 2 rotates on sliding-window
+    #: layers only, SmolLM3 where ``no_rope_layers`` says so)
+    rotary_layers: str = "all"
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
+
+    def rotates(self, attention: Any, config: PreTrainedConfig) -> bool:
+        """Whether the original layer with this ``attention`` applies the rotary embedding."""
+        return ROTARY_LAYERS[self.rotary_layers](attention, config)
 
     def norm_at(self, place: str) -> str | None:
         """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""

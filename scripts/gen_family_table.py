@@ -47,6 +47,8 @@ def features(family: Family) -> str:
         found.append(f"its own `{family.qkv_modules[0]}`")
     if family.rotary != "half":
         found.append(f"rotary `{family.rotary}`")
+    if family.rotary_layers != "all":
+        found.append(f"rotary on some layers only (`{family.rotary_layers}`)")
     biases = []
     for name, label in (("qkv_bias", "q/k/v"), ("o_bias", "output"), ("mlp_bias", "MLP")):
         value = getattr(family, name)

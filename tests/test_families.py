@@ -20,10 +20,11 @@ from models import FAMILIES, left_padded_batch, tiny_model, tokens
 from typer.testing import CliRunner
 
 import layerswap
+from layerswap.backends import fused
 from layerswap.cli import app
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families import INFERRED
-from layerswap.families.infer import VERIFIED, infer_family
+from layerswap.families.infer import VERIFIED, _verify_inferred, infer_family
 from layerswap.registry import families, get_family
 
 # --- inference -----------------------------------------------------------------------------
@@ -105,7 +106,6 @@ def test_inference_reads_the_rotary_layout_and_renamed_norm_places() -> None:
     [
         ("mixtral", "not a dense MLP"),
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
-        ("smollm3", "without rotary embeddings"),
         ("seed_oss", "dropout the fused layer does not apply"),
         ("qwen2_moe", "not a dense MLP"),
         ("vit", "no causal LM"),
@@ -120,11 +120,12 @@ def test_a_family_the_fused_layer_cannot_express_is_refused_with_the_reason(
 
 def test_a_family_whose_structure_fits_but_computes_otherwise_is_refused() -> None:
     # EXAONE 4 looks like OLMo 2 but skips the rotary embedding on its full-attention
-    # layers: only the verification inference ends with can tell
+    # layers; declared as rotating every layer, its structure still fits: only the
+    # verification inference ends with can tell
+    wrong = dataclasses.replace(infer_family("exaone4", verify=False), rotary_layers="all")
     with pytest.raises(UnsupportedFamilyError, match="does not compute what the original does"):
-        infer_family("exaone4")
-    assert infer_family("exaone4", verify=False).name == "exaone4"
-    assert "exaone4" not in families()  # the verification left the registry as it was
+        _verify_inferred(wrong, "exaone4 (declared to rotate every layer)")
+    assert families()["exaone4"].rotary_layers == "sliding_or_unwindowed"  # left as it was
 
 
 def test_list_all_names_every_decoder_family_and_why_not() -> None:
@@ -143,7 +144,7 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
     )
     assert "fused" not in rows["olmo2"]["not_covered"]
     assert "not a dense MLP" in rows["mixtral"]["reason"]
-    assert "does not compute what the original does" in rows["exaone4"]["reason"]
+    assert "no counterpart for: mlp.act_fn.alpha_p" in rows["apertus"]["reason"]
 
 
 def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None:
@@ -279,3 +280,27 @@ def test_save_loads_in_plain_transformers_and_undo_is_bitwise(name: str, tmp_pat
     after = model.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[key], value) for key, value in before.items())
+
+
+@pytest.mark.parametrize(
+    ("name", "rule", "skipping"),
+    [
+        ("cohere2", "sliding", [3]),
+        ("exaone4", "sliding_or_unwindowed", [3]),
+        ("smollm3", "use_rope", [3]),
+    ],
+)
+def test_layers_that_skip_the_rotary_embedding_skip_it_in_the_fused_layer_too(
+    name: str, rule: str, skipping: list[int]
+) -> None:
+    family = families()[name]
+    model = tiny_model(name, seed=6)
+    assert family.rotary_layers == rule
+    with layerswap.swap(model, backend="fused"):
+        skipped = [i for i, layer in enumerate(model.model.layers) if not layer.self_attn.rotates]
+    assert skipped == skipping
+    # rotating every layer is what the original does not: verification names the first one
+    everywhere = fused.BACKEND.substitution(dataclasses.replace(family, rotary_layers="all"))
+    report = layerswap.verify(model, everywhere)
+    assert not report.passed
+    assert report.first_divergent_layer == skipping[0]

@@ -38,6 +38,8 @@ class OriginalNumbers:
     attn_logit_softcapping: float | None = None
     #: the epsilon of the layer's norms (its config field's name differs by family)
     norm_eps: float | None = None
+    #: whether the layer applies the rotary embedding (:attr:`Family.rotary_layers`)
+    rotary: bool = True
 
 
 def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -> OriginalNumbers:
@@ -60,4 +62,5 @@ def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -
         residual_multiplier=float(getattr(layer, "residual_multiplier", 1.0)),
         attn_logit_softcapping=None if softcap is None else float(softcap),
         norm_eps=None if eps is None else float(eps),
+        rotary=family.rotates(attention, config),
     )

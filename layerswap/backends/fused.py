@@ -194,6 +194,7 @@ class FusedAttention(nn.Module):
         self.scaling = numbers.scaling
         # Gemma 2: scores = tanh(scores / cap) * cap; SDPA cannot, so attention is eager
         self.softcap = numbers.attn_logit_softcapping
+        self.rotates = numbers.rotary
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
         self.is_causal = not getattr(config, "use_bidirectional_attention", False)
         self.qkv_proj = nn.Linear(
@@ -239,8 +240,9 @@ class FusedAttention(nn.Module):
             else:
                 query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = _rotate(query, cos, sin, self.rotary), _rotate(key, cos, sin, self.rotary)
+        if self.rotates:  # NoPE layers (Cohere 2's full-attention ones) leave q and k as they are
+            cos, sin = position_embeddings
+            query, key = _rotate(query, cos, sin, self.rotary), _rotate(key, cos, sin, self.rotary)
         key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bhsd")
         asked = output_attentions or bool(getattr(self.config, "output_attentions", False))
         sink = _layer.attention_weights_sink(asked)

@@ -140,6 +140,11 @@ def unsupported(family: Family) -> str | None:
             "Liger's RoPE kernel rotates halves of each head (this family rotates interleaved "
             f"pairs: {getattr(family, 'rotary', None)})"
         )
+    if family.rotary_layers != "all":
+        return (
+            "the liger layer applies Liger's RoPE kernel on every layer (this family skips it "
+            f"on some: {family.rotary_layers})"
+        )
     if getattr(family, "qk_norm", False) == "head_weights":
         return "the liger layer's q/k norms have one weight for all heads (this family's: one per head)"
     if getattr(family, "qk_norm_switch", None) is not None:

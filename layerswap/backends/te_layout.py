@@ -241,6 +241,11 @@ def unexpressible(family: Family) -> str | None:
             "the te layer applies the rotate-half rotary embedding (this family rotates "
             f"interleaved pairs: {family.rotary})"
         )
+    if family.rotary_layers != "all":
+        return (
+            "the te layer applies the rotary embedding on every layer (this family skips it "
+            f"on some: {family.rotary_layers})"
+        )
     if family.norms != PRE_NORMS:
         places = ", ".join(place for place, _ in family.norms)
         return f"TransformerEngine's layer has norms before attention and the MLP only (this family: {places})"

@@ -41,7 +41,7 @@ from torch import nn
 
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families._tiny import TINY
-from layerswap.family import GATED_MLP, PRE_NORMS, SEPARATE_QKV, Family
+from layerswap.family import GATED_MLP, PRE_NORMS, ROTARY_LAYERS, SEPARATE_QKV, Family
 
 __all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 
@@ -50,8 +50,10 @@ __all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 VERIFIED: tuple[str, ...] = (
     "arcee",
     "cohere",
+    "cohere2",
     "cwm",
     "ernie4_5",
+    "exaone4",
     "gemma2",
     "gemma3_text",
     "glm",
@@ -64,6 +66,7 @@ VERIFIED: tuple[str, ...] = (
     "olmo2",
     "olmo3",
     "phi3",
+    "smollm3",
     "stablelm",
     "starcoder2",
     "vaultgemma",
@@ -297,6 +300,54 @@ def _rotary_layout(module: Any, head_dim: int, where: str) -> str:
     )
 
 
+def _rotary_width(attention: nn.Module, config: Any) -> int:
+    """How many dims of a head the rotary embedding covers (partial rotary: fewer)."""
+    head_dim = int(getattr(attention, "head_dim", None) or config.head_dim)
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor or 1.0))
+
+
+def _rotates(layer: nn.Module, config: Any) -> bool:
+    """Whether ``layer`` applies the rotary embedding: its output changes with the angles."""
+    width = _rotary_width(layer.get_submodule("self_attn"), config)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 5, config.hidden_size, generator=generator)
+    angles = torch.randn(1, 5, width, generator=generator)
+    outputs = []
+    with torch.no_grad():
+        for cos, sin in (
+            (torch.ones_like(angles), torch.zeros_like(angles)),
+            (angles.cos(), angles.sin()),
+        ):
+            output = layer(
+                hidden,
+                attention_mask=None,
+                position_ids=torch.arange(5)[None],
+                position_embeddings=(cos, sin),
+            )
+            outputs.append(output[0] if isinstance(output, tuple) else output)
+    return not torch.equal(outputs[0], outputs[1])
+
+
+def _rotary_layers(decoder: Any, config: Any, where: str) -> str:
+    """The rule of :data:`~layerswap.family.ROTARY_LAYERS` that says, for every layer of
+    ``config``, whether the original applies the rotary embedding, probed layer by layer."""
+    layers = [decoder(config, index) for index in range(config.num_hidden_layers)]
+    truth = [_rotates(layer, config) for layer in layers]
+    attentions = [layer.get_submodule("self_attn") for layer in layers]
+    for name, rule in ROTARY_LAYERS.items():
+        if all(
+            rule(attention, config) == rotates
+            for attention, rotates in zip(attentions, truth, strict=True)
+        ):
+            return name
+    skipped = [index for index, rotates in enumerate(truth) if not rotates]
+    raise UnsupportedFamilyError(
+        f"{where}: layers {skipped} skip the rotary embedding by a rule layerswap does not know"
+    )
+
+
 def _branch_inputs(layer: nn.Module, config: Any) -> tuple[Any, Any, Any]:
     """One forward pass of ``layer``: (attention input, MLP input, MLP input with the
     attention's output projection zeroed). The MLP reads the attention's output unless
@@ -317,10 +368,7 @@ def _branch_inputs(layer: nn.Module, config: Any) -> tuple[Any, Any, Any]:
     hidden = torch.randn(1, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(5)[None]
     # no rotation (cos 1, sin 0): which tensor reaches which branch does not depend on it
-    head_dim = int(getattr(attention, "head_dim", None) or config.head_dim)
-    rope = getattr(config, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    width = int(head_dim * (factor or 1.0))
+    width = _rotary_width(attention, config)
     cos_sin = (torch.ones(1, 5, width), torch.zeros(1, 5, width))
     found = []
     try:
@@ -389,8 +437,6 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         raise UnsupportedFamilyError(
             f"{model_type}: dropout the fused layer does not apply ({dropouts})"
         )
-    if getattr(config, "no_rope_layers", None) or getattr(config, "no_rope_layer_interval", None):
-        raise UnsupportedFamilyError(f"{model_type}: layers without rotary embeddings (NoPE)")
     with torch.device("meta"):
         try:
             model = causal_lm(config)
@@ -500,6 +546,12 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     except Exception as exc:
         raise UnsupportedFamilyError(f"{where}: one layer cannot run ({_gist(exc)})") from exc
     parallel = torch.equal(mlp_in, mlp_in_unattended)
+    try:
+        rotary_layers = _rotary_layers(decoder, config, where)
+    except UnsupportedFamilyError:
+        raise
+    except Exception as exc:
+        raise UnsupportedFamilyError(f"{where}: one layer cannot run ({_gist(exc)})") from exc
     if layout == _ONE_NORM:
         # one norm: the MLP shares the attention's normalised input (Cohere), or has none
         if not parallel:
@@ -540,6 +592,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         qk_norm_switch=qk_norm_switch,
         parallel=parallel,
         rotary=rotary,
+        rotary_layers=rotary_layers,
         tiny={
             key: value
             for key, value in tiny_config_for(config_class).to_diff_dict().items()
