@@ -136,12 +136,17 @@ class Family:
     #: ``"layer_nobias"`` (mean-centred LayerNorm without a bias: Cohere)
     norm: str = "rms"
     activation: str = "hidden_act"
-    #: the MLP: ``"gated"``, ``down(act(gate(x)) * up(x))``, or ``"plain"``, ``down(act(up(x)))``
+    #: the MLP: ``"gated"``, ``down(act(gate(x)) * up(x))``, ``"plain"``, ``down(act(up(x)))``,
+    #: or ``"original"``: the original's own MLP module, kept as it is (mixture-of-experts
+    #: blocks: Mixtral, Qwen2-MoE), with its class and parameter names
     mlp: str = "gated"
     #: the original's MLP modules in that order: gated (gate, up, down), or (gate_up, down)
     #: where the original fuses them already (Phi-3); plain (up, down), Starcoder 2's
-    #: ``("c_fc", "c_proj")``
+    #: ``("c_fc", "c_proj")``; none for ``mlp="original"``
     mlp_modules: tuple[str, ...] = GATED_MLP
+    #: for ``mlp="original"``: the class of the original's MLP module in ``module``
+    #: (``"MixtralSparseMoeBlock"``); ``None`` otherwise
+    mlp_class: str | None = None
     #: the original's q/k/v projections, or ``("qkv_proj",)`` where it fuses them (Phi-3)
     qkv_modules: tuple[str, ...] = SEPARATE_QKV
     #: where the decoder layer's norms sit: (place, module name) pairs, places

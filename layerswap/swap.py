@@ -149,6 +149,11 @@ def _swap_layer(
     installed = hf_internals.output_capture_installed(owner)
     if owner is not None and not installed:
         hf_internals.capture_like_original(replacement, owner, type(layer))
+    elif owner is not None:
+        # the layer's own hooks came with _carry_state; its modules of the original's
+        # classes (an MoE block's router, for output_router_logits) get theirs here
+        for child_name, child in replacement.named_children():
+            hf_internals.capture_subtree(child, f"{name_in_owner}.{child_name}", owner)
     parent._modules[key] = replacement
     _release(layer, replacement)
     return _LayerRecord(

@@ -39,7 +39,9 @@ def features(family: Family) -> str:
     if family.qk_norm:
         text = qk.get(family.qk_norm, "q/k norms with a weight per head")
         found.append(text + (f" (`{family.qk_norm_switch}`)" if family.qk_norm_switch else ""))
-    if family.mlp != "gated":
+    if family.mlp == "original":
+        found.append(f"the original's `{family.mlp_class}` (mixture of experts)")
+    elif family.mlp != "gated":
         found.append(f"plain MLP `{'`/`'.join(family.mlp_modules)}`")
     elif family.mlp_modules != GATED_MLP:
         found.append(f"its own `{family.mlp_modules[0]}`")

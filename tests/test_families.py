@@ -104,10 +104,10 @@ def test_inference_reads_the_rotary_layout_and_renamed_norm_places() -> None:
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("mixtral", "not a dense MLP"),
+        ("granitemoe", "not a dense MLP or a mixture-of-experts block"),  # block_sparse_moe
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("seed_oss", "dropout the fused layer does not apply"),
-        ("qwen2_moe", "not a dense MLP"),
+        ("gpt_oss", "no counterpart for: self_attn.sinks"),
         ("vit", "no causal LM"),
     ],
 )
@@ -116,6 +116,50 @@ def test_a_family_the_fused_layer_cannot_express_is_refused_with_the_reason(
 ) -> None:
     with pytest.raises(UnsupportedFamilyError, match=reason):
         infer_family(model_type)
+
+
+def test_inference_keeps_a_mixture_of_experts_block_as_the_original_has_it() -> None:
+    mixtral = infer_family("mixtral", verify=False)
+    assert (mixtral.mlp, mixtral.mlp_class, mixtral.mlp_modules) == (
+        "original",
+        "MixtralSparseMoeBlock",
+        (),
+    )
+    assert (mixtral.tiny["num_local_experts"], mixtral.tiny["num_experts_per_tok"]) == (4, 2)
+    assert infer_family("qwen2_moe", verify=False).mlp_class == "Qwen2MoeSparseMoeBlock"
+    assert infer_family("llama", verify=False).mlp_class is None
+
+
+def test_the_fused_moe_layer_keeps_the_original_block_with_its_dense_layers() -> None:
+    # Qwen2-MoE: layer 1 dense (mlp_only_layers), the others sparse with a shared expert
+    model = tiny_model("qwen2_moe", seed=7, num_hidden_layers=3, mlp_only_layers=[1])
+    originals = [type(layer.mlp) for layer in model.model.layers]
+    before = {name for name in model.state_dict() if ".mlp." in name}
+    batch = left_padded_batch(model.config.vocab_size)
+    report = layerswap.verify(model, "qwen2_moe.decoder.fused", batch, backward=True)
+    assert report.passed, report.summary()
+    layerswap.swap(model, "qwen2_moe.decoder.fused")
+    assert [type(layer.mlp) for layer in model.model.layers] == originals
+    assert originals[1].__name__ == "Qwen2MoeMLP" and "shared_expert" in dir(
+        model.model.layers[0].mlp
+    )
+    assert {name for name in model.state_dict() if ".mlp." in name} == before
+
+
+@pytest.mark.parametrize("hooked_first", [False, True], ids=["fresh", "hooked-before-swap"])
+def test_router_logits_and_the_aux_loss_are_the_originals(hooked_first: bool) -> None:
+    reference = tiny_model("mixtral", seed=8, num_hidden_layers=2)
+    candidate = copy.deepcopy(reference)
+    ids = tokens(reference.config.vocab_size)
+    if hooked_first:  # transformers installs its recording hooks on the first such call
+        candidate(ids, output_router_logits=True)
+    layerswap.swap(candidate, "mixtral.decoder.fused")
+    with torch.no_grad():
+        want = reference(ids, labels=ids, output_router_logits=True)
+        got = candidate(ids, labels=ids, output_router_logits=True)
+    assert len(got.router_logits) == len(want.router_logits) == 2
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
 
 
 def test_a_family_whose_structure_fits_but_computes_otherwise_is_refused() -> None:
@@ -145,6 +189,8 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
     assert "fused" not in rows["olmo2"]["not_covered"]
     assert "not a dense MLP" in rows["mixtral"]["reason"]
     assert "no counterpart for: mlp.act_fn.alpha_p" in rows["apertus"]["reason"]
+    assert "not a dense MLP" in rows["granitemoe"]["reason"]
+    assert "does not compute what the original does" in rows["exaone4"]["reason"]
 
 
 def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None:
@@ -212,6 +258,17 @@ def test_te_and_liger_refuse_what_their_layers_do_not_compute(
     family = dataclasses.replace(llama, name="llama_variant", **feature)
     assert reason in str(unexpressible(family))
     assert reason in str(liger.unsupported(family))
+
+
+def test_te_and_liger_refuse_a_mixture_of_experts_block() -> None:
+    from layerswap.backends import liger
+    from layerswap.backends.te_layout import unexpressible
+
+    assert "original" in str(unexpressible(get_family("mixtral")))
+    assert "original" in str(liger.unsupported(get_family("mixtral")))
+    assert not {"te", "te_fp8", "liger"} & {
+        sub.backend for sub in layerswap.substitutions() if sub.family == "qwen3_moe"
+    }
 
 
 def test_the_new_families_are_refused_by_te_and_liger_with_their_reason() -> None:

@@ -82,13 +82,16 @@ def _assert_untouched(model: torch.nn.Module, before: dict[str, Any]) -> None:
 # --- registration and refusals ----------------------------------------------------------
 
 
-def test_every_family_liger_expresses_has_a_decoder_substitution_and_every_family_a_head() -> None:
+def test_every_family_liger_expresses_has_a_decoder_substitution_and_a_head() -> None:
     decoders = {
         s.family: s for s in layerswap.substitutions(backend="liger") if s.slot == "decoder"
     }
     heads = {s.family: s for s in layerswap.substitutions(backend="liger") if s.slot == "head"}
     assert sorted(decoders) == FAMILIES
-    assert set(heads) == set(families())
+    backend = layerswap.get_backend("liger")
+    # every family but the mixture-of-experts ones adding a load-balancing loss (Mixtral)
+    assert set(heads) == {n for n, f in families().items() if not backend.unsupported(f, "head")}
+    assert "mixtral" not in heads and "llama" in heads
     # sandwich norms (gemma3), q/k norms per head (qwen3) and across heads (olmo2), Gemma's
     # 1 + weight, Granite's multipliers, Qwen2's biases
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3", "granite", "olmo2"} <= set(

@@ -36,8 +36,8 @@ from layerswap.backend import Backend, Implementation
 from layerswap.backends import _layer
 from layerswap.backends._original import original_numbers
 from layerswap.backends.head_fused import HEAD
-from layerswap.errors import RequirementError
-from layerswap.family import Family
+from layerswap.errors import RequirementError, UpstreamDriftError
+from layerswap.family import Family, transformers_version
 from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, qkv_sizes
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ __all__ = [
     "FusedRMSNorm",
     "converter_for",
     "layer_class",
+    "original_mlp",
 ]
 
 # enable_gqa arrived in torch 2.5
@@ -363,6 +364,27 @@ class FusedMLP(nn.Module):
         return down(self.act_fn(gate) * up_states)  # type: ignore[no-any-return]
 
 
+def original_mlp(family: Family, config: PreTrainedConfig, layer_idx: int) -> nn.Module:
+    """The original layer's own MLP module for ``layer_idx`` (``mlp="original"``: MoE blocks).
+
+    Built by building the original decoder layer for ``(config, layer_idx)`` and keeping its
+    ``mlp``: the same class, parameter names and constructor arguments, whatever the
+    original chooses per layer (Qwen2-MoE's dense layers in ``mlp_only_layers``), and the
+    router's class, which transformers' ``output_router_logits`` recording hooks. The
+    original's attention and norms are built too and dropped: while a model is loaded
+    (on the meta device) that costs nothing, and otherwise one layer's attention weights
+    for a moment.
+    """
+    mlp = family.decoder_class()(config, layer_idx).get_submodule("mlp")
+    if type(mlp).__module__ != family.module:
+        raise UpstreamDriftError(
+            f"{family.name}: the original layer's mlp is a {type(mlp).__qualname__} from "
+            f"{type(mlp).__module__}, not a block of {family.module} (transformers "
+            f"{transformers_version()})"
+        )
+    return mlp
+
+
 class FusedDecoderLayer(_layer.DecoderLayer):
     """The fused decoder layer; use the per-family subclass from :func:`layer_class`.
 
@@ -379,7 +401,11 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         super().__init__(config, layer_idx)
         family = self.declared_family()
         self.self_attn = FusedAttention(config, layer_idx, family)
-        self.mlp = FusedMLP(config, family)
+        self.mlp = (
+            original_mlp(family, config, layer_idx)
+            if family.mlp == "original"
+            else FusedMLP(config, family)
+        )
         # the norms under the original's names, wherever the family puts them
         numbers = original_numbers(family, config, layer_idx)
         for name in dict.fromkeys(name for _, name in family.norms):

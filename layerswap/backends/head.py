@@ -71,6 +71,7 @@ __all__ = [
     "head_class_named",
     "head_contract",
     "head_implementation",
+    "head_refusal",
 ]
 
 # --- the original forward's head, read from its source -----------------------------------
@@ -448,9 +449,24 @@ def head_implementation(
         replacement=replacement,
         converter=_no_conversion,
         description=description,
+        supports=head_refusal,
         upstream=upstream,
         context=fused_loss_in_eval,
     )
+
+
+def head_refusal(family: Family) -> str | None:
+    """Why the head substitution cannot take ``family``'s causal LM, ``None`` when it can.
+
+    The reason :func:`head_contract` gives for a forward it does not reproduce (the
+    mixture-of-experts causal LMs add the router's load-balancing loss to the loss), so
+    the registry does not offer a ``<family>.head.*`` substitution that would refuse.
+    """
+    try:
+        head_contract(family.causal_lm_class())
+    except UpstreamDriftError as exc:
+        return str(exc)
+    return None
 
 
 def _no_conversion(family: Family) -> Converter:

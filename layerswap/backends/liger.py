@@ -152,6 +152,11 @@ def unsupported(family: Family) -> str | None:
             "the liger layer's q/k norms are fixed per family (this family's follow "
             f"{getattr(family, 'qk_norm_switch', None)})"
         )
+    if getattr(family, "mlp", "gated") == "original":
+        return (
+            "Liger's SwiGLU/GeGLU kernels compute dense gated MLPs; this family keeps the "
+            f"original's {getattr(family, 'mlp_class', None)}, a mixture-of-experts block"
+        )
     if getattr(family, "mlp", "gated") != "gated":
         return (
             "Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is "

@@ -257,6 +257,11 @@ def unexpressible(family: Family) -> str | None:
         return f"the te layer's q/k norms are fixed per family (this family's follow {family.qk_norm_switch})"
     if family.norm != "rms":
         return f"the te layer maps RMSNorm only (this family's norm is {_NORM_NAMES[family.norm]})"
+    if family.mlp == "original":
+        return (
+            f"the te layer maps gated MLPs only (this family keeps the original's "
+            f"{family.mlp_class}, a mixture-of-experts block)"
+        )
     if family.mlp != "gated":
         # TE's LayerNormMLP has ungated activations, but the te layer and converter map
         # the gated MLP only

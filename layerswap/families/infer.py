@@ -12,10 +12,11 @@ pairs, from the module's ``apply_rotary_pos_emb``); whether attention and MLP ru
 parallel (the MLP's input does not change when the attention's output does). Also which
 config field names the activation. What the layer computes with beyond structure
 (softmax scale, Granite's residual multiplier) the replacement reads off the original
-layer itself (:mod:`layerswap.backends._original`).
+layer itself (:mod:`layerswap.backends._original`). An MLP that is a block of the modeling
+module's own (mixture of experts: Mixtral, Qwen2-MoE) is kept as it is (``mlp="original"``).
 
 A family whose layer has anything else -- another module, a parameter of its own, absent
-rotary embeddings, mixture-of-experts -- is refused with the reason
+rotary embeddings -- is refused with the reason
 (:class:`~layerswap.errors.UnsupportedFamilyError`), never declared half-right.
 
 Inference sees structure, not every detail of a forward pass, so a family becomes
@@ -33,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,24 +51,38 @@ __all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 #: families beyond the hand-written ones
 VERIFIED: tuple[str, ...] = (
     "arcee",
+    "aria_text",
     "cohere",
     "cohere2",
     "cwm",
     "ernie4_5",
+    "ernie4_5_moe",
     "exaone4",
+    "flex_olmo",
     "gemma2",
     "gemma3_text",
     "glm",
     "glm4",
+    "glm4_moe",
     "granite",
     "helium",
+    "hy_v3",
     "jais2",
+    "kolibri1",
+    "minimax_m2",
+    "minimax_m3_vl_text",
     "ministral",
+    "mixtral",
     "nemotron",
     "olmo2",
     "olmo3",
+    "olmoe",
     "phi3",
+    "phimoe",
+    "qwen2_moe",
+    "qwen3_moe",
     "smollm3",
+    "solar_open",
     "stablelm",
     "starcoder2",
     "vaultgemma",
@@ -170,13 +186,28 @@ def decoder_model_types() -> Iterator[str]:
     yield from sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+#: mixture-of-experts sizes, by config field name, given to a config that has the field:
+#: few small experts, two per token
+_TINY_MOE: dict[str, Any] = {
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+}
+
+
 def tiny_config_for(config_class: type, **overrides: Any) -> Any:
     """A tiny config of ``config_class``: the builtin families' sizes, nothing family-specific.
 
     Head size is given explicitly (some configs default it to a large constant), special
     tokens fall inside the small vocabulary, and rotary embeddings use the plain default.
+    A mixture-of-experts config gets four small experts, two per token (:data:`_TINY_MOE`,
+    those of its fields its constructor names).
     """
     sizes = {**TINY, "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
+    fields = inspect.signature(config_class).parameters
+    sizes.update({key: value for key, value in _TINY_MOE.items() if key in fields})
     sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     sizes["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     sizes.update(overrides)
@@ -452,9 +483,6 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         raise UnsupportedFamilyError(
             f"{model_type}: layers of several kinds ({', '.join(sorted(k.__name__ for k in kinds))})"
         )
-    shapes = {tuple(name for name, _ in layer.named_modules()) for layer in layers}
-    if len(shapes) != 1:  # one decoder class, some layers dense and some MoE
-        raise UnsupportedFamilyError(f"{model_type}: decoder layers of different structure")
     decoder = next(iter(kinds))
     if decoder.__module__ != module_name:
         raise UnsupportedFamilyError(
@@ -466,6 +494,27 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     mlp: Any = getattr(layer, "mlp", None)
     qkv = _first_with(attention, [(names,) for names in _QKV])
     mlp_layout = _first_with(mlp, _MLPS)
+    # a block of the modeling module's own in any layer (mixture of experts, maybe after
+    # dense first layers): every layer keeps the original's MLP as it is
+    block = next(
+        (
+            m
+            for m in (getattr(lyr, "mlp", None) for lyr in layers)
+            if isinstance(m, nn.Module)
+            and type(m).__module__ == module_name
+            and not _first_with(m, _MLPS)
+        ),
+        None,
+    )
+    if block is not None:
+        mlp, mlp_layout = block, ("original", ())
+    # the original MLP may differ per layer (Qwen2-MoE's dense layers): it is built per layer
+    skipped = ("mlp.",) if mlp_layout and mlp_layout[0] == "original" else ()
+    shapes = {
+        tuple(n for n, _ in lyr.named_modules() if not n.startswith(skipped)) for lyr in layers
+    }
+    if len(shapes) != 1:  # one decoder class, some layers dense and some MoE
+        raise UnsupportedFamilyError(f"{model_type}: decoder layers of different structure")
     missing = [] if qkv else ["self_attn.q_proj, k_proj, v_proj (or qkv_proj)"]
     if not isinstance(getattr(attention, "o_proj", None), nn.Linear):
         missing.append("self_attn.o_proj")
@@ -473,9 +522,11 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         missing.append("mlp.gate_proj, up_proj, down_proj (or up_proj, down_proj)")
     if missing:
         raise UnsupportedFamilyError(
-            f"{where}: no {', '.join(missing)} (not a dense MLP with q/k/v/o attention)"
+            f"{where}: no {', '.join(missing)} (not a dense MLP or a mixture-of-experts "
+            "block of its own, with q/k/v/o attention)"
         )
     qkv_modules, (mlp_kind, mlp_modules) = qkv[0], mlp_layout
+    original_mlp = mlp_kind == "original"
     # a dropout module of probability 0 (Phi-3's residual dropouts by default) is no step
     norms = {
         n
@@ -486,7 +537,11 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     activations = ("act_fn", "act", "activation_fn")
     extra = sorted(
         [f"self_attn.{n}" for n, _ in attention.named_children() if n not in known_attention]
-        + [f"mlp.{n}" for n, _ in mlp.named_children() if n not in (*mlp_modules, *activations)]
+        + [
+            f"mlp.{n}"
+            for n, _ in mlp.named_children()
+            if not original_mlp and n not in (*mlp_modules, *activations)
+        ]
         + [n for n, _ in layer.named_parameters(recurse=False)]
         + [f"self_attn.{n}" for n, _ in attention.named_parameters(recurse=False)]
     )
@@ -494,7 +549,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     extra += [
         f"mlp.{n}.{t}"
         for n in activations
-        if isinstance(getattr(mlp, n, None), nn.Module)
+        if not original_mlp and isinstance(getattr(mlp, n, None), nn.Module)
         for t, _ in (
             *mlp.get_submodule(n).named_parameters(),
             *mlp.get_submodule(n).named_buffers(),
@@ -568,6 +623,8 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         ),
         None,
     )
+    if activation is None and original_mlp:
+        activation = "hidden_act"  # the original MLP reads its own
     if activation is None:
         raise UnsupportedFamilyError(f"{where}: no hidden_act in its config")
     family_name = name or model_type.removesuffix("_text")
@@ -580,13 +637,16 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         causal_lm=causal_lm_name,
         qkv_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, qkv_modules[0])),
         o_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, "o_proj")),
-        mlp_bias=_flag(build, config, lambda lyr: _biased(lyr.mlp, mlp_modules[0])),
+        mlp_bias=False
+        if original_mlp
+        else _flag(build, config, lambda lyr: _biased(lyr.mlp, mlp_modules[0])),
         qk_norm=qk_norm,
         norm_offset=norm_offset,
         norm=norm_kind,
         activation=activation,
         mlp=mlp_kind,
         mlp_modules=mlp_modules,
+        mlp_class=type(mlp).__name__ if original_mlp else None,
         qkv_modules=qkv_modules,
         norms=layout,
         qk_norm_switch=qk_norm_switch,
@@ -630,4 +690,12 @@ def _verify_inferred(family: Family, where: str) -> None:
         )
 
 
-_TINY_KEYS = {*TINY, "head_dim", "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters"}
+_TINY_KEYS = {
+    *TINY,
+    *_TINY_MOE,
+    "head_dim",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "rope_parameters",
+}
