@@ -155,7 +155,7 @@ def model_coverage(target: str | Path | Family) -> ModelCoverage:
             registered = {s.name: s for s in substitutions(family=family.name, slot=slot)}
             sub = registered.get(name)
             unmet = None if sub is None else sub.unmet_requirement()
-            replaces, keeps = _split(model, layers, slot) if reason is None else ((), ())
+            replaces, keeps = _split(model, layers, slot, family) if reason is None else ((), ())
             rows.append(SlotCoverage(name, backend.name, slot, reason, unmet, replaces, keeps))
     return ModelCoverage(family.name, source, tuple(rows))
 
@@ -183,7 +183,7 @@ def _holds_tensors(module: torch.nn.Module) -> bool:
 
 
 def _split(
-    model: torch.nn.Module, layers: list[tuple[str, torch.nn.Module]], slot: str
+    model: torch.nn.Module, layers: list[tuple[str, torch.nn.Module]], slot: str, family: Family
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(what ``slot`` replaces, what stays the original's), as readable module names."""
     layer_names = [name for name, _ in layers]
@@ -197,6 +197,11 @@ def _split(
         and not any(name == layer or name.startswith(layer + ".") for layer in layer_names)
         and _holds_tensors(module)
     ]
+    if slot == "decoder" and family.mlp == "original":
+        # a mixture-of-experts block stays the original's module inside the replacement
+        blocks = sorted({type(layer.get_submodule("mlp")).__name__ for _, layer in layers})
+        kept = f"{span}.mlp ({', '.join(blocks)}, the original's, inside the replacement)"
+        return (f"{decoder}: attention and norms",), (kept, *own)
     if slot == "decoder":
         return (decoder,), tuple(own)
     head = f"the causal LM's loss and lm_head in training ({type(model).__name__})"

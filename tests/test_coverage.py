@@ -73,3 +73,15 @@ def test_the_cli_prints_the_rows_as_json_and_refuses_an_unknown_family() -> None
     names = {row["substitution"] for row in report["rows"]}
     assert {"gemma.decoder.fused", "gemma.head.fused", "gemma.decoder.te"} <= names
     assert unknown.exit_code == 2 and "did you mean gemma" in unknown.output
+
+
+def test_a_mixture_of_experts_block_is_listed_as_kept_inside_the_replacement() -> None:
+    rows = _rows("mixtral")
+    layers = layerswap.get_family("mixtral").tiny_config().num_hidden_layers
+    decoder = rows["mixtral.decoder.fused"]
+
+    assert decoder.replaces == (
+        f"model.layers.0-{layers - 1} (MixtralDecoderLayer): attention and norms",
+    )
+    assert decoder.keeps[0].startswith(f"model.layers.0-{layers - 1}.mlp (MixtralSparseMoeBlock")
+    assert "aux_loss" in (rows["mixtral.head.fused"].unsupported or "")  # the router's loss
