@@ -52,14 +52,25 @@ class PackedLlamaLayer(nn.Module):
         self.w13 = nn.Linear(hidden, 2 * inter, bias=False)
         self.w2 = nn.Linear(inter, hidden, bias=False)
 
+    #: what transformers calls a decoder layer with, on every release layerswap supports:
+    #: read below through layerswap.read_layer_call, so the upstream check lets it run
+    handles = layerswap.LAYER_CALL_PARAMETERS
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        # the cache as this transformers release passes it (cache or past_key_values)
+        call = layerswap.read_layer_call(
+            kwargs, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=use_cache, position_embeddings=position_embeddings,
+        )  # fmt: skip
         assert position_embeddings is not None, "transformers 5 passes (cos, sin)"
         batch, length, _ = hidden_states.shape
         q, k, v = (
@@ -68,8 +79,7 @@ class PackedLlamaLayer(nn.Module):
         )
         cos, sin = (t.unsqueeze(1) for t in position_embeddings)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        k, v = call.cache.update(k, v, self.layer_idx, position_embeddings)
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         attended = F.scaled_dot_product_attention(

@@ -36,6 +36,9 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap.coverage import coverage as coverage
     from layerswap.family import Family as Family
     from layerswap.handle import SwapHandle as SwapHandle
+    from layerswap.hf_internals import LAYER_CALL_PARAMETERS as LAYER_CALL_PARAMETERS
+    from layerswap.hf_internals import LayerCall as LayerCall
+    from layerswap.hf_internals import read_layer_call as read_layer_call
     from layerswap.model import decoder_layers as decoder_layers
     from layerswap.patching import Patch as Patch
     from layerswap.patching import PatchGroup as PatchGroup

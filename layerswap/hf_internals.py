@@ -13,10 +13,14 @@ Example::
     from layerswap import hf_internals
 
     hf_internals.output_capture_installed(model)   # has transformers hooked it yet?
+    call = hf_internals.read_layer_call(kwargs, cache=cache)   # in a replacement layer
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -24,18 +28,29 @@ from torch import nn
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    import torch
+
 __all__ = [
+    "CACHE_ARGUMENTS",
     "CONVERSION_MAPPING_TARGET",
+    "LAYER_CALL_PARAMETERS",
     "POST_INIT_TARGET",
     "WEIGHT_CONVERSIONS_ATTRIBUTE",
+    "LOWEST_TRANSFORMERS",
+    "SWEPT_TRANSFORMERS",
     "CaptureHook",
+    "LayerCache",
+    "LayerCall",
     "attention_collector",
     "base_weight_conversions",
     "capture_like_original",
     "capture_subtree",
     "conversion_ops_class",
+    "layer_attention_type",
     "output_capture_installed",
     "output_capture_tasks",
+    "read_layer_call",
+    "transformers_support",
     "weight_converter",
     "weight_renaming",
 ]
@@ -208,3 +223,191 @@ def conversion_ops_class() -> type:
 
     base: type = ConversionOps
     return base
+
+
+# --- which releases --------------------------------------------------------------------------
+
+#: the lowest transformers release layerswap supports: pyproject.toml's lower bound, the
+#: lowest from which every release the sweep (scripts/compat_sweep.py) ran passes
+LOWEST_TRANSFORMERS = "5.24.0"
+#: the newest release the sweep proved (docs/compatibility.md); a newer one is proven
+#: family by family at first use (layerswap.proof)
+SWEPT_TRANSFORMERS = "5.24.0"
+
+
+#: set by the release sweep, which proves releases below the lowest to find the lowest
+SWEEPING = "LAYERSWAP_SWEEP"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if digits != part:  # "0rc1": a pre-release of that number
+            break
+    return tuple(numbers)
+
+
+def transformers_support(version: str) -> tuple[bool, str]:
+    """Whether layerswap supports transformers ``version``, and how it knows.
+
+    Example::
+
+        transformers_support("5.24.0")   # (True, "proven by the release sweep ...")
+    """
+    if _release(version) < _release(LOWEST_TRANSFORMERS) and not os.environ.get(SWEEPING):
+        return False, (
+            f"older than the lowest release layerswap supports ({LOWEST_TRANSFORMERS}): "
+            f"pip install 'transformers>={LOWEST_TRANSFORMERS}'"
+        )
+    if _release(version) <= _release(SWEPT_TRANSFORMERS):
+        return True, "proven by the release sweep (docs/compatibility.md)"
+    return True, (
+        f"newer than the last release swept ({SWEPT_TRANSFORMERS}): each family is proven "
+        "at first use"
+    )
+
+
+# --- the decoder layer's call contract -----------------------------------------------------
+# How a transformers model calls its decoder layers, and a layer its cache, changed over
+# releases. Until 5.3 the cache came as ``past_key_values`` with a ``cache_position``,
+# which the static cache needs in ``cache.update``'s ``cache_kwargs`` to know where to
+# write; from 5.4 ``cache_position`` is gone; from 5.24 the cache comes as ``cache`` (the old
+# name deprecated until 5.40) and ``cache.update`` receives the layer's keyword arguments
+# as ``kwargs=``. A replacement layer reads its call here, and nowhere else, so every
+# release it supports is read the same way; the upstream check refuses an original that
+# takes a parameter outside :data:`LAYER_CALL_PARAMETERS`.
+
+#: the names by which transformers releases pass the KV cache to a layer, newest first
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+#: every parameter of a decoder layer's (or its attention's) ``forward``, on the supported
+#: releases, that :func:`read_layer_call` reads: a replacement that reads its call here
+#: handles all of them
+LAYER_CALL_PARAMETERS = frozenset(
+    {
+        "hidden_states",
+        "attention_mask",
+        "position_ids",
+        "position_embeddings",
+        *CACHE_ARGUMENTS,
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """The KV cache a layer was called with, updated the way the calling release does.
+
+    ``cache`` is ``None`` when the call has none (training, ``use_cache=False``).
+    ``cache_position`` is set by the releases that pass it (up to 5.3): their static
+    cache writes at those positions, read from ``cache_kwargs``. ``passed`` is the rest of
+    the call's keyword arguments, which releases from 5.24 hand to ``cache.update`` as
+    ``kwargs=`` (``by_name``: the call named the cache ``cache``, as those releases do).
+    """
+
+    cache: Any | None = None
+    cache_position: torch.Tensor | None = None
+    passed: Mapping[str, Any] = field(default_factory=dict)
+    by_name: str = "cache"
+
+    def update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key``/``value`` (batch, heads, seq, head_dim); all of the layer's so far.
+
+        Example::
+
+            key, value = call.cache.update(key, value, self.layer_idx, (cos, sin))
+        """
+        if self.cache is None:
+            return key, value
+        if self.cache_position is not None:
+            # transformers up to 5.3: Cache.update(key, value, layer_idx, cache_kwargs)
+            cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": self.cache_position}
+            updated = self.cache.update(key, value, layer_idx, cache_kwargs)
+        elif self.by_name == "cache":
+            # transformers from 5.24: Cache.update(key, value, layer_idx, kwargs=kwargs)
+            updated = self.cache.update(key, value, layer_idx, kwargs=dict(self.passed))
+        else:
+            updated = self.cache.update(key, value, layer_idx)
+        cached_key, cached_value = updated
+        return cached_key, cached_value
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What a decoder layer was called with, read the same way on every supported release.
+
+    Example::
+
+        call = read_layer_call(kwargs, attention_mask=attention_mask, cache=cache)
+        call.cache.update(key, value, layer_idx, call.position_embeddings)
+    """
+
+    attention_mask: torch.Tensor | None
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    cache: LayerCache
+    #: whether this call asks for attention weights (``output_attentions=True``)
+    output_attentions: bool
+
+
+def layer_attention_type(config: Any, layer_idx: int) -> str:
+    """The ``attention_type`` an original layer has (``"sliding_attention"`` ...).
+
+    transformers up to 5.3 reads it off each decoder layer to pick that layer's mask
+    (``causal_mask_mapping[decoder_layer.attention_type]``); later releases ignore it.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and 0 <= layer_idx < len(layer_types):
+        return str(layer_types[layer_idx])
+    return "full_attention"
+
+
+def read_layer_call(
+    kwargs: Mapping[str, Any],
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache: Any | None = None,
+    use_cache: bool | None = None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> LayerCall:
+    """A layer's call, from its named arguments and the rest (``kwargs``).
+
+    The cache is found under either name (``cache``, or ``past_key_values`` as releases
+    before 5.24 and deprecated callers name it); ``cache_position`` where the release
+    passes it. Example::
+
+        def forward(self, hidden_states, attention_mask=None, position_ids=None,
+                    cache=None, use_cache=False, position_embeddings=None, **kwargs):
+            call = read_layer_call(kwargs, attention_mask=attention_mask, cache=cache,
+                                   position_ids=position_ids, use_cache=use_cache,
+                                   position_embeddings=position_embeddings)
+    """
+    by_name = "cache"
+    rest = dict(kwargs)
+    legacy = rest.pop("past_key_values", None)
+    if cache is None and legacy is not None:
+        cache, by_name = legacy, "past_key_values"
+    cache_position = rest.pop("cache_position", None)
+    # what the original's attention receives besides its named arguments, as
+    # transformers hands it on to Cache.update
+    passed = {**rest, "position_ids": position_ids, "use_cache": use_cache}
+    return LayerCall(
+        attention_mask=attention_mask,
+        position_embeddings=position_embeddings,
+        cache=LayerCache(cache, cache_position, passed, by_name),
+        output_attentions=bool(rest.get("output_attentions")),
+    )

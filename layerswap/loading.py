@@ -23,6 +23,7 @@ from layerswap import hf_internals
 from layerswap.layers import adopt_layer
 from layerswap.model import layer_config, substitution_of
 from layerswap.peft_targets import guard as guard_peft_targets
+from layerswap.proof import ensure_proven
 from layerswap.substitution import Substitution
 
 __all__ = [
@@ -108,6 +109,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
     if fresh:
         config = layer_config(model.config)
         sub.check_upstream(config)
+        ensure_proven(sub, config)
         original_cls = sub.original_class()
         for _, layer in fresh:
             adopt_layer(layer, sub, config)

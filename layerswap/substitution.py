@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
+from layerswap import hf_internals
 from layerswap.errors import (
     ConversionError,
     RequirementError,
@@ -42,8 +43,10 @@ __all__ = [
     "SLOTS",
     "Substitution",
     "UpstreamCheck",
+    "check_call_contract",
     "check_signature",
     "check_structure",
+    "handled_parameters",
     "original_of",
     "runs_anywhere",
 ]
@@ -74,16 +77,108 @@ def runs_anywhere(*args: Any, **options: Any) -> str | None:
     return None
 
 
-def check_signature(sub: Substitution, config: PreTrainedConfig) -> None:
-    """The original layer still takes ``position_embeddings`` (the transformers 5 contract)."""
+def _named_parameters(function: Callable[..., Any]) -> list[str]:
+    """The parameters of ``function`` a caller can name, ``self`` and ``*args``/``**kwargs`` left out."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if name != "self" and parameter.kind not in variadic
+    ]
+
+
+def handled_parameters(replacement: type) -> frozenset[str]:
+    """The call parameters ``replacement`` handles: its declared ``handles``, else the
+    parameters its ``forward`` names (what ``**kwargs`` swallows is not handled).
+
+    Example::
+
+        handled_parameters(layerswap.get("llama.decoder.fused").replacement_class())
+        # frozenset({'cache', 'past_key_values', 'attention_mask', ...})
+    """
+    declared = getattr(replacement, "handles", None)
+    if declared is not None:
+        return frozenset(declared)
+    return frozenset(_named_parameters(replacement.forward))  # type: ignore[attr-defined]
+
+
+def _passes_on(replacement: type, original: type) -> bool:
+    """A subclass of ``original`` whose ``forward`` takes ``**kwargs`` and declares no
+    ``handles`` (it hands what it is given to the original's ``forward``)."""
+    if not issubclass(replacement, original) or getattr(replacement, "handles", None):
+        return False
+    kinds = {p.kind for p in inspect.signature(replacement.forward).parameters.values()}  # type: ignore[attr-defined]
+    return inspect.Parameter.VAR_KEYWORD in kinds
+
+
+def _attention_class(original: type, config: PreTrainedConfig | None) -> type | None:
+    """The class of the original layer's ``self_attn`` (built on the meta device), if any."""
+    if config is None:
+        return None
+    try:
+        with torch.device("meta"):
+            layer = original(config, 0)
+    except Exception:  # a config this class cannot take: the structure check says why
+        return None
+    attention = getattr(layer, "self_attn", None)
+    return None if attention is None else type(attention)
+
+
+def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = None) -> None:
+    """The original layer is called with nothing the replacement does not handle.
+
+    Every parameter of the original decoder layer's ``forward`` (and, when ``config`` is
+    given and the replacement computes attention itself, its attention's) must be one the
+    replacement handles (:func:`handled_parameters`), and the original must take
+    ``position_embeddings`` (the transformers 5 contract). A new or renamed parameter
+    (transformers 5.24 renamed ``past_key_values`` to ``cache``) raises
+    :class:`UpstreamDriftError` naming it, before any model is touched.
+
+    Example::
+
+        check_call_contract(layerswap.get("llama.decoder.fused"), config)
+    """
+    version = transformers_version()
+    supported, why = hf_internals.transformers_support(version)
+    if not supported:
+        raise UpstreamDriftError(f"{sub.name}: transformers {version} is {why}")
+    if sub.slot != "decoder":
+        return
     original = sub.original_class()
-    parameters = inspect.signature(original.forward).parameters
-    if "position_embeddings" not in parameters:
+    taken = _named_parameters(original.forward)
+    if "position_embeddings" not in taken:
         raise UpstreamDriftError(
-            f"{sub.family}: {original.__name__}.forward in transformers "
-            f"{transformers_version()} no longer takes position_embeddings "
-            f"(it takes {list(parameters)}); {sub.name} follows the older contract"
+            f"{sub.family}: {original.__name__}.forward in transformers {version} no longer "
+            f"takes position_embeddings (it takes {taken}); {sub.name} follows the older "
+            "contract"
         )
+    if sub.unmet_requirement() is not None:
+        return  # cannot run here anyway: the requirement error says why, when it is used
+    replacement = sub.replacement_class()
+    if _passes_on(replacement, original):
+        return  # a subclass of the original hands its call to the original's forward
+    handled = handled_parameters(replacement)
+    callees: list[type] = [original]
+    if getattr(replacement, "replaces_attention", False):
+        attention = _attention_class(original, config)
+        if attention is not None:
+            callees.append(attention)
+    for callee in callees:
+        taken = _named_parameters(callee.forward)  # type: ignore[attr-defined]
+        unknown = [name for name in taken if name not in handled]
+        if unknown:
+            names = ", ".join(repr(name) for name in unknown)
+            raise UpstreamDriftError(
+                f"{sub.family}: {callee.__name__}.forward in transformers {version} takes "
+                f"{names}, which {replacement.__name__} ({sub.name}) does not handle: the "
+                "layer contract changed since this layerswap was made, and the swapped "
+                "model would compute something else. Upgrade layerswap, or install a "
+                "transformers release it supports (docs/compatibility.md)"
+            )
+
+
+#: the earlier name of :func:`check_call_contract`
+check_signature = check_call_contract
 
 
 def check_structure(sub: Substitution, config: PreTrainedConfig) -> None:
@@ -94,7 +189,7 @@ def check_structure(sub: Substitution, config: PreTrainedConfig) -> None:
     the replacement's; then converts back. Raises :class:`UpstreamDriftError`
     naming the family, what differs and the transformers version.
     """
-    check_signature(sub, config)
+    check_call_contract(sub, config)
     version = transformers_version()
     original_cls = sub.original_class()
     where = f"{sub.family}: {original_cls.__name__} in transformers {version}"
@@ -252,7 +347,7 @@ class Substitution:
     def check_upstream(self, config: PreTrainedConfig) -> None:
         """Raise :class:`UpstreamDriftError` if the original no longer fits the converter."""
         if self.upstream is None:
-            check_signature(self, config)
+            check_call_contract(self, config)
         else:
             self.upstream(self, config)
 

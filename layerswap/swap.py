@@ -53,6 +53,7 @@ from layerswap.model import (
     unwrap,
 )
 from layerswap.peft_targets import guard as guard_peft_targets
+from layerswap.proof import ensure_proven
 from layerswap.registry import get
 from layerswap.substitution import Substitution
 
@@ -391,6 +392,7 @@ def swap(
     if not layers:
         raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
     sub.check_upstream(layer_config(config))
+    ensure_proven(sub, config)  # before any layer changes: a drifted contract refuses here
     names = [name for name, _ in layers]
     records: list[_LayerRecord] = []
     model_state = _ModelState()

@@ -23,7 +23,7 @@ from layerswap.heads import head_use
 from layerswap.loading import adopt_constructed, loading_transforms
 from layerswap.patching import PatchGroup, Scoped, active_patches, patch, wrap
 from layerswap.registry import families, get, get_family
-from layerswap.substitution import Substitution
+from layerswap.substitution import Substitution, check_call_contract
 from layerswap.weights import Converter
 
 __all__ = ["SubstitutionUse", "applied", "replace_decoder", "use"]
@@ -78,7 +78,9 @@ def use(substitution: str | Substitution) -> SubstitutionUse:
     if sub.slot == "head":
         return SubstitutionUse(sub, head_use(sub))
     replacement = sub.replacement_class()
-    sub.original_class()  # fails now, not at construction, if transformers lost it
+    # fails now, not at construction, if transformers lost the class or calls it with a
+    # parameter the replacement does not handle
+    check_call_contract(sub)
 
     def adopt(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
         result = wrapped(*args, **kwargs)

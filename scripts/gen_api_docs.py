@@ -44,6 +44,12 @@ def render() -> str:
     parts = [HEADER]
     for name in sorted(n for n in layerswap.__all__ if not n.startswith("_") and n != "errors"):
         obj = getattr(layerswap, name)
+        if not callable(obj):  # a constant: its value, sorted when it is a set
+            value = sorted(obj) if isinstance(obj, (set, frozenset)) else obj
+            module = layerswap._EXPORTS[name]
+            parts.append(f"\n## `{name}`\n\nconstant in `{module}`\n")
+            parts.append(f"```python\n{name} = {value!r}\n```\n")
+            continue
         kind = "class" if inspect.isclass(obj) else "function"
         parts.append(f"\n## `{name}`\n\n{kind} in `{obj.__module__}`\n")
         parts.append(f"```python\n{signature(name, obj)}\n```\n")

@@ -1,14 +1,22 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
+import tempfile
 import textwrap
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 _counter = itertools.count()
+
+# behaviour proofs (layerswap.proof) are stored per test run, shared by its xdist workers,
+# never in the user's cache directory
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or uuid.uuid4().hex
+os.environ["LAYERSWAP_CACHE"] = str(Path(tempfile.gettempdir()) / f"layerswap-proofs-{_RUN}")
 
 
 @pytest.fixture

@@ -221,7 +221,7 @@ def test_verify_compares_backward_and_generation(capsys: pytest.CaptureFixture[s
 
     assert code == 0, err
     assert "backward (whole model):" in out
-    assert "generate: 2 greedy tokens, agreement 100%" in out
+    assert "cached decoding: 2 greedy tokens with the KV cache, agreement 100%" in out
 
 
 def test_verify_streaming_reports_its_mode(capsys: pytest.CaptureFixture[str]) -> None:

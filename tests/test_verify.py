@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import RequirementError, UnknownSubstitutionError, VerificationError
+from layerswap.proof import comparing
 from layerswap.registry import families, get, get_family
 from layerswap.substitution import Substitution
 from layerswap.swap import swap
@@ -197,7 +198,8 @@ def test_assert_equivalent_raises_naming_the_first_divergent_layer(
     llama: Any, broken: Substitution
 ) -> None:
     candidate = copy.deepcopy(llama)
-    swap(candidate, broken)
+    with comparing():  # a broken swap is refused by the behaviour proof outside a comparison
+        swap(candidate, broken)
 
     with pytest.raises(VerificationError, match=r"first divergent layer: 2 \(model\.layers\.2\)"):
         assert_equivalent(llama, candidate)
@@ -410,7 +412,7 @@ def test_streaming_refuses_a_model_built_inside_use():
 
 def test_a_model_built_inside_use_with_a_broken_substitution_fails_at_that_layer(broken):
     spec = get_family("llama")
-    with use(broken):
+    with use(broken), comparing():  # outside a comparison, the behaviour proof refuses it
         model = spec.build(seed=0)
     report = verify(model, broken)
     assert not report.passed

@@ -11,8 +11,9 @@ Everything the original layer's callers rely on is here once:
   the mask the model built (which already holds padding and any sliding window) and the
   cache, and returns the hidden-states tensor, ``h + attention(h)`` then ``+ mlp(...)``;
 - the attention steps both layouts share: one q/k/v projection split into heads, the
-  rotate-half and interleaved conventions of the rotary embedding, the cache update through
-  ``past_key_values.update(key, value, layer_idx)``;
+  rotate-half and interleaved conventions of the rotary embedding, the cache update as
+  the calling transformers release does it (:mod:`layerswap.hf_internals` reads the
+  call, whether it names the cache ``cache`` or ``past_key_values``);
 - one subclass per family (:func:`family_layer_class`), importable by name from the
   backend's module so pickled models load; a backend's declaration names it as its
   ``decoder`` implementation.
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
     from transformers.cache_utils import Cache
 
+    from layerswap.hf_internals import LayerCache
+
 __all__ = [
     "SUPPORTED_ATTENTION",
     "DecoderLayer",
@@ -96,6 +99,11 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
     backend: ClassVar[str] = ""
     #: what the layer is, opening the per-family classes' docstrings ("Fused decoder layer")
     summary: ClassVar[str] = ""
+    #: the parameters of the original layer's (and attention's) ``forward`` this layer
+    #: handles: the upstream check refuses an original that takes one outside this set
+    handles: ClassVar[frozenset[str]] = hf_internals.LAYER_CALL_PARAMETERS
+    #: the layer computes attention itself, so the original attention's parameters count too
+    replaces_attention: ClassVar[bool] = True
     #: whether the layer records attention weights when ``output_attentions=True`` asks
     #: (through :func:`attention_weights_sink`); a layer that cannot warns instead
     records_attention_weights: ClassVar[bool] = False
@@ -123,23 +131,35 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         super().__init__()
         self.hidden_size = int(config.hidden_size)
         self.layer_idx = layer_idx
+        # transformers up to 5.3 picks each layer's mask by its attention_type attribute
+        self.attention_type = hf_internals.layer_attention_type(config, layer_idx)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        # the cache under either name, cache_position where the release passes it:
+        # every release's call is read by hf_internals, nowhere else
+        call = hf_internals.read_layer_call(
+            kwargs,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+        )
         if position_embeddings is None:
             raise TypeError(
                 f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
                 "transformers 5 models pass to every decoder layer"
             )
-        weights_asked = bool(kwargs.get("output_attentions"))
+        weights_asked = call.output_attentions
         if not self.records_attention_weights and _attention_weights_asked(weights_asked):
             _warn_no_attention_weights(type(self))
         with self._call_context(hidden_states):
@@ -147,7 +167,7 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
                 hidden_states,
                 position_embeddings,
                 attention_mask,
-                past_key_values,
+                call.cache,
                 output_attentions=weights_asked,
             )
             if self.declared_family().parallel:
@@ -161,14 +181,16 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: LayerCache,
         *,
         output_attentions: bool = False,
     ) -> torch.Tensor:
         """The attention branch, input norm included, without the residual.
 
-        ``output_attentions`` is the call's own ``output_attentions=True`` (the config's
-        and the model's request are found by :func:`attention_weights_sink`).
+        ``cache`` is the call's cache, read for the calling release
+        (:class:`~layerswap.hf_internals.LayerCache`; its ``cache`` is ``None`` when there
+        is none). ``output_attentions`` is the call's own ``output_attentions=True`` (the
+        config's and the model's request are found by :func:`attention_weights_sink`).
         """
         raise NotImplementedError
 
@@ -286,30 +308,31 @@ def rotate_interleaved(states: torch.Tensor) -> torch.Tensor:
 
 
 def update_cache(
-    past_key_values: Cache | None,
+    cache: LayerCache | None,
     key: torch.Tensor,
     value: torch.Tensor,
     layer_idx: int,
     *,
     layout: Layout,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Store this call's keys/values in the cache; all of the layer's so far, in ``layout``.
 
-    Called between the rotary embedding and attention, where the original calls
-    ``past_key_values.update``, so every transformers cache (dynamic, static, sliding)
-    works. The cache holds (batch, heads, seq, head_dim).
+    Called between the rotary embedding and attention, where the original updates its
+    cache, so every transformers cache (dynamic, static, sliding) works, updated the way
+    the calling release does (:class:`~layerswap.hf_internals.LayerCache`). The cache
+    holds (batch, heads, seq, head_dim).
 
     Example::
 
-        key, value = update_cache(past_key_values, key, value, self.layer_idx, layout="bshd")
+        key, value = update_cache(cache, key, value, self.layer_idx, layout="bshd")
     """
-    if past_key_values is None:
+    if cache is None or cache.cache is None:
         return key, value
     if layout == "bhsd":
-        cached_key, cached_value = past_key_values.update(key, value, layer_idx)
-        return cached_key, cached_value
-    cached_key, cached_value = past_key_values.update(
-        key.transpose(1, 2), value.transpose(1, 2), layer_idx
+        return cache.update(key, value, layer_idx, position_embeddings)
+    cached_key, cached_value = cache.update(
+        key.transpose(1, 2), value.transpose(1, 2), layer_idx, position_embeddings
     )
     return cached_key.transpose(1, 2), cached_value.transpose(1, 2)
 

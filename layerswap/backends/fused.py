@@ -42,7 +42,8 @@ from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, q
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
-    from transformers.cache_utils import Cache
+
+    from layerswap.hf_internals import LayerCache
 
 __all__ = [
     "BACKEND",
@@ -226,7 +227,7 @@ class FusedAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: LayerCache | None = None,
         *,
         output_attentions: bool = False,
     ) -> torch.Tensor:
@@ -244,7 +245,14 @@ class FusedAttention(nn.Module):
         if self.rotates:  # NoPE layers (Cohere 2's full-attention ones) leave q and k as they are
             cos, sin = position_embeddings
             query, key = _rotate(query, cos, sin, self.rotary), _rotate(key, cos, sin, self.rotary)
-        key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bhsd")
+        key, value = _layer.update_cache(
+            cache,
+            key,
+            value,
+            self.layer_idx,
+            layout="bhsd",
+            position_embeddings=position_embeddings,
+        )
         asked = output_attentions or bool(getattr(self.config, "output_attentions", False))
         sink = _layer.attention_weights_sink(asked)
         output, weights = self._attend(query, key, value, attention_mask, weights=sink is not None)
@@ -428,7 +436,7 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: LayerCache,
         *,
         output_attentions: bool = False,
     ) -> torch.Tensor:
@@ -436,7 +444,7 @@ class FusedDecoderLayer(_layer.DecoderLayer):
             self._norm("attn_in", hidden_states),
             position_embeddings,
             attention_mask,
-            past_key_values,
+            cache,
             output_attentions=output_attentions,
         )
         return self._branch_out("attn_out", attended)

@@ -59,7 +59,8 @@ from layerswap.weights import Converter, head_dim, qkv_sizes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
-    from transformers.cache_utils import Cache
+
+    from layerswap.hf_internals import LayerCache
 
 __all__ = [
     "BACKEND",
@@ -265,7 +266,7 @@ class LigerAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         batch, length, _ = hidden_states.shape
         if len(self.qkv_names) == 1:
@@ -288,7 +289,14 @@ class LigerAttention(nn.Module):
         # backward reads
         query, key = kernels().liger_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         value = value.transpose(1, 2)
-        key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bhsd")
+        key, value = _layer.update_cache(
+            cache,
+            key,
+            value,
+            self.layer_idx,
+            layout="bhsd",
+            position_embeddings=position_embeddings,
+        )
         output = self._attend(query, key, value, attention_mask)
         projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
         return projected
@@ -418,7 +426,7 @@ class LigerDecoderLayer(_layer.DecoderLayer):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: LayerCache,
         *,
         output_attentions: bool = False,  # SDPA computes no weights: the skeleton warns
     ) -> torch.Tensor:
@@ -426,7 +434,7 @@ class LigerDecoderLayer(_layer.DecoderLayer):
             self._norm("attn_in", hidden_states),
             position_embeddings,
             attention_mask,
-            past_key_values,
+            cache,
         )
         return self._branch_out("attn_out", attended)
 

@@ -53,7 +53,8 @@ from layerswap.weights import is_extra_state
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
-    from transformers.cache_utils import Cache
+
+    from layerswap.hf_internals import LayerCache
 
 __all__ = [
     "BACKEND",
@@ -448,7 +449,7 @@ class TEAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         spec = self.spec
         batch, length, _ = hidden_states.shape
@@ -460,7 +461,14 @@ class TEAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)  # before RoPE, as Qwen3 does
         query, key = rotate(query, key, *position_embeddings, fused=spec.unit_rope)
-        key, value = _layer.update_cache(past_key_values, key, value, self.layer_idx, layout="bshd")
+        key, value = _layer.update_cache(
+            cache,
+            key,
+            value,
+            self.layer_idx,
+            layout="bshd",
+            position_embeddings=position_embeddings,
+        )
         mask_type, mask, window = te_mask(attention_mask, length, spec)
         # separate contiguous q/k/v: TE then reads them as bshd_bshd_bshd instead of
         # guessing a packed layout from data pointers (which torch.compile forbids)
@@ -524,13 +532,13 @@ class TEDecoderLayer(_layer.DecoderLayer):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: LayerCache,
         *,
         output_attentions: bool = False,  # TE computes no weights: the skeleton warns
     ) -> torch.Tensor:
         # the input RMSNorm is fused into self_attention.layernorm_qkv
         attended: torch.Tensor = self.self_attention(
-            hidden_states, position_embeddings, attention_mask, past_key_values
+            hidden_states, position_embeddings, attention_mask, cache
         )
         return self._scaled(attended)
 

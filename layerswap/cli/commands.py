@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from layerswap.cli.output import Output, Progress, print_json
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
 from layerswap.cli.render import (
     render_bench,
+    render_checks,
     render_coverage,
     render_environment,
     render_header,
@@ -185,6 +187,7 @@ def patch(
 ) -> None:
     """Build a model, swap its decoder layers, verify against the original, report."""
     with exit_codes(), Progress(not json_output) as progress:
+        from layerswap.proof import comparing
         from layerswap.swap import swap
         from layerswap.verify import verify as run_verification
         from layerswap.verify.inputs import inputs_for
@@ -201,7 +204,10 @@ def patch(
                 setup, progress, batch=2, seq=64, steps=5, warmup=2, backward=True, seed=choice.seed
             )
         progress.step("swapping")
-        handle = swap(setup.model, setup.substitution)
+        # verified: the report is the verdict (a failed one exits 1 below); else the
+        # behaviour proof runs in swap and refuses a substitution that does not hold
+        with comparing() if report is not None else contextlib.nullcontext():
+            handle = swap(setup.model, setup.substitution)
         swapped = [(name, old.__name__, new.__name__) for name, old, new in handle.swapped]
         if save is not None:
             progress.step(f"saving to {save}")
@@ -256,8 +262,15 @@ def verify_command(
         bool, typer.Option("--backward", help="Also compare the loss and every gradient.")
     ] = False,
     generate: Annotated[
-        int, typer.Option("--generate", help="Also compare N greedily generated tokens.", min=0)
-    ] = 0,
+        int | None,
+        typer.Option(
+            "--generate",
+            help="Greedy tokens decoded with the KV cache and compared (default: 4 for a "
+            "causal LM; 0 skips).",
+            min=0,
+            show_default=False,
+        ),
+    ] = None,
     streaming: Annotated[
         bool,
         typer.Option("--streaming", help="Layer by layer: memory near one model plus a layer."),
@@ -333,11 +346,53 @@ def bench_command(
     render_bench(console, report)
 
 
+@app.command("check")
+def check_command(
+    family_names: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[FAMILY]...", help="Families to prove.", show_default=False),
+    ] = None,
+    all_families: Annotated[bool, typer.Option("--all", help="Every registered family.")] = False,
+    backend: Annotated[str, typer.Option("--backend", "-b", help="The backend proven.")] = "fused",
+    again: Annotated[
+        bool, typer.Option("--again", help="Prove again, whatever is stored.")
+    ] = False,
+    json_output: JsonOption = False,
+) -> None:
+    """Prove substitutions equal to the original on the installed transformers and torch.
+
+    Each family's tiny model runs with original and replacement layers: a left-padded
+    forward, decoding with a dynamic and a static cache, a backward pass. Verdicts are
+    stored (LAYERSWAP_CACHE), as at first use. Exit 1 when one fails.
+    """
+    with exit_codes(), Progress(not json_output) as progress:
+        from layerswap.cli.proving import check_rows
+        from layerswap.registry import families, get_backend
+
+        get_backend(backend)  # an unknown backend is a usage error, with close names
+        if all_families == bool(family_names):
+            raise UsageProblem("name the families to prove, or give --all")
+        names = (
+            sorted(families())
+            if all_families
+            else [find_family(n).name for n in family_names or []]
+        )
+        rows = check_rows(names, backend, again, on_step=lambda d, t, f: progress.count(d, t, f))
+    if json_output:
+        print_json(rows)
+    else:
+        render_checks(Output(), rows)
+    if any(row["status"] == "failed" for row in rows):
+        raise typer.Exit(1)
+
+
 @app.command()
 def doctor(json_output: JsonOption = False) -> None:
     """What is installed here and what it enables."""
     with exit_codes():
-        rows = environment()
+        from layerswap.cli.proving import proofs_row
+
+        rows = [*environment(), proofs_row()]
         problems = backend_problems()
     if json_output:
         print_json(

@@ -62,12 +62,15 @@ def environment() -> list[dict[str, str]]:
         }
     )
     rows.append({"component": "CUDA", "status": cuda_status, "enables": cuda_enables})
-    major_version = int(transformers.__version__.split(".")[0])
-    supported = "supported" if major_version == 5 else "NOT supported (need >=5,<6)"
+    from layerswap.hf_internals import transformers_support
+
+    supported, why = transformers_support(transformers.__version__)
     rows.append(
         {
             "component": "transformers",
-            "status": f"{transformers.__version__} ({supported})",
+            "status": f"{transformers.__version__} ("
+            + ("supported: " if supported else "NOT supported: ")
+            + f"{why})",
             "enables": "families: " + ", ".join(sorted(families())),
         }
     )

@@ -40,6 +40,12 @@ class Progress:
         if self._status is not None:
             self._status.update(text)
 
+    def count(self, done: int, total: int, text: str) -> None:
+        """Show a bar of ``done`` out of ``total``, then ``text``."""
+        width = 24
+        filled = width * done // max(total, 1)
+        self.step(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}")
+
 
 class Output(Console):
     """The console for results: no markup parsing ("layerswap[te]" is text, not a style),

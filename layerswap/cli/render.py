@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "render_bench",
+    "render_checks",
     "render_coverage",
     "render_model_coverage",
     "render_environment",
@@ -107,15 +108,18 @@ def render_verification(console: Output, report: VerificationReport) -> None:
         )
     if report.generation is not None:
         gen = report.generation
+        logits = (
+            f", logits max abs error {gen.max_abs_error:.2e}"
+            if gen.max_abs_error is not None
+            else ""
+        )
+        mismatch = (
+            f", first mismatch at {gen.first_mismatch}" if gen.first_mismatch is not None else ""
+        )
         console.print(
             Text.assemble(
-                f"generate: {gen.new_tokens} greedy tokens, agreement {gen.agreement:.0%}"
-                + (
-                    f", first mismatch at {gen.first_mismatch}"
-                    if gen.first_mismatch is not None
-                    else ""
-                )
-                + "  ",
+                f"cached decoding: {gen.new_tokens} greedy tokens with the KV cache, agreement "
+                f"{gen.agreement:.0%}{mismatch}{logits}  ",
                 _verdict(gen.passed),
             )
         )
@@ -182,6 +186,25 @@ def render_model_coverage(console: Output, report: dict[str, Any]) -> None:
             Text("usable", style="green") if usable is None else Text(f"no: {usable}"),
         )
     console.emit(table)
+
+
+def render_checks(console: Output, rows: list[dict[str, Any]]) -> None:
+    """One row per family: proven, failed (and the first difference) or skipped (why)."""
+    table = _table("family", "substitution", "verdict", "seconds", "first difference")
+    styles = {
+        "proven": "green",
+        "failed": "bold red",
+        "skipped": "yellow",
+        "absent": "dim",
+        "unbuildable": "dim",
+    }
+    for row in rows:
+        seconds = f"{row['seconds']:.2f}" if row["seconds"] is not None else ""
+        verdict = Text(row["status"], style=styles[row["status"]])
+        table.add_row(row["family"], row["substitution"], verdict, seconds, Text(row["detail"]))
+    console.emit(table)
+    counts = {status: sum(row["status"] == status for row in rows) for status in styles}
+    console.print(", ".join(f"{count} {status}" for status, count in counts.items()))
 
 
 def render_environment(

@@ -675,7 +675,11 @@ def _verify_inferred(family: Family, where: str) -> None:
     try:
         if not known:
             register_family(family)
-        report = verify(family.build(seed=0), fused.BACKEND.substitution(family), backward=True)
+        # the structure and the forward and backward passes; decoding is proven at first
+        # use (layerswap.proof), once per versions, not here for every model type
+        report = verify(
+            family.build(seed=0), fused.BACKEND.substitution(family), backward=True, generate=0
+        )
     except Exception as exc:
         raise UnsupportedFamilyError(
             f"{where}: the inferred fused layer cannot run ({exc})"

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from layerswap.errors import VerificationError
-from layerswap.model import decoder_layers, substitution_of
+from layerswap.model import decoder_layers, substitution_of, unwrap
+from layerswap.proof import comparing
 from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.compare import Comparison
@@ -17,6 +18,7 @@ from layerswap.verify.forward import Run, forward
 from layerswap.verify.fp8 import ideal_fp8
 from layerswap.verify.gradients import gradients_to_original
 from layerswap.verify.inputs import InputsLike, prepare_inputs
+from layerswap.verify.model_classes import head_of
 from layerswap.verify.placement import (
     DeviceLike,
     DTypeLike,
@@ -31,7 +33,7 @@ from layerswap.verify.tolerance import Tolerance, precision
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution
 
-__all__ = ["assert_equivalent", "verify"]
+__all__ = ["DEFAULT_DECODE_TOKENS", "assert_equivalent", "decode_tokens", "verify"]
 
 
 def _fp8_floor(model: nn.Module, batch: dict[str, torch.Tensor]) -> Run:
@@ -47,6 +49,20 @@ def _calibrates(
     return tolerance is None and precision(sub, dtype) == "fp8"
 
 
+#: greedy tokens decoded with the KV cache and compared when ``generate`` is not given
+DEFAULT_DECODE_TOKENS = 4
+
+
+def decode_tokens(model: nn.Module, generate: int | None, *, streaming: bool = False) -> int:
+    """How many tokens to decode: ``generate`` when given, else the default for ``model``
+    (:data:`DEFAULT_DECODE_TOKENS` for a model that generates, none in streaming mode)."""
+    if generate is not None:
+        return generate
+    if streaming or not head_of(unwrap(model)).can_generate:
+        return 0
+    return DEFAULT_DECODE_TOKENS
+
+
 def verify(
     model: nn.Module,
     substitution: SubstitutionLike,
@@ -55,7 +71,7 @@ def verify(
     dtype: DTypeLike = None,
     device: DeviceLike = None,
     backward: bool = False,
-    generate: int = 0,
+    generate: int | None = None,
     tolerance: float | Tolerance | None = None,
     streaming: bool = False,
 ) -> VerificationReport:
@@ -67,8 +83,12 @@ def verify(
     token ids or a mapping with ``input_ids`` (and ``attention_mask``) is accepted.
     ``dtype`` / ``device`` cast a copy (``device="auto"``: CUDA when present); ``None``
     keeps the model's. ``tolerance`` is a number (atol and rtol) or a :class:`Tolerance`;
-    the default depends on the dtype. ``streaming=True`` keeps memory near one model
-    plus one layer (see :mod:`layerswap.verify`); it does not support ``generate``.
+    the default depends on the dtype. ``generate`` is how many tokens to decode greedily
+    with the KV cache and compare (tokens and their logits); by default
+    :data:`DEFAULT_DECODE_TOKENS` for a model that generates (a causal LM), so a layer that
+    mishandles the cache fails the default check; ``0`` skips it. ``streaming=True``
+    keeps memory near one model plus one layer (see :mod:`layerswap.verify`); it
+    compares no decoding.
     A model built inside :func:`layerswap.use` (its layers already swapped) is compared
     with original layers rebuilt from its converted weights.
 
@@ -82,7 +102,7 @@ def verify(
             print(report.summary())      # names the first divergent layer
     """
     sub = resolve_substitution(substitution)
-    if generate < 0:
+    if generate is not None and generate < 0:
         raise ValueError(f"generate must be >= 0, got {generate}")
     if streaming and generate:
         raise ValueError(
@@ -98,6 +118,7 @@ def verify(
             "streaming mode compares an original model with its swap; this model's layers "
             "are already swapped (built inside use()?): use streaming=False"
         )
+    generate = decode_tokens(model, generate, streaming=streaming)
     target_device, target_dtype = target_placement(model, device, dtype)
     comparison = Comparison.prepare(model, sub, target_device, target_dtype, tolerance, inputs)
     if streaming:
@@ -121,7 +142,8 @@ def verify(
     # candidate, which therefore holds exactly the reference's weights, converted
     reference = forward(work, batch, backward=backward, generate=generate)
     floor = _fp8_floor(work, batch) if calibrate else None
-    swap(work, sub)
+    with comparing():  # this comparison is the proof: it reports, rather than refuses
+        swap(work, sub)
     candidate = forward(work, batch, backward=backward, generate=generate, context=context)
     if candidate.gradients is not None:
         candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
@@ -136,7 +158,7 @@ def assert_equivalent(
     tolerance: float | Tolerance | None = None,
     substitution: SubstitutionLike | None = None,
     backward: bool = False,
-    generate: int = 0,
+    generate: int | None = None,
 ) -> VerificationReport:
     """Raise :class:`~layerswap.errors.VerificationError` unless ``candidate`` matches.
 
@@ -144,7 +166,8 @@ def assert_equivalent(
     reference's device; their logits and every decoder layer's output are compared. The
     error message names the first divergent layer and its errors. ``substitution`` lets
     ``backward=True`` map the candidate's gradients to the original layout (needed when
-    the candidate is swapped). Neither model is modified. Returns the report on success.
+    the candidate is swapped). Cached decoding is compared as :func:`verify` does
+    (``generate``). Neither model is modified. Returns the report on success.
 
     Example::
 
@@ -155,6 +178,7 @@ def assert_equivalent(
     __tracebackhide__ = True
     sub = resolve_substitution(substitution) if substitution is not None else None
     device, dtype = model_placement(reference)
+    generate = decode_tokens(reference, generate)
     comparison = Comparison.prepare(reference, sub, device, dtype, tolerance, inputs)
     ref_run = forward(reference, comparison.batch, backward=backward, generate=generate)
     cand_batch = prepare_inputs(comparison.batch, candidate, model_placement(candidate)[0])

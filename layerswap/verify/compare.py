@@ -83,9 +83,14 @@ def diff(reference: torch.Tensor, candidate: torch.Tensor, *, rowwise: bool) -> 
 
 
 def compare_generation(
-    reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tolerance
+    reference: torch.Tensor,
+    candidate: torch.Tensor,
+    tolerance: Tolerance,
+    reference_logits: torch.Tensor | None = None,
+    candidate_logits: torch.Tensor | None = None,
 ) -> GenerationReport:
-    """Token agreement of two greedy generations (``[batch, new_tokens]`` each)."""
+    """Token agreement of two greedy generations (``[batch, new_tokens]`` each), and the
+    logits of every step up to the first mismatch (each computed from the same prefix)."""
     width = min(reference.shape[1], candidate.shape[1])
     same = reference[:, :width] == candidate[:, :width]
     agreement = float(same.float().mean()) if same.numel() else 1.0
@@ -96,8 +101,15 @@ def compare_generation(
     if first_mismatch is None and reference.shape != candidate.shape:
         first_mismatch = width
     exact = first_mismatch is None
+    logits_error, logits_passed = None, True
+    if reference_logits is not None and candidate_logits is not None:
+        steps = width if first_mismatch is None else first_mismatch + 1
+        stepped = diff(reference_logits[:, :steps], candidate_logits[:, :steps], rowwise=True)
+        logits_error, logits_passed = stepped.max_abs_error, stepped.passes(tolerance)
     return GenerationReport(
-        passed=exact or agreement >= tolerance.min_token_agreement,
+        passed=(exact or agreement >= tolerance.min_token_agreement) and logits_passed,
+        max_abs_error=logits_error,
+        logits_passed=logits_passed,
         new_tokens=int(reference.shape[1]),
         agreement=agreement,
         first_mismatch=first_mismatch,
@@ -207,8 +219,10 @@ def _top1_and_kl(reference: Run, candidate: Run) -> tuple[float | None, float | 
     ref_logits = reference.logits.to(torch.float32)
     cand_logits = candidate.logits.to(device=ref_logits.device, dtype=torch.float32)
     top1 = float((ref_logits.argmax(-1) == cand_logits.argmax(-1)).float().mean())
-    ref_logp = torch.log_softmax(ref_logits, dim=-1)
-    cand_logp = torch.log_softmax(cand_logits, dim=-1)
+    # in float64: float32 rounding of the log-probabilities alone gives a KL near 1e-8,
+    # which would hide what the swap itself changes
+    ref_logp = torch.log_softmax(ref_logits.double(), dim=-1)
+    cand_logp = torch.log_softmax(cand_logits.double(), dim=-1)
     kl_rows = (ref_logp.exp() * (ref_logp - cand_logp)).sum(-1)
     kl = max(_as_float(kl_rows.mean()), 0.0)  # rounding can make a zero KL negative
     return top1, kl
@@ -271,7 +285,13 @@ class Comparison:
             )
         generation = None
         if reference.tokens is not None and candidate.tokens is not None:
-            generation = compare_generation(reference.tokens, candidate.tokens, tolerance)
+            generation = compare_generation(
+                reference.tokens,
+                candidate.tokens,
+                tolerance,
+                reference.token_logits,
+                candidate.token_logits,
+            )
         layers = _compare_layers(reference, candidate, tolerance, floor)
         logits = diff(reference.logits, candidate.logits, rowwise=True)
         top1, kl = _top1_and_kl(reference, candidate)

@@ -47,6 +47,8 @@ class Run:
     loss: float | None = None
     gradients: dict[str, torch.Tensor] | None = None
     tokens: torch.Tensor | None = None
+    #: the logits each greedily generated token was chosen from, ``[batch, new, vocab]``
+    token_logits: torch.Tensor | None = None
 
 
 def layer_output(output: Any) -> torch.Tensor:
@@ -150,13 +152,17 @@ def forward(
                 for (name, param), grad in zip(params, grads, strict=True)
             }
     compared, is_logits = head.compared(output, valid)
+    tokens, token_logits = (
+        generate_tokens(model, batch, generate, context) if generate else (None, None)
+    )
     return Run(
         compared.detach(),
         is_logits,
         list(captured),
         loss=float(loss_value.detach()) if loss_value is not None else None,
         gradients=gradients,
-        tokens=generate_tokens(model, batch, generate, context) if generate else None,
+        tokens=tokens,
+        token_logits=token_logits,
     )
 
 
@@ -165,8 +171,13 @@ def generate_tokens(
     batch: Mapping[str, torch.Tensor],
     new_tokens: int,
     context: ContextFactory = contextlib.nullcontext,
-) -> torch.Tensor:
-    """``new_tokens`` greedily generated tokens per sequence, on the host."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_tokens`` greedily generated tokens per sequence, and the logits each was
+    chosen from (``[batch, new_tokens, vocab]``), on the host.
+
+    ``generate`` runs the prompt once and then one token at a time with the KV cache, as
+    users decode: a layer that mishandles the cache shows here, not in a forward pass.
+    """
     config = text_config(model)
     generate = getattr(model, "generate", None)
     if generate is None:
@@ -182,6 +193,9 @@ def generate_tokens(
             do_sample=False,
             num_beams=1,
             pad_token_id=pad_token_id(config),
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    result: torch.Tensor = sequences[:, batch["input_ids"].shape[1] :].detach().cpu()
-    return result
+    tokens: torch.Tensor = sequences.sequences[:, batch["input_ids"].shape[1] :].detach().cpu()
+    logits = torch.stack([step.detach().float().cpu() for step in sequences.logits], dim=1)
+    return tokens, logits

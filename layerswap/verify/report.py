@@ -85,7 +85,12 @@ class BackwardReport:
 
 @dataclass(frozen=True)
 class GenerationReport:
-    """Greedy generation of ``new_tokens`` tokens by both models from the same prompt."""
+    """Greedy generation of ``new_tokens`` tokens by both models from the same prompt.
+
+    The prompt runs once, then each token with the KV cache (cached decoding).
+    ``max_abs_error`` is that of the logits each token was chosen from, up to the first
+    mismatch; ``logits_passed`` whether those are within tolerance.
+    """
 
     passed: bool
     new_tokens: int
@@ -93,6 +98,8 @@ class GenerationReport:
     first_mismatch: int | None
     reference_tokens: tuple[tuple[int, ...], ...]
     candidate_tokens: tuple[tuple[int, ...], ...]
+    max_abs_error: float | None = None
+    logits_passed: bool = True
 
 
 @dataclass(frozen=True)
@@ -206,10 +213,17 @@ class VerificationReport:
             )
         if self.generation is not None and not self.generation.passed:
             gen = self.generation
-            problems.append(
-                f"generated tokens differ from position {gen.first_mismatch}: agreement "
-                f"{gen.agreement:.1%} (min {tol.min_token_agreement:.0%})"
-            )
+            if gen.first_mismatch is not None:
+                problems.append(
+                    f"cached decoding: generated tokens differ from position "
+                    f"{gen.first_mismatch}: agreement {gen.agreement:.1%} "
+                    f"(min {tol.min_token_agreement:.0%})"
+                )
+            if not gen.logits_passed:
+                problems.append(
+                    f"cached decoding: the logits of the generated tokens differ: max abs "
+                    f"error {gen.max_abs_error:.3g} (atol {tol.atol:g}, rtol {tol.rtol:g})"
+                )
         return problems
 
     def failure_message(self) -> str:

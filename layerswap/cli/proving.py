@@ -1,0 +1,112 @@
+"""``layerswap check`` and doctor's proofs row: which families are proven on these versions.
+
+A family is proven when its substitution passed the behaviour proof
+(:mod:`layerswap.proof`) on the installed transformers, torch and layerswap. ``check``
+proves on demand (the family's tiny config); the proof also runs by itself at first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from layerswap.errors import LayerswapError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["check_rows", "proofs_row"]
+
+
+def _row(family: str, name: str, **fields: Any) -> dict[str, Any]:
+    return {"family": family, "substitution": name, "seconds": None, "detail": "", **fields}
+
+
+def _shipped(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its package is missing too
+        return False
+
+
+def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
+    """The check of one family: its static contract, then the behaviour proof."""
+    from layerswap.family import transformers_version
+    from layerswap.proof import prove
+    from layerswap.registry import get, get_family
+
+    name = f"{family}.decoder.{backend}"
+    sub = get(name)
+    if not _shipped(get_family(family).module):
+        version = transformers_version()
+        return _row(family, name, status="absent", detail=f"not in transformers {version}")
+    reason = sub.unmet_requirement()
+    if reason is not None:
+        return _row(family, name, status="skipped", detail=f"cannot run here: {reason}")
+    try:
+        # the config as a model sets it (its attention implementation chosen)
+        config = get_family(family).build().config
+    except Exception as error:  # not layerswap's to prove: the original fails here too
+        detail = f"the original cannot be built here: {type(error).__name__}: {error}"
+        return _row(family, name, status="unbuildable", detail=detail)
+    try:
+        sub.check_upstream(config)
+        verdict = prove(sub, None, force=again)
+    except LayerswapError as error:
+        return _row(family, name, status="failed", detail=str(error))
+    except Exception as error:  # the original itself cannot be built here: say so
+        return _row(family, name, status="failed", detail=f"{type(error).__name__}: {error}")
+    status = "proven" if verdict.passed else "failed"
+    detail = "" if verdict.passed else f"{verdict.check}: {verdict.detail}"
+    return _row(family, name, status=status, seconds=verdict.seconds, detail=detail)
+
+
+def check_rows(
+    families: list[str],
+    backend: str,
+    again: bool,
+    on_step: Callable[[int, int, str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per family: ``proven``, ``failed`` (with the first difference), ``skipped``
+    (cannot run here), ``absent`` (not in the installed transformers) or ``unbuildable``
+    (the original itself fails to build on it: nothing to prove)."""
+    rows = []
+    for done, family in enumerate(families):
+        if on_step is not None:
+            on_step(done, len(families), family)
+        rows.append(check_one(family, backend, again))
+    if on_step is not None:
+        on_step(len(families), len(families), "")
+    return rows
+
+
+def proofs_row() -> dict[str, str]:
+    """Doctor's row: how many families are proven here, failed, or not proven yet."""
+    from layerswap.proof import proven_here
+    from layerswap.registry import families
+
+    verdicts = proven_here()
+    names = sorted(families())
+    proven, failed, pending = [], [], []
+    for family in names:
+        found = [v for name, v in verdicts.items() if name.startswith(f"{family}.decoder.")]
+        if any(not v.passed for v in found):
+            failed.append(family)
+        elif found:
+            proven.append(family)
+        else:
+            pending.append(family)
+    status = f"{len(proven)} of {len(names)} families proven on these versions"
+    parts = []
+    if failed:
+        parts.append("FAILED: " + ", ".join(failed))
+    if pending:
+        parts.append(
+            "not proven yet (proven at first use, or now by `layerswap check --all`): "
+            + ", ".join(pending)
+        )
+    return {
+        "component": "proofs",
+        "status": status + (f", {len(failed)} failed" if failed else ""),
+        "enables": "; ".join(parts) or "every family",
+    }

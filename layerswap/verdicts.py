@@ -1,0 +1,113 @@
+"""Where behaviour proofs are kept: one small JSON file per (versions, substitution, config kind).
+
+A proof (:mod:`layerswap.proof`) costs about a second; its verdict is stored on disk so
+that it is paid once per transformers, torch and layerswap release and kind of config, not
+per process. The directory is ``$LAYERSWAP_CACHE`` when set, else ``layerswap/proofs``
+under the user cache directory (``$XDG_CACHE_HOME``, default ``~/.cache``). Files are
+written whole (a temporary file renamed), so concurrent processes never read half a
+verdict; a file that cannot be read or written is treated as absent (the proof runs again).
+
+Example::
+
+    from layerswap import verdicts
+
+    verdicts.directory()                 # PosixPath('/home/me/.cache/layerswap/proofs')
+    verdicts.read(key)                   # a dict, or None when not proven yet
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["directory", "layerswap_digest", "read", "stored", "versions", "write"]
+
+
+def directory() -> Path:
+    """The directory verdicts live in (not created until one is written).
+
+    Example::
+
+        os.environ["LAYERSWAP_CACHE"] = "/tmp/proofs"; directory()   # PosixPath('/tmp/proofs')
+    """
+    moved = os.environ.get("LAYERSWAP_CACHE")
+    if moved:
+        return Path(moved).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "layerswap" / "proofs"
+
+
+@functools.lru_cache(maxsize=1)
+def layerswap_digest() -> str:
+    """A digest of layerswap's own source: an edited layerswap is a new layerswap to prove.
+
+    Reads the package's ``.py`` files once per process (about a millisecond).
+    """
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def versions() -> dict[str, str]:
+    """The versions a verdict holds for: transformers, torch, layerswap (and its source).
+
+    Example::
+
+        versions()   # {'transformers': '5.24.0', 'torch': '2.13.0+cpu', 'layerswap': ...}
+    """
+    import torch
+    import transformers
+
+    import layerswap
+
+    return {
+        "transformers": str(transformers.__version__),
+        "torch": str(torch.__version__),
+        "layerswap": f"{layerswap.__version__}+{layerswap_digest()}",
+    }
+
+
+def _path(key: str) -> Path:
+    return directory() / f"{key}.json"
+
+
+def read(key: str) -> dict[str, Any] | None:
+    """The verdict stored under ``key``, or ``None`` (never proven, or unreadable)."""
+    try:
+        data = json.loads(_path(key).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def stored() -> list[dict[str, Any]]:
+    """Every verdict in the directory (unreadable files left out)."""
+    found = []
+    for path in sorted(directory().glob("*.json")):
+        data = read(path.stem)
+        if data is not None:
+            found.append(data)
+    return found
+
+
+def write(key: str, verdict: dict[str, Any]) -> bool:
+    """Store ``verdict`` under ``key``, atomically; ``False`` when the directory is not
+    writable (the verdict then holds for this process only)."""
+    target = _path(key)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".tmp")
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(verdict, stream, indent=1, sort_keys=True)
+        os.replace(temporary, target)
+    except OSError:
+        return False
+    return True
