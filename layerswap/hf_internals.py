@@ -81,21 +81,28 @@ def output_capture_tasks(owner: nn.Module) -> list[tuple[str, Any]]:
     """``(output name, OutputRecorder)`` pairs of ``owner``, as transformers builds them.
 
     Touches ``transformers.utils.output_capturing._CAN_RECORD_REGISTRY`` (the per-class
-    ``_can_record_outputs`` after transformers' normalisation) and ``OutputRecorder``.
+    ``_can_record_outputs`` after transformers' normalisation: a dict keyed by
+    ``str(class)`` up to 5.22, a registry keyed on the model from 5.23) and
+    ``OutputRecorder``.
     Empty on a transformers without output capturing.
     """
     try:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
     except ImportError:  # pragma: no cover - older or newer transformers
         return []
+    if type(_CAN_RECORD_REGISTRY) is dict:  # up to 5.22: a plain dict keyed by str(class)
+        flags = _CAN_RECORD_REGISTRY.get(str(owner.__class__)) or {}
+    else:  # from 5.23: a registry keyed on the model
+        flags = _CAN_RECORD_REGISTRY.get(owner) or {}
     tasks = []
-    for key, specs in _CAN_RECORD_REGISTRY.get(owner).items():
+    for key, specs in flags.items():
         for spec in specs if isinstance(specs, list) else [specs]:
             if isinstance(spec, OutputRecorder):
                 tasks.append((key, spec))
-            elif isinstance(spec, type):
+            elif isinstance(spec, (type, str)):  # a class, or (5.22) a class's name
                 index = 0 if "hidden_states" in key else 1
-                tasks.append((key, OutputRecorder(target_class=spec, index=index)))
+                named = {"class_name": spec} if isinstance(spec, str) else {"target_class": spec}
+                tasks.append((key, OutputRecorder(index=index, **named)))
     return tasks
 
 
@@ -141,12 +148,17 @@ class CaptureHook:
 def capture_like_original(layer: nn.Module, owner: nn.Module, original_cls: type) -> None:
     """Give a replacement ``layer`` the capture hooks an ``original_cls`` layer would get.
 
-    Reads ``OutputRecorder``'s fields (``target_class``, ``layer_name``, ``index``,
-    ``capture_initial_hidden_state``) the way transformers matches them to modules.
+    Reads ``OutputRecorder``'s fields (``target_class``, or ``class_name`` where a release
+    names the class, ``layer_name``, ``index``, ``capture_initial_hidden_state``) the way
+    transformers matches them to modules.
     """
+    names = {klass.__name__ for klass in original_cls.__mro__}
     for key, spec in output_capture_tasks(owner):
         target = spec.target_class
-        if spec.layer_name is None and target is not None and issubclass(original_cls, target):
+        matches = (target is not None and issubclass(original_cls, target)) or (
+            getattr(spec, "class_name", None) in names
+        )
+        if spec.layer_name is None and matches:
             hook = CaptureHook(key, spec.index, spec.capture_initial_hidden_state)
             layer.register_forward_hook(hook)
 

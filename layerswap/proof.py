@@ -107,6 +107,8 @@ _METADATA = frozenset(
         "_attn_implementation_autoset",
     }
 )
+#: metadata fields that switch what a forward pass returns, set to these for the proof
+_SWITCHES = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
 #: the checks, in the order they run
 CHECKS = (
     "forward on a left-padded batch",
@@ -196,6 +198,10 @@ def shrunk_config(family: Family, config: PreTrainedConfig) -> PreTrainedConfig:
         elif isinstance(token, list) and vocab is not None:
             values[name] = [t for t in token if t < vocab] or None
     values.pop("transformers_version", None)
+    # call-time switches, not the model: the proof runs (and its key holds) without them
+    for name, default in _SWITCHES.items():
+        if name in values:
+            values[name] = default
     shrunk = type(config).from_dict(values)
     shrunk._attn_implementation = getattr(config, "_attn_implementation", None)
     return shrunk
@@ -359,7 +365,11 @@ def _compare_decoding(
 
 def _gradients(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    # no loss term predicted from a padded position (the one before the first real token
+    # included): what a layer computes there is unspecified
+    mask = batch["attention_mask"]
+    before = torch.cat((torch.ones_like(mask[:, :1]), mask[:, :-1]), dim=1)
+    labels = batch["input_ids"].masked_fill((mask == 0) | (before == 0), -100)
     loss = model(**batch, labels=labels).loss
     loss.backward()
     found = [loss.detach().reshape(1)]

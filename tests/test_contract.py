@@ -435,3 +435,12 @@ def test_the_proof_inside_from_pretrained_builds_on_a_real_device(
     ids = torch.randint(3, 512, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, original(ids).logits)
+
+
+def test_a_config_asking_for_attention_weights_is_proven_as_the_model_it_is(proofs: Path) -> None:
+    # output_attentions is a call-time switch: same kind, same verdict, and the proof's
+    # loss counts no prediction made from a padded position (where layers may differ)
+    asking = tiny_config("qwen2", output_attentions=True)
+    sub = get("qwen2.decoder.fused")
+    assert proof.proof_key(sub, asking) == proof.proof_key(sub, tiny_config("qwen2"))
+    assert proof.prove(sub, asking).passed
