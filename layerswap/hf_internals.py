@@ -241,7 +241,7 @@ def conversion_ops_class() -> type:
 
 #: the lowest transformers release layerswap supports: pyproject.toml's lower bound, the
 #: lowest from which every release the sweep (scripts/compat_sweep.py) ran passes
-LOWEST_TRANSFORMERS = "5.24.0"
+LOWEST_TRANSFORMERS = "5.12.1"
 #: the newest release the sweep proved (docs/compatibility.md); a newer one is proven
 #: family by family at first use (layerswap.proof)
 SWEPT_TRANSFORMERS = "5.24.0"

@@ -444,17 +444,23 @@ def _prove(sub: Substitution, family: Family, config: PreTrainedConfig | None) -
         comparing(),
     ):
         torch.manual_seed(0)
+        check: str | None
+        reference: nn.Module | None
         try:
             reference = _original_model(family, sub, proven, device)
         except Exception:
-            if kind == "family":
-                raise
             # the shrunk config does not build (a size the shrink broke): the family's tiny
             proven, kind = family.tiny_config(), "family"
-            reference = _original_model(family, sub, proven, device)
-        candidate = _swapped_copy(reference, sub, proven)
-        batch = _batch(proven, device)
-        check, detail = _run_checks(reference, candidate, batch)
+            reference = None
+        try:
+            if reference is None:
+                reference = _original_model(family, sub, proven, device)
+        except Exception as exc:  # nothing can be proven here: refused, with the reason
+            check, detail = "building the tiny original model", f"{type(exc).__name__}: {exc}"
+        else:
+            candidate = _swapped_copy(reference, sub, proven)
+            batch = _batch(proven, device)
+            check, detail = _run_checks(reference, candidate, batch)
     return Verdict(
         substitution=sub.name,
         passed=check is None,

@@ -142,9 +142,15 @@ def verdict(result: dict[str, Any]) -> bool:
 
 
 def lowest_passing(results: dict[str, dict[str, Any]]) -> str | None:
-    """The lowest release from which every release swept passes."""
-    lowest = None
+    """The lowest release from which every minor release, down from the newest swept,
+    was swept and passes (a minor not swept ends the range: it is not known to pass)."""
+    lowest: str | None = None
     for version in sorted(results, key=Version, reverse=True):
+        current = Version(version)
+        if lowest is not None:
+            above = Version(lowest)
+            if (current.major, current.minor + 1) != (above.major, above.minor):
+                break
         if not verdict(results[version]):
             break
         lowest = version

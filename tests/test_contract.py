@@ -444,3 +444,16 @@ def test_a_config_asking_for_attention_weights_is_proven_as_the_model_it_is(proo
     sub = get("qwen2.decoder.fused")
     assert proof.proof_key(sub, asking) == proof.proof_key(sub, tiny_config("qwen2"))
     assert proof.prove(sub, asking).passed
+
+
+def test_a_family_whose_tiny_model_cannot_be_built_is_refused_with_the_reason(
+    proofs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    family = get_family("llama")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise AttributeError("'str' object has no attribute 'get'")
+
+    monkeypatch.setattr(proof, "_original_model", broken)
+    with pytest.raises(UpstreamDriftError, match=r"building the tiny original model .*'str'"):
+        proof.ensure_proven(get(FUSED), family.tiny_config())
