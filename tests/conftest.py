@@ -10,8 +10,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 _counter = itertools.count()
+
+# one thread per process: the suite's models are tiny, and xdist runs a worker per core;
+# torch's default (a thread per core in every worker, and in every interpreter a test
+# starts) oversubscribes the cores and makes the suite several times slower
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # behaviour proofs (layerswap.proof) are stored per test run, shared by its xdist workers,
 # never in the user's cache directory
