@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap.backend import Variant as Variant
     from layerswap.bench import BenchReport as BenchReport
     from layerswap.bench import bench as bench
+    from layerswap.checkpoint import load_checkpoint as load_checkpoint
     from layerswap.coverage import coverage as coverage
     from layerswap.family import Family as Family
     from layerswap.handle import SwapHandle as SwapHandle

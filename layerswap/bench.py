@@ -4,7 +4,8 @@
 the original and the swapped one, on the same device, in the same dtype, fed the same
 batch. Runs are interleaved, original and swapped alternating and the order flipping
 every step, so that clock boosts, thermal drift and allocator warm-up hit both alike.
-Warm-up steps are not recorded; figures are medians.
+Warm-up steps are not recorded; figures are medians, with the min and max beside them,
+and :meth:`BenchReport.noise` says when the spread makes a ratio meaningless.
 
 Peak memory is what a step needs above what was in use before it (activations,
 gradients, workspaces): on CUDA from the allocator's peak statistics, on CPU from the
@@ -46,9 +47,11 @@ from layerswap.verify.placement import (
     working_copy,
 )
 
-__all__ = ["BenchReport", "BenchResult", "bench"]
+__all__ = ["NOISY_SPREAD", "BenchReport", "BenchResult", "bench"]
 
 _MIB = 1024 * 1024
+#: per-step time ratios whose largest exceeds this times their smallest are noise
+NOISY_SPREAD = 1.5
 _RSS_NOISE_FLOOR = 4 * _MIB
 
 
@@ -89,6 +92,41 @@ class BenchReport:
     forward_backward_speedup: float | None
     peak_memory_ratio: float | None
 
+    def step_ratios(self, metric: Literal["forward", "forward_backward"]) -> tuple[float, ...]:
+        """original / swapped for each measured step: the two ran in the same step."""
+        if metric == "forward":
+            original, swapped = self.original.forward_samples_ms, self.swapped.forward_samples_ms
+        else:
+            original = self.original.forward_backward_samples_ms
+            swapped = self.swapped.forward_backward_samples_ms
+        pairs = zip(original, swapped, strict=True)
+        return tuple(o / s for o, s in pairs if s > 0)
+
+    def noise(self) -> list[str]:
+        """Why a time ratio cannot be trusted, one sentence per metric that is too noisy.
+
+        Each step times both models back to back, so the ratio of one step's pair is a
+        sample of the speedup. A ratio is judged meaningless when those per-step ratios
+        fall on both sides of 1 (the swapped model was faster in some steps and slower in
+        others), and uncertain when the largest is more than :data:`NOISY_SPREAD` times
+        the smallest.
+        """
+        found = []
+        for metric, label in (("forward", "forward"), ("forward_backward", "forward+backward")):
+            ratios = self.step_ratios(metric)  # type: ignore[arg-type]
+            if len(ratios) < 2:
+                continue
+            low, high = min(ratios), max(ratios)
+            span = f"per-step ratios range from {low:.2f}x to {high:.2f}x"
+            if low < 1.0 < high:
+                found.append(
+                    f"{label}: the ratio is not meaningful: {span}, on both sides of 1 "
+                    "(more --steps, a larger --batch/--seq, or a quieter machine)"
+                )
+            elif high > NOISY_SPREAD * low:
+                found.append(f"{label}: the ratio is uncertain: {span}")
+        return found
+
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (nested results become dicts, tuples become lists)."""
         return dataclasses.asdict(self)
@@ -100,8 +138,11 @@ class BenchReport:
     def rows(self) -> list[tuple[str, str, str, str]]:
         """(metric, original, swapped, ratio) rows, formatted, as :meth:`table` shows them."""
 
-        def ms(value: float | None) -> str:
-            return "-" if value is None else f"{value:.2f}"
+        def ms(value: float | None, samples: tuple[float, ...] = ()) -> str:
+            if value is None:
+                return "-"
+            spread = f" ({min(samples):.2f}-{max(samples):.2f})" if len(samples) > 1 else ""
+            return f"{value:.2f}{spread}"
 
         def rate(value: float | None) -> str:
             return "-" if value is None else f"{value:,.0f}"
@@ -111,15 +152,17 @@ class BenchReport:
 
         orig, swapped = self.original, self.swapped
         rows = [
-            ("forward (ms)", ms(orig.forward_ms), ms(swapped.forward_ms),
-             ratio(self.forward_speedup)),
+            ("forward (ms)", ms(orig.forward_ms, orig.forward_samples_ms),
+             ms(swapped.forward_ms, swapped.forward_samples_ms), ratio(self.forward_speedup)),
             ("forward tokens/s", rate(orig.forward_tokens_per_s),
              rate(swapped.forward_tokens_per_s), ratio(self.forward_speedup)),
         ]  # fmt: skip
         if orig.forward_backward_ms is not None:
             rows += [
-                ("forward+backward (ms)", ms(orig.forward_backward_ms),
-                 ms(swapped.forward_backward_ms), ratio(self.forward_backward_speedup)),
+                ("forward+backward (ms)",
+                 ms(orig.forward_backward_ms, orig.forward_backward_samples_ms),
+                 ms(swapped.forward_backward_ms, swapped.forward_backward_samples_ms),
+                 ratio(self.forward_backward_speedup)),
                 ("forward+backward tokens/s", rate(orig.forward_backward_tokens_per_s),
                  rate(swapped.forward_backward_tokens_per_s),
                  ratio(self.forward_backward_speedup)),
@@ -140,7 +183,7 @@ class BenchReport:
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = [
             f"{self.substitution} on {self.device} ({self.dtype}), batch {self.batch} x "
-            f"seq {self.seq_len}, median of {self.steps} interleaved steps "
+            f"seq {self.seq_len}, median (min-max) of {self.steps} interleaved steps "
             f"after {self.warmup} warm-up"
         ]
         for row in rows:
@@ -150,6 +193,7 @@ class BenchReport:
                     for i, cell in enumerate(row)
                 )
             )
+        lines += [f"warning: {sentence}" for sentence in self.noise()]
         return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,13 +55,14 @@ class Coverage:
         return self.family is not None
 
 
-def coverage() -> dict[str, Coverage]:
+def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str, Coverage]:
     """Every causal-LM model type of the installed transformers, by name.
 
     A model type a registered family covers lists every backend's answer for the family's
     decoder layer (``None``: covered, else the backend's reason); one no family covers
     says why (inference refused it, or it was inferred and verified but is not builtin),
-    and every backend gives that reason. Inferring takes a minute for all model types.
+    and every backend gives that reason. Inferring takes a minute for all model types;
+    ``on_step(done, total, model_type)`` is called before each (for progress displays).
 
     Example::
 
@@ -71,18 +72,39 @@ def coverage() -> dict[str, Coverage]:
     by_type = {family.model_type: family for family in families().values()}
     declared = backends()
     report: dict[str, Coverage] = {}
-    for model_type in decoder_model_types():
+    model_types = list(decoder_model_types())
+    for done, model_type in enumerate(model_types):
+        if on_step is not None:
+            on_step(done, len(model_types), model_type)
         family = by_type.get(model_type)
         if family is not None:
             answers = {name: backend.unsupported(family) for name, backend in declared.items()}
             report[model_type] = Coverage(model_type, family.name, None, answers)
             continue
-        reason = _why_not_covered(model_type)
+        reason = why_not_covered(model_type)
         report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
     return report
 
 
-def _why_not_covered(model_type: str) -> str:
+def why_not_covered(model_type: str) -> str:
+    """Why no registered family covers ``model_type`` (inference's reason), in a sentence.
+
+    Inferring (and verifying, where the structure fits) takes up to a minute for a large
+    multimodal config; the answer is stored beside the behaviour proofs
+    (:mod:`layerswap.verdicts`), once per transformers, torch and layerswap release.
+    """
+    from layerswap import verdicts
+
+    key = verdicts.key_for("coverage", model_type)
+    stored = verdicts.read(key, kind="coverage")
+    if stored is not None and isinstance(stored.get("reason"), str):
+        return str(stored["reason"])
+    reason = _infer_reason(model_type)
+    verdicts.write(key, {"model_type": model_type, "reason": reason}, kind="coverage")
+    return reason
+
+
+def _infer_reason(model_type: str) -> str:
     try:
         infer_family(model_type)
     except UnsupportedFamilyError as exc:

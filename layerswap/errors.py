@@ -9,6 +9,7 @@ the wrong kind), so ``except AttributeError`` keeps working around layerswap.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "ConversionError",
     "LayerswapError",
     "LazyPatchWarning",
@@ -109,6 +110,12 @@ class UpstreamDriftError(SubstitutionError, RuntimeError):
 
 class ConversionError(SubstitutionError, ValueError):
     """Weights could not be converted between the original and the replacement layout."""
+
+
+class CheckpointError(LayerswapError, ValueError):
+    """A checkpoint cannot be loaded whole: a file is unreadable, or a tensor is missing,
+    of another shape than the config gives, or has no place in the model (the message
+    names the tensors and the file)."""
 
 
 class SwapWarning(UserWarning):

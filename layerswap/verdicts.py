@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["directory", "layerswap_digest", "read", "stored", "versions", "write"]
+__all__ = ["directory", "key_for", "layerswap_digest", "read", "stored", "versions", "write"]
 
 
 def directory() -> Path:
@@ -75,14 +75,25 @@ def versions() -> dict[str, str]:
     }
 
 
-def _path(key: str) -> Path:
-    return directory() / f"{key}.json"
+def _path(key: str, kind: str | None = None) -> Path:
+    base = directory() if kind is None else directory() / kind
+    return base / f"{key}.json"
 
 
-def read(key: str) -> dict[str, Any] | None:
-    """The verdict stored under ``key``, or ``None`` (never proven, or unreadable)."""
+def key_for(*parts: str) -> str:
+    """A file name for ``parts`` and the current :func:`versions`: a new release, a new key."""
+    text = json.dumps([versions(), *parts], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def read(key: str, kind: str | None = None) -> dict[str, Any] | None:
+    """The verdict stored under ``key``, or ``None`` (never proven, or unreadable).
+
+    ``kind`` names a subdirectory for answers other than proofs (``"coverage"``), which
+    :func:`stored` does not list.
+    """
     try:
-        data = json.loads(_path(key).read_text(encoding="utf-8"))
+        data = json.loads(_path(key, kind).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -98,10 +109,10 @@ def stored() -> list[dict[str, Any]]:
     return found
 
 
-def write(key: str, verdict: dict[str, Any]) -> bool:
+def write(key: str, verdict: dict[str, Any], kind: str | None = None) -> bool:
     """Store ``verdict`` under ``key``, atomically; ``False`` when the directory is not
     writable (the verdict then holds for this process only)."""
-    target = _path(key)
+    target = _path(key, kind)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=".", suffix=".tmp")

@@ -41,6 +41,8 @@ def signature(name: str, obj: object) -> str:
 
 
 def render() -> str:
+    # signatures are shown, not run: "```python fragment" (tests/test_docs.py runs the
+    # blocks opened with a bare "```python")
     parts = [HEADER]
     for name in sorted(n for n in layerswap.__all__ if not n.startswith("_") and n != "errors"):
         obj = getattr(layerswap, name)
@@ -48,11 +50,11 @@ def render() -> str:
             value = sorted(obj) if isinstance(obj, (set, frozenset)) else obj
             module = layerswap._EXPORTS[name]
             parts.append(f"\n## `{name}`\n\nconstant in `{module}`\n")
-            parts.append(f"```python\n{name} = {value!r}\n```\n")
+            parts.append(f"```python fragment\n{name} = {value!r}\n```\n")
             continue
         kind = "class" if inspect.isclass(obj) else "function"
         parts.append(f"\n## `{name}`\n\n{kind} in `{obj.__module__}`\n")
-        parts.append(f"```python\n{signature(name, obj)}\n```\n")
+        parts.append(f"```python fragment\n{signature(name, obj)}\n```\n")
         text = summary(obj)
         if text:
             parts.append(f"\n{text}\n")

@@ -18,21 +18,13 @@ from typing import Any
 
 import pytest
 import torch
+from command_line import run
 from typer.testing import CliRunner
 
-from layerswap.cli import app, main
+from layerswap.cli import app
 from layerswap.registry import families, get, get_family
 
 FAMILIES = sorted(families())
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``layerswap ARGS`` in process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exited:
-        main(list(args))
-    out, err = capsys.readouterr()
-    code = exited.value.code
-    return (code if isinstance(code, int) else 0), out, err
 
 
 def run_process(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -110,11 +102,17 @@ def broken_plugin(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_broken_substitution_from_a_plugin_fails_with_exit_1_naming_layer_2(
+def test_broken_substitution_from_a_plugin_fails_with_exit_1_naming_layer_2_saving_nothing(
     broken_plugin: Path,
 ) -> None:
+    out = broken_plugin / "out"
     result = run_process(
-        "patch", "--substitution", "llama.decoder.broken", pythonpath=broken_plugin
+        "patch",
+        "--substitution",
+        "llama.decoder.broken",
+        "--save",
+        str(out),
+        pythonpath=broken_plugin,
     )
 
     assert result.returncode == 1, result.stderr
@@ -126,6 +124,8 @@ def test_broken_substitution_from_a_plugin_fails_with_exit_1_naming_layer_2(
         "FAIL: llama.decoder.broken does not match the original: first divergent layer: 2 (model.layers.2)"
         in result.stdout
     )
+    assert f"not saved to {out}: verification failed" in result.stdout
+    assert not out.exists()
 
 
 def test_console_script_is_declared() -> None:

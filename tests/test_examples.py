@@ -21,12 +21,3 @@ def test_example_runs(path: Path) -> None:
         [sys.executable, str(path)], capture_output=True, text=True, timeout=300, check=False
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-
-
-def test_readme_python_example_runs() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    result = subprocess.run(
-        [sys.executable, "-c", block], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert result.returncode == 0, result.stderr[-4000:]

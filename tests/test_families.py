@@ -172,6 +172,8 @@ def test_a_family_whose_structure_fits_but_computes_otherwise_is_refused() -> No
     assert families()["exaone4"].rotary_layers == "sliding_or_unwindowed"  # left as it was
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("coverage")  # shares its stored answers with the docs' list --all
 def test_list_all_names_every_decoder_family_and_why_not() -> None:
     result = CliRunner().invoke(app, ["list", "--all", "--json"])
     assert result.exit_code == 0, result.output

@@ -13,7 +13,7 @@ import typer
 from layerswap.cli.doctor import backend_problems, environment
 from layerswap.cli.models import Setup, build, find_family
 from layerswap.cli.options import JsonOption, ModelChoice, model_options
-from layerswap.cli.output import Output, Progress, print_json
+from layerswap.cli.output import Chatter, Output, Progress, print_json
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
 from layerswap.cli.render import (
     render_bench,
@@ -37,6 +37,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
@@ -72,10 +73,12 @@ def _run_bench(
 @app.command("list")
 def list_command(
     family: Annotated[
-        str | None, typer.Option("--family", help="Only this family.", show_default=False)
+        str | None,
+        typer.Option("--family", metavar="FAMILY", help="Only this family.", show_default=False),
     ] = None,
     backend: Annotated[
-        str | None, typer.Option("--backend", help="Only this backend.", show_default=False)
+        str | None,
+        typer.Option("--backend", metavar="BACKEND", help="Only this backend.", show_default=False),
     ] = None,
     all_families: Annotated[
         bool,
@@ -116,14 +119,17 @@ def list_command(
 
 
 def _list_coverage(json_output: bool) -> None:
-    with exit_codes():
+    chatter = Chatter()
+    with exit_codes(), Progress(not json_output) as progress:
         from layerswap.coverage import coverage
         from layerswap.registry import substitutions
 
+        with chatter:
+            report = coverage(on_step=lambda d, t, m: progress.count(d, t, f"inferring {m}"))
         rows = []
-        for model_type, found in coverage().items():
+        for model_type, found in report.items():
             name = found.family
-            backends = sorted(sub.backend for sub in substitutions(family=name)) if name else []
+            backends = sorted({sub.backend for sub in substitutions(family=name)}) if name else []
             rows.append(
                 {
                     "model_type": model_type,
@@ -140,7 +146,7 @@ def _list_coverage(json_output: bool) -> None:
     if json_output:
         print_json(rows)
         return
-    render_coverage(Output(), rows)
+    render_coverage(Output(), rows, chatter.summary())
 
 
 @app.command("coverage")
@@ -148,6 +154,7 @@ def coverage_command(
     target: Annotated[
         str,
         typer.Argument(
+            metavar="TARGET",
             help="A family name (its tiny config), a config JSON file or a checkpoint directory.",
             show_default=False,
         ),
@@ -159,7 +166,7 @@ def coverage_command(
         from layerswap.coverage import model_coverage
 
         if not Path(target).exists():
-            target = find_family(target).name
+            target = find_family(target, option="coverage").name
         report = model_coverage(target)
     if json_output:
         print_json(report.as_dict())
@@ -180,18 +187,28 @@ def patch(
         Path | None,
         typer.Option(
             "--save",
-            help="Write the swapped model here, in the original layout (save_pretrained).",
+            metavar="DIR",
+            help="Write the swapped model here, in the original layout (save_pretrained) and "
+            "the checkpoint's own dtype; only when verification passes.",
             show_default=False,
         ),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Let --save replace a model saved there before."),
+    ] = False,
 ) -> None:
     """Build a model, swap its decoder layers, verify against the original, report."""
     with exit_codes(), Progress(not json_output) as progress:
+        from layerswap.cli.saving import save_target
         from layerswap.proof import comparing
         from layerswap.swap import swap
         from layerswap.verify import verify as run_verification
         from layerswap.verify.inputs import inputs_for
 
+        if overwrite and save is None:
+            raise UsageProblem("--overwrite applies to --save: pass --save DIR")
+        target = save_target(save, overwrite) if save is not None else None
         setup = build(choice, progress)
         report = None
         if verify:
@@ -209,15 +226,14 @@ def patch(
         with comparing() if report is not None else contextlib.nullcontext():
             handle = swap(setup.model, setup.substitution)
         swapped = [(name, old.__name__, new.__name__) for name, old, new in handle.swapped]
-        if save is not None:
-            progress.step(f"saving to {save}")
-            save.mkdir(parents=True, exist_ok=True)
-            model_to_save: Any = setup.model
-            model_to_save.save_pretrained(save)
-    passed = report is None or report.passed
-    if json_output:
-        from layerswap.verify.placement import dtype_name
+        passed = report is None or report.passed
+        saved_dtype = setup.checkpoint_dtype or setup.dtype
+        if target is not None and passed:
+            progress.step(f"saving to {target.path}")
+            target.write(setup.model, saved_dtype)
+    from layerswap.verify.placement import dtype_name
 
+    if json_output:
         print_json(
             {
                 "command": "patch",
@@ -232,7 +248,8 @@ def patch(
                 ],
                 "verification": report.to_dict() if report is not None else None,
                 "bench": bench_report.to_dict() if bench_report is not None else None,
-                "saved": str(save) if save is not None else None,
+                "saved": str(target.path) if target is not None and passed else None,
+                "saved_dtype": dtype_name(saved_dtype) if target is not None and passed else None,
             }
         )
     else:
@@ -248,8 +265,13 @@ def patch(
             render_verification(console, report)
         if bench_report is not None:
             render_bench(console, bench_report)
-        if save is not None:
-            console.print(f"saved the swapped model in the original layout to {save}")
+        if target is not None and passed:
+            console.print(
+                f"saved the swapped model in the original layout to {target.path} "
+                f"({dtype_name(saved_dtype)})"
+            )
+        elif target is not None:
+            console.print(f"not saved to {target.path}: verification failed")
     if not passed:
         raise typer.Exit(1)
 
@@ -265,6 +287,7 @@ def verify_command(
         int | None,
         typer.Option(
             "--generate",
+            metavar="N",
             help="Greedy tokens decoded with the KV cache and compared (default: 4 for a "
             "causal LM; 0 skips).",
             min=0,
@@ -278,7 +301,11 @@ def verify_command(
     tolerance: Annotated[
         float | None,
         typer.Option(
-            "--tolerance", help="atol and rtol (default: by dtype).", min=0, show_default=False
+            "--tolerance",
+            metavar="TOL",
+            help="atol and rtol (default: by dtype).",
+            min=0,
+            show_default=False,
         ),
     ] = None,
     json_output: JsonOption = False,
@@ -316,10 +343,16 @@ def verify_command(
 @model_options
 def bench_command(
     choice: ModelChoice,
-    batch: Annotated[int, typer.Option("--batch", min=1, help="Sequences per step.")] = 4,
-    seq: Annotated[int, typer.Option("--seq", min=1, help="Tokens per sequence.")] = 128,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Measured steps.")] = 10,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Unmeasured steps.")] = 3,
+    batch: Annotated[
+        int, typer.Option("--batch", metavar="N", min=1, help="Sequences per step.")
+    ] = 4,
+    seq: Annotated[
+        int, typer.Option("--seq", metavar="N", min=1, help="Tokens per sequence.")
+    ] = 128,
+    steps: Annotated[int, typer.Option("--steps", metavar="N", min=1, help="Measured steps.")] = 10,
+    warmup: Annotated[
+        int, typer.Option("--warmup", metavar="N", min=0, help="Unmeasured steps.")
+    ] = 3,
     backward: Annotated[
         bool, typer.Option("--backward/--no-backward", help="Also time forward+backward.")
     ] = True,
@@ -350,10 +383,12 @@ def bench_command(
 def check_command(
     family_names: Annotated[
         list[str] | None,
-        typer.Argument(metavar="[FAMILY]...", help="Families to prove.", show_default=False),
+        typer.Argument(metavar="FAMILY...", help="Families to prove.", show_default=False),
     ] = None,
     all_families: Annotated[bool, typer.Option("--all", help="Every registered family.")] = False,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="The backend proven.")] = "fused",
+    backend: Annotated[
+        str, typer.Option("--backend", "-b", metavar="BACKEND", help="The backend proven.")
+    ] = "fused",
     again: Annotated[
         bool, typer.Option("--again", help="Prove again, whatever is stored.")
     ] = False,
@@ -416,6 +451,18 @@ def _click_class(name: str) -> type[Exception]:
     raise LookupError(name)  # pragma: no cover - every click has these
 
 
+def _plain_arguments(group: Any) -> None:
+    """Arguments in help as click writes them: ``TARGET``, not typer's ``{TARGET} <str>``."""
+    for command in getattr(group, "commands", {}).values():
+        for param in command.params:
+            if param.param_type_name != "argument" or not hasattr(param, "_usage_display_name"):
+                continue
+            name = param.metavar or param.name.upper()
+            usage = name if param.required else f"[{name}]"
+            param._usage_display_name = lambda usage=usage: usage
+            param.display_type_rich = lambda ctx: None
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the command line (``layerswap`` and ``python -m layerswap``); exits.
 
@@ -425,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """
     usage_error, click_exception = _click_class("UsageError"), _click_class("ClickException")
     command = typer.main.get_command(app)
+    _plain_arguments(command)
     try:
         code = command.main(
             args=list(argv) if argv is not None else None,

@@ -7,8 +7,10 @@ directory (its own weights, loaded the transformers way).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +38,8 @@ class Setup:
     source: str
     device: torch.device
     dtype: torch.dtype
+    #: the dtype of the checkpoint the model was loaded from (None: random weights)
+    checkpoint_dtype: torch.dtype | None = None
 
     def describe(self) -> dict[str, Any]:
         """The model's family, source and shape, as the header and ``--json`` show it."""
@@ -54,19 +58,62 @@ class Setup:
         }
 
 
-def find_family(name: str) -> Family:
-    """The registered family ``name``; an unknown one is a usage problem with suggestions."""
+def find_family(name: str, option: str = "--model") -> Family:
+    """The registered family ``name`` (or the one covering model type ``name``).
+
+    Anything else is a usage problem that says what to pass: a path (``option`` takes a
+    family name), a transformers model type no family covers (and why), a typo (close
+    names).
+    """
     from layerswap.registry import families
 
     known = families()
     key = name.strip().lower()
     if key not in known:
+        by_type = [f for f in known.values() if f.model_type == key]
+        if by_type:
+            return by_type[0]
+        _refuse_path(name, option)
+        _refuse_model_type(key)
         close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise UsageProblem(
             f"unknown model family {name!r}{hint} (known: {', '.join(sorted(known))})"
         )
     return known[key]
+
+
+def _refuse_path(name: str, option: str) -> None:
+    """A path where a family name was expected: say what to pass instead."""
+    path = Path(name).expanduser()
+    if option == "coverage":  # takes a path as well: this one does not exist
+        if os.sep in name or name.endswith(".json"):
+            raise UsageProblem(f"{name}: no such file or directory")
+        return
+    if path.is_dir():
+        raise UsageProblem(
+            f"{option} takes a family name; {name} is a directory: pass it as --config {name}"
+        )
+    if path.exists() or os.sep in name or name.endswith(".json"):
+        where = "" if path.exists() else ": no such file or directory"
+        raise UsageProblem(
+            f"{option} takes a family name, not a path ({name}{where}); a config file or "
+            "checkpoint directory goes to --config"
+        )
+
+
+def _refuse_model_type(model_type: str) -> None:
+    """A transformers model type no family covers: why, as coverage says it."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return
+    from layerswap.coverage import why_not_covered
+
+    raise UsageProblem(
+        f"{model_type} is a transformers model type that layerswap does not cover: "
+        f"{why_not_covered(model_type)}"
+    )
 
 
 def _choose_substitution(choice: ModelChoice) -> tuple[Family, Substitution]:
@@ -181,6 +228,9 @@ def build(choice: ModelChoice, progress: Progress) -> Setup:
     """Validate everything cheap first, then build the original model."""
     from layerswap.registry import backend_of
 
+    if choice.model is not None and choice.config == "tiny" and Path(choice.model).is_dir():
+        # a checkpoint directory given to --model is what --config takes
+        choice = dataclasses.replace(choice, model=None, config=choice.model)
     target_device, target_dtype = _placement(choice.device, choice.dtype)
     _quiet_transformers()
     family, sub = _choose_substitution(choice)
@@ -196,9 +246,10 @@ def build(choice: ModelChoice, progress: Progress) -> Setup:
     config_file = _config_file(choice.config)
     progress.step(f"building {family.name} model")
     built, source = _build_model(family, choice.config, config_file, choice.seed)
+    loaded_dtype = next(built.parameters()).dtype if source.startswith("checkpoint") else None
     built.to(device=target_device, dtype=target_dtype)
     built.eval()
-    return Setup(family, sub, built, source, target_device, target_dtype)
+    return Setup(family, sub, built, source, target_device, target_dtype, loaded_dtype)
 
 
 def _quiet_transformers() -> None:
@@ -220,12 +271,10 @@ def _build_model(
                 f"({family.model_type!r})"
             )
     if config_file is not None and config_file.parent == Path(config):
-        # a checkpoint directory: its own weights, loaded the transformers way
-        try:
-            loaded = family.causal_lm_class().from_pretrained(config, local_files_only=True)
-        except (OSError, ValueError) as error:
-            raise UsageProblem(f"cannot load checkpoint {config}: {one_line(error)}") from error
-        return loaded, f"checkpoint {config}"
+        # a checkpoint directory: every tensor loaded, or refused naming the fault
+        from layerswap.checkpoint import load_checkpoint
+
+        return load_checkpoint(family.causal_lm_class(), config), f"checkpoint {config}"
     if config_file is None:
         model_config = family.tiny_config()
         source = "tiny config, random weights"

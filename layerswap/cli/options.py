@@ -24,6 +24,7 @@ ModelOption = Annotated[
     typer.Option(
         "--model",
         "-m",
+        metavar="FAMILY",
         help="Model family (llama, mistral, qwen2, qwen3, ...).",
         show_default=False,
     ),
@@ -33,6 +34,7 @@ BackendOption = Annotated[
     typer.Option(
         "--backend",
         "-b",
+        metavar="BACKEND",
         help="Backend name, or <backend>_<variant> (layerswap list shows which run here).",
     ),
 ]
@@ -41,6 +43,7 @@ SubstitutionOption = Annotated[
     typer.Option(
         "--substitution",
         "-s",
+        metavar="NAME",
         help="A substitution by full name (e.g. llama.decoder.fused), instead of --backend.",
         show_default=False,
     ),
@@ -50,14 +53,19 @@ ConfigOption = Annotated[
     typer.Option(
         "--config",
         "-c",
+        metavar="tiny|FILE|DIR",
         help="'tiny' (embedded config, random weights), a config JSON file, "
         "or a local checkpoint directory.",
     ),
 ]
-DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
-DtypeOption = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")]
+DeviceOption = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda.")]
+DtypeOption = Annotated[
+    str, typer.Option("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16.")
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
-SeedOption = Annotated[int, typer.Option("--seed", help="Seed for random weights and inputs.")]
+SeedOption = Annotated[
+    int, typer.Option("--seed", metavar="INT", help="Seed for random weights and inputs.")
+]
 Fp8Option = Annotated[
     bool,
     typer.Option("--fp8", help="Run the chosen backend's fp8 variant (its layers in FP8 GEMMs)."),
@@ -66,6 +74,7 @@ Fp8RecipeOption = Annotated[
     str,
     typer.Option(
         "--fp8-recipe",
+        metavar="RECIPE",
         help="The fp8 variant's scaling recipe: auto, current, delayed, block, mxfp8 or nvfp4.",
     ),
 ]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -11,7 +15,7 @@ from rich.console import Console
 if TYPE_CHECKING:
     from rich.status import Status
 
-__all__ = ["Output", "Progress", "print_json"]
+__all__ = ["Chatter", "Output", "Progress", "print_json"]
 
 # wide enough that no table row is folded when output goes to a pipe or a file
 _PIPE_WIDTH = 200
@@ -21,7 +25,8 @@ class Progress:
     """A spinner with a status line on stderr, shown only when stderr is a terminal."""
 
     def __init__(self, enabled: bool) -> None:
-        console = Console(stderr=True)
+        # bound to this stderr: output captured later (see Chatter) leaves the spinner be
+        console = Console(file=sys.stderr)
         self._status: Status | None = (
             console.status("starting") if enabled and console.is_terminal else None
         )
@@ -45,6 +50,65 @@ class Progress:
         width = 24
         filled = width * done // max(total, 1)
         self.step(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}")
+
+
+class Chatter:
+    """What third-party code prints while a command works, held back and counted.
+
+    Inferring a family builds tiny models from transformers' modeling modules, which
+    print config dumps, deprecation notes and install hints. Inside ``with chatter:``
+    stdout, stderr, Python warnings and transformers' log messages are captured;
+    :meth:`summary` says how much was held back.
+    """
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.warnings = 0
+        self.records = 0
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Chatter:
+        from transformers.utils import logging as transformers_logging
+
+        buffer = io.StringIO()
+        self._stack.callback(lambda: setattr(self, "lines", self.lines + _line_count(buffer)))
+        self._stack.enter_context(contextlib.redirect_stdout(buffer))
+        self._stack.enter_context(contextlib.redirect_stderr(buffer))
+        caught = self._stack.enter_context(warnings.catch_warnings(record=True))
+        self._stack.callback(lambda: setattr(self, "warnings", self.warnings + len(caught)))
+        # transformers' handler writes to the stderr it was created with: swap the
+        # handlers of its logger for one that counts (warnings and errors alike)
+        logger = logging.getLogger(transformers_logging.__name__.split(".")[0])
+        counter = _Counting()
+        saved, logger.handlers = logger.handlers, [counter]
+        self._stack.callback(setattr, logger, "handlers", saved)
+        self._stack.callback(lambda: setattr(self, "records", self.records + counter.count))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def summary(self) -> str | None:
+        """One line on what was held back, or ``None`` when nothing was."""
+        if not self.lines and not self.warnings and not self.records:
+            return None
+        return (
+            f"held back while inferring: {self.lines} lines of output, {self.warnings} "
+            f"warnings and {self.records} log messages from transformers"
+        )
+
+
+class _Counting(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
+def _line_count(buffer: io.StringIO) -> int:
+    return len([line for line in buffer.getvalue().splitlines() if line.strip()])
 
 
 class Output(Console):

@@ -45,7 +45,12 @@ def render_header(console: Output, setup: Setup, what: str, swapped: str | None 
         f"hidden {info['hidden_size']}, heads {info['attention_heads']}/{info['kv_heads']} "
         f"(q/kv), vocab {info['vocab_size']}, {info['parameters'] / 1e6:.2f}M parameters"
     )
-    console.print(f"device: {setup.device}, {dtype_name(setup.dtype)}")
+    placement = f"device: {setup.device}, {dtype_name(setup.dtype)}"
+    if setup.checkpoint_dtype is not None and setup.checkpoint_dtype != setup.dtype:
+        placement += (
+            f" (--dtype; the checkpoint's weights are {dtype_name(setup.checkpoint_dtype)})"
+        )
+    console.print(placement)
 
 
 def _verdict(passed: bool) -> Text:
@@ -137,10 +142,12 @@ def render_bench(console: Output, report: BenchReport) -> None:
     for row in report.rows():
         table.add_row(*row)
     console.print(
-        f"timing: batch {report.batch} x seq {report.seq_len}, median of {report.steps} "
+        f"timing: batch {report.batch} x seq {report.seq_len}, median (min-max) of {report.steps} "
         f"interleaved steps after {report.warmup} warm-up (time ratio: original/swapped)"
     )
     console.emit(table)
+    for sentence in report.noise():
+        console.print(Text(f"warning: {sentence}", style="yellow"))
 
 
 def render_substitutions(console: Output, rows: list[dict[str, Any]]) -> None:
@@ -152,7 +159,9 @@ def render_substitutions(console: Output, rows: list[dict[str, Any]]) -> None:
     console.emit(table)
 
 
-def render_coverage(console: Output, rows: list[dict[str, Any]]) -> None:
+def render_coverage(
+    console: Output, rows: list[dict[str, Any]], held_back: str | None = None
+) -> None:
     """One row per decoder model type: the family and backends covering it, or why not."""
     table = _table("model type", "family", "backends", "why not")
     for row in rows:
@@ -168,6 +177,8 @@ def render_coverage(console: Output, rows: list[dict[str, Any]]) -> None:
     console.emit(table)
     covered = sum(row["reason"] is None for row in rows)
     console.print(f"{covered} of {len(rows)} causal-LM model types covered")
+    if held_back is not None:
+        console.print(held_back)
 
 
 def render_model_coverage(console: Output, report: dict[str, Any]) -> None:
