@@ -52,7 +52,15 @@ from layerswap.weights import Concat
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["FusedGroup", "fused_groups", "load_adapter", "save_adapter"]
+__all__ = [
+    "FusedGroup",
+    "fused_groups",
+    "load_adapter",
+    "read_adapter",
+    "save_adapter",
+    "touches_fused",
+    "write_adapter",
+]
 
 # PEFT's serialized adapter keys start here (the PeftModel's base model wrapper)
 _PREFIX = "base_model.model."
@@ -194,6 +202,14 @@ def _to_fused(
             alphas[module] = float(_pattern_value(config.alpha_pattern, module, config.lora_alpha))
     for group in dict.fromkeys(part_to_group[module] for module in touched):
         present = [part for part in group.parts if part in modules]
+        shared = _shared_pair(weights, config, modules, group, present, rslora)
+        if shared is not None:  # the parts share A (as save_adapter writes them): rank kept
+            a_shared, b_stacked, scaling = shared
+            converted[f"{_PREFIX}{group.fused}.lora_A.weight"] = a_shared
+            converted[f"{_PREFIX}{group.fused}.lora_B.weight"] = b_stacked
+            ranks[group.fused] = int(a_shared.shape[0])
+            alphas[group.fused] = _alpha_for(scaling, int(a_shared.shape[0]), rslora)
+            continue
         a_parts, b_blocks, scalings = [], [], []
         for part in present:
             a = weights[modules[part]["lora_A.weight"]]
@@ -226,6 +242,43 @@ def _to_fused(
         ranks[group.fused] = fused_rank
         alphas[group.fused] = _alpha_for(target, fused_rank, rslora)
     return converted, _explicit_config(config, ranks, alphas)
+
+
+def _shared_pair(
+    weights: Mapping[str, torch.Tensor],
+    config: Any,
+    modules: Mapping[str, Mapping[str, str]],
+    group: FusedGroup,
+    present: list[str],
+    rslora: bool,
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A, B, scaling) of the fused module when every part present has the same A and
+    scaling: B stacks the parts' B by rows (zero rows for a part absent), rank unchanged.
+    ``None`` when the parts differ (they then fuse block-diagonally)."""
+    a_first = weights[modules[present[0]]["lora_A.weight"]]
+    scaling: float | None = None
+    blocks: list[torch.Tensor | None] = []
+    for part, size in zip(group.parts, group.sizes, strict=True):
+        if part not in modules:
+            blocks.append(None)
+            continue
+        a = weights[modules[part]["lora_A.weight"]]
+        b = weights[modules[part]["lora_B.weight"]]
+        alpha = float(_pattern_value(config.alpha_pattern, part, config.lora_alpha))
+        part_scaling = _scaling(alpha, int(a.shape[0]), rslora)
+        if a.shape != a_first.shape or not torch.equal(a, a_first) or b.shape[0] != size:
+            return None
+        if scaling is not None and part_scaling != scaling:
+            return None
+        scaling = part_scaling
+        blocks.append(b)
+    if len(present) < 2 or scaling is None:
+        return None  # one part alone: the block-diagonal form is the same and handles sizes
+    rows = [
+        b if b is not None else a_first.new_zeros((size, a_first.shape[0]))
+        for b, size in zip(blocks, group.sizes, strict=True)
+    ]
+    return a_first, torch.cat(rows, dim=0), scaling
 
 
 # --- fused -> original layout ---------------------------------------------------------------
@@ -293,6 +346,48 @@ def _explicit_config(config: Any, ranks: Mapping[str, int], alphas: Mapping[str,
     return new
 
 
+# --- adapter directories --------------------------------------------------------------------
+
+
+def touches_fused(weights: Mapping[str, torch.Tensor], groups: list[FusedGroup]) -> str | None:
+    """The layout an adapter's weights are in where it differs: ``"original"`` when it adapts
+    a module the swapped layers fused away, ``"fused"`` when it adapts a fused module,
+    ``None`` when it adapts neither (it loads the same in both)."""
+    modules = set(_adapted_modules(weights))
+    if modules & {part for group in groups for part in group.parts}:
+        return "original"
+    if modules & {group.fused for group in groups}:
+        return "fused"
+    return None
+
+
+def read_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """(weights, config) of a PEFT adapter directory, as PEFT reads them."""
+    from peft import PeftConfig
+    from peft.utils import load_peft_weights
+
+    config = PeftConfig.from_pretrained(str(directory))
+    return dict(load_peft_weights(str(directory), device="cpu")), config
+
+
+def write_adapter(
+    directory: str | Path, weights: Mapping[str, torch.Tensor], config: Any, *, safe: bool = True
+) -> None:
+    """Write a PEFT adapter directory: ``adapter_config.json`` and the weights file."""
+    from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(target))
+    tensors = {key: value.detach().contiguous().cpu() for key, value in weights.items()}
+    if safe:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(target / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, str(target / WEIGHTS_NAME))
+
+
 # --- public API -----------------------------------------------------------------------------
 
 
@@ -315,11 +410,9 @@ def load_adapter(
         layerswap.swap(model, backend="fused")
         peft_model = load_adapter(model, "path/to/adapter", is_trainable=True)
     """
-    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
-    from peft.utils import load_peft_weights
+    from peft import get_peft_model, set_peft_model_state_dict
 
-    config = PeftConfig.from_pretrained(str(adapter))
-    weights = load_peft_weights(str(adapter), device="cpu")
+    weights, config = read_adapter(adapter)
     weights, config = _to_fused(weights, config, fused_groups(model))
     config.inference_mode = not is_trainable
     peft_model = get_peft_model(model, config, adapter_name=adapter_name)  # type: ignore[arg-type]
@@ -351,14 +444,9 @@ def save_adapter(
         PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), "out/adapter")
     """
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     config = peft_model.peft_config[adapter_name]
     weights = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
     weights, config = _to_original(weights, config, fused_groups(unwrap(peft_model, peft=True)))
-    target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
     config.inference_mode = True
-    config.save_pretrained(str(target))
-    tensors = {key: value.detach().contiguous().cpu() for key, value in weights.items()}
-    save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_adapter(directory, weights, config)

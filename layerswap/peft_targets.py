@@ -60,6 +60,7 @@ INJECT = "peft.tuners.tuners_utils:BaseTuner.inject_adapter"
 
 _LOCK = threading.Lock()
 _GUARD: Patch | None = None
+_LAYOUT: list[Patch] = []  # layerswap.peft_io's advice, armed and taken off with _GUARD
 
 
 def fused_away(model: nn.Module) -> dict[str, str]:
@@ -229,19 +230,24 @@ def _check_then_inject(
 def guard() -> Patch:
     """The check on PEFT's injection, armed (started) if it was not. Idempotent, thread-safe.
 
-    Called by every swap; see the module docstring. Example::
+    Arms with it the advice of :mod:`layerswap.peft_io` (PEFT's save and load in the
+    original layout). Called by every swap; see the module docstring. Example::
 
         layerswap.peft_targets.guard().stop()   # PEFT's injection as it was
     """
     global _GUARD
+    from layerswap.peft_io import ADVICE
+
     with _LOCK:
         if _GUARD is None:
             _GUARD = wrap(INJECT, _check_then_inject, lazy=True)
-        if not _GUARD.is_active:
-            _GUARD.start()
+            _LAYOUT.extend(wrap(target, advice, lazy=True) for target, advice in ADVICE)
+        for patch in (_GUARD, *_LAYOUT):
+            if not patch.is_active:
+                patch.start()
         return _GUARD
 
 
 def is_guard(scoped: Scoped) -> bool:
-    """Whether ``scoped`` is the patch :func:`guard` arms (layerswap's own, not a leak)."""
-    return scoped is _GUARD
+    """Whether ``scoped`` is a patch :func:`guard` arms (layerswap's own, not a leak)."""
+    return scoped is _GUARD or any(scoped is patch for patch in _LAYOUT)

@@ -112,13 +112,100 @@ def test_an_adapter_trained_on_the_swapped_model_saves_for_plain_transformers_an
     torch.testing.assert_close(_logits(plain, base.config.vocab_size), expected, atol=ATOL, rtol=0)
 
 
-def test_plain_peft_loading_an_original_adapter_onto_a_swapped_model_fails_loudly(
+# --- PEFT's own save and load on a swapped model (layerswap.peft_io) ---------------------
+
+ADAPTERS = {
+    "all-linear": {"target_modules": "all-linear"},
+    "attention": {"target_modules": ["qkv_proj", "o_proj"]},
+}
+
+
+@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_peft_save_pretrained_writes_the_original_layout_that_plain_peft_loads_exactly(
+    name: str, adapter: str, tmp_path: Path
+) -> None:
+    base = tiny_model(name, num_hidden_layers=2)
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, init_lora_weights=False, **ADAPTERS[adapter])  # type: ignore[arg-type]
+    trained = get_peft_model(_swapped(base), config).eval()
+    expected = _logits(trained, base.config.vocab_size)
+
+    trained.save_pretrained(str(tmp_path))  # PEFT's own save
+
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert not any("qkv_proj" in key or "gate_up_proj" in key for key in saved)
+    targets = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
+    leaves = {target.rpartition(".")[2] for target in targets}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= leaves
+    assert not leaves & {"qkv_proj", "gate_up_proj"}
+    plain = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()  # no swap
+    torch.testing.assert_close(_logits(plain, base.config.vocab_size), expected, atol=ATOL, rtol=0)
+    # and back onto a swapped model through PEFT's own load: the fused rank it was trained at
+    swapped = _swapped(base)
+    again = PeftModel.from_pretrained(swapped, str(tmp_path)).eval()
+    qkv = again.base_model.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.lora_A["default"].weight.shape[0] == 4
+    torch.testing.assert_close(_logits(again, base.config.vocab_size), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {"target_modules": "all-linear", "r": 4},
+        {"target_modules": ["q_proj", "v_proj"], "r": 4, "rank_pattern": {"v_proj": 2}},
+    ],
+    ids=["all-linear", "q-and-v"],
+)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_peft_from_pretrained_on_a_swapped_model_converts_an_original_adapter_exactly(
+    name: str, lora: dict[str, object], tmp_path: Path
+) -> None:
+    base = tiny_model(name, num_hidden_layers=2)
+    expected = _trained_on_original(base, tmp_path, **lora)
+    swapped = _swapped(base)  # (swapped first: PeftModel.from_pretrained is looked up after)
+
+    loaded = PeftModel.from_pretrained(swapped, str(tmp_path)).eval()
+
+    assert "model.layers.0.self_attn.qkv_proj" in loaded.base_model.targeted_module_names
+    torch.testing.assert_close(_logits(loaded, base.config.vocab_size), expected, atol=ATOL, rtol=0)
+
+
+def test_peft_load_adapter_adds_an_original_adapter_beside_another(tmp_path: Path) -> None:
+    base = tiny_model("qwen3", num_hidden_layers=2)
+    expected = _trained_on_original(base, tmp_path, target_modules=["k_proj", "up_proj"], r=2)
+    config = LoraConfig(target_modules=["o_proj"], r=2)
+    model = get_peft_model(_swapped(base), config)
+
+    model.load_adapter(str(tmp_path), adapter_name="other")
+    model.set_adapter("other")
+
+    torch.testing.assert_close(
+        _logits(model.eval(), base.config.vocab_size), expected, atol=ATOL, rtol=0
+    )
+
+
+def test_a_second_adapter_saves_in_its_own_directory_in_the_original_layout(
     tmp_path: Path,
 ) -> None:
     base = tiny_model("llama", num_hidden_layers=2)
-    _trained_on_original(base, tmp_path, target_modules="all-linear", r=4)
-    with pytest.raises(ConversionError, match=r"q_proj.*qkv_proj.*load_adapter"):
-        PeftModel.from_pretrained(_swapped(base), str(tmp_path))
+    model = get_peft_model(_swapped(base), LoraConfig(target_modules=["qkv_proj"], r=2))
+    model.add_adapter("second", LoraConfig(target_modules=["gate_up_proj"], r=2))
+
+    model.save_pretrained(str(tmp_path))
+
+    first = load_file(str(tmp_path / "adapter_model.safetensors"))
+    second = load_file(str(tmp_path / "second" / "adapter_model.safetensors"))
+    assert {key.split(".")[-3] for key in first} == {"q_proj", "k_proj", "v_proj"}
+    assert {key.split(".")[-3] for key in second} == {"gate_proj", "up_proj"}
+
+
+def test_peft_from_pretrained_refuses_a_dora_adapter_on_a_swapped_model(tmp_path: Path) -> None:
+    base = tiny_model("llama", num_hidden_layers=2)
+    _trained_on_original(base, tmp_path, target_modules=["q_proj", "v_proj"], r=4, use_dora=True)
+    swapped = _swapped(base)
+    with pytest.raises(ConversionError, match=r"DoRA.*self_attn\.q_proj"):
+        PeftModel.from_pretrained(swapped, str(tmp_path))
 
 
 def test_a_dora_adapter_is_refused_naming_its_fused_modules(tmp_path: Path) -> None:

@@ -168,3 +168,45 @@ def test_accelerate_load_state_of_an_original_model_fills_a_swapped_one(tmp_path
     swapped.eval()
     with torch.no_grad():
         torch.testing.assert_close(swapped(ids).logits, original(ids).logits, atol=1e-5, rtol=0)
+
+
+def _lora(name: str) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    model = _swapped(name)
+    torch.manual_seed(5)
+    return get_peft_model(model, LoraConfig(target_modules="all-linear", r=4))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_lora_on_a_swapped_model_checkpoints_resumes_and_ships_to_plain_transformers(
+    name: str, tmp_path: Path
+) -> None:
+    """Trainer's PEFT checkpoints are original-layout adapters; a run resumed from one
+    is the uninterrupted run; the final adapter on a plain model gives the same logits."""
+    from peft import PeftModel
+
+    model = _lora(name)
+    data = _Tokens(model.config.vocab_size)
+    whole = Trainer(model=model, args=_args(tmp_path / "whole"), train_dataset=data)
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    saved = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert any(".q_proj.lora_A" in key for key in saved)
+    assert not any("qkv_proj" in key or "gate_up_proj" in key for key in saved)
+
+    resumed_model = _lora(name)
+    resumed = Trainer(model=resumed_model, args=_args(tmp_path / "resumed"), train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    whole_losses, resumed_losses = _losses(whole), _losses(resumed)
+    assert set(resumed_losses) == set(whole_losses) == {1, 2, 3, 4}
+    for step in (3, 4):
+        assert resumed_losses[step] == pytest.approx(whole_losses[step], rel=1e-6), step
+
+    whole.save_model(str(tmp_path / "final"))
+    plain = PeftModel.from_pretrained(tiny_model(name, num_hidden_layers=2), tmp_path / "final")
+    ids = data.ids[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain.eval()(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=0
+        )
