@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from layerswap import verdicts
-from layerswap.errors import SwapWarning, UpstreamDriftError
+from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
 from layerswap.registry import backend_of, get, get_family
@@ -147,6 +147,17 @@ class Verdict:
     def from_dict(cls, data: dict[str, Any]) -> Verdict:
         fields = {field.name for field in dataclasses.fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in fields})
+
+    def config_message(self) -> str:
+        """One line for a verdict that failed on a config although the family's tiny
+        config passes: the config selects structure the family does not describe."""
+        return (
+            f"{self.substitution} does not compute what the original does for this model's "
+            f"config: {self.check} differs ({self.detail}), while the family's own tiny "
+            "config is proven equal on these versions. A field of this "
+            "config selects structure the family does not describe (another norm, "
+            "activation or attention variant): this model cannot take the substitution"
+        )
 
     def message(self) -> str:
         """One line: what was proven, on which versions, and the first difference."""
@@ -531,7 +542,9 @@ def proven_here() -> dict[str, Verdict]:
 
 
 def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
-    """Raise :class:`UpstreamDriftError` unless ``sub`` is proven for ``config``'s kind.
+    """Raise :class:`UpstreamDriftError` unless ``sub`` is proven for ``config``'s kind;
+    :class:`UnsupportedFamilyError` when only ``config`` fails (the family's tiny config
+    holds: a field of this config selects structure the family does not describe).
 
     Decoder-slot substitutions with an upstream check (the head's contract is read off its
     source; ``replace_decoder`` classes get no converted weights to compare). Runs
@@ -544,5 +557,9 @@ def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
     if sub.slot != "decoder" or sub.upstream is None or _PROVING.get():
         return  # replace_decoder's classes take no converted weights: nothing to compare
     verdict = prove(sub, config)
-    if not verdict.passed:
-        raise UpstreamDriftError(verdict.message())
+    if verdict.passed:
+        return
+    if config is not None and verdict.config != "family" and prove(sub, None).passed:
+        # the family's own tiny config holds: a field of this config is what differs
+        raise UnsupportedFamilyError(verdict.config_message())
+    raise UpstreamDriftError(verdict.message())

@@ -25,9 +25,9 @@ from transformers.models.llama import modeling_llama
 
 import layerswap
 from layerswap import hf_internals, proof, verdicts
-from layerswap.errors import UpstreamDriftError
+from layerswap.errors import UnsupportedFamilyError, UpstreamDriftError
 from layerswap.model import decoder_layers
-from layerswap.registry import get, get_family
+from layerswap.registry import get, get_family, unregister_family
 from layerswap.substitution import Substitution, check_call_contract
 
 FUSED = "llama.decoder.fused"
@@ -457,3 +457,25 @@ def test_a_family_whose_tiny_model_cannot_be_built_is_refused_with_the_reason(
     monkeypatch.setattr(proof, "_original_model", broken)
     with pytest.raises(UpstreamDriftError, match=r"building the tiny original model .*'str'"):
         proof.ensure_proven(get(FUSED), family.tiny_config())
+
+
+def test_a_config_that_selects_structure_the_family_does_not_describe_is_refused_as_such(
+    proofs: Path,
+) -> None:
+    # a family that reads its activation from a field the model ignores: right for its own
+    # tiny config (both say silu), wrong for a config whose hidden_act is gelu
+    llama = get_family("llama")
+    variant = dataclasses.replace(
+        llama,
+        name="llama_fixed_act",
+        activation="fixed_act",
+        tiny={**llama.tiny, "fixed_act": "silu"},
+    )
+    layerswap.register_family(variant)
+    try:
+        sub = get("llama_fixed_act.decoder.fused")
+        with pytest.raises(UnsupportedFamilyError, match="selects structure the family does not"):
+            proof.ensure_proven(sub, variant.tiny_config(hidden_act="gelu_new"))
+        proof.ensure_proven(sub, variant.tiny_config())  # its own tiny config holds
+    finally:
+        unregister_family("llama_fixed_act")
