@@ -53,7 +53,9 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 __all__ = [
+    "AdapterLayout",
     "FusedGroup",
+    "adapter_layout",
     "fused_groups",
     "load_adapter",
     "read_adapter",
@@ -386,6 +388,60 @@ def write_adapter(
         save_file(tensors, str(target / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
     else:
         torch.save(tensors, str(target / WEIGHTS_NAME))
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """Which layout an adapter directory is in, for a family's swapped layers.
+
+    ``layout`` is ``"original"`` (it adapts modules a swap fuses: plain transformers + PEFT
+    load it whole), ``"fused"`` (it adapts fused modules a plain model does not have:
+    plain PEFT would apply the rest and skip these silently), ``"mixed"`` (both) or
+    ``"either"`` (neither kind: it loads the same onto both).
+    """
+
+    layout: str
+    #: module names (the leaf, e.g. ``qkv_proj``) that only the swapped layers have
+    fused: tuple[str, ...]
+    #: module names the swap fuses away (``q_proj``, ...)
+    original: tuple[str, ...]
+    #: every adapted module name (leaf)
+    adapted: tuple[str, ...]
+
+    @property
+    def plain_model_misses(self) -> tuple[str, ...]:
+        """The adapted modules a plain (unswapped) model would silently skip."""
+        return self.fused
+
+
+def adapter_layout(directory: str | Path, family: str) -> AdapterLayout:
+    """The layout of the adapter at ``directory`` for ``family``'s fused substitution.
+
+    Example::
+
+        adapter_layout("my-adapter", "llama").layout        # "original"
+    """
+    from layerswap.registry import get
+
+    rules = [
+        rule
+        for rule in getattr(get(f"{family}.decoder.fused").converter, "rules", ())
+        if isinstance(rule, Concat) and rule.target.endswith(".weight") and rule.dim == 0
+    ]
+    fused_leaves = {rule.target.removesuffix(".weight").rpartition(".")[2] for rule in rules}
+    part_leaves = {
+        source.removesuffix(".weight").rpartition(".")[2]
+        for rule in rules
+        for source in rule.sources
+    }
+    weights, _ = read_adapter(directory)
+    adapted = sorted({module.rpartition(".")[2] for module in _adapted_modules(weights)})
+    fused = tuple(leaf for leaf in adapted if leaf in fused_leaves)
+    original = tuple(leaf for leaf in adapted if leaf in part_leaves)
+    layout = {(True, True): "mixed", (True, False): "fused", (False, True): "original"}.get(
+        (bool(fused), bool(original)), "either"
+    )
+    return AdapterLayout(layout, fused, original, tuple(adapted))
 
 
 # --- public API -----------------------------------------------------------------------------

@@ -14,7 +14,8 @@ block's single command is shown with ``echo $?``. ``cli volatile:`` marks output
 generated the same way, and ``tests/test_docs.py`` compares it with the numbers masked.
 ``llama.decoder.broken`` (a substitution whose layer 2 is 1% off) is registered for the
 examples of a failing verification, and the commands run in a temporary directory
-holding ``my-llama`` (a tiny bfloat16 checkpoint) and two damaged copies of it. ``tests/test_docs.py`` checks that the docs are
+holding ``my-llama`` (a tiny bfloat16 checkpoint), two damaged copies of it and
+``my-fused-adapter`` (a LoRA adapter saved by hand under a swapped model's fused names). ``tests/test_docs.py`` checks that the docs are
 fresh.
 
     python scripts/gen_cli_docs.py
@@ -84,6 +85,26 @@ def checkpoints(directory: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
     truncated = directory / "my-llama-truncated" / "model.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:4096])
+    fused_adapter(directory / "my-fused-adapter")
+
+
+def fused_adapter(directory: Path) -> None:
+    """A LoRA adapter of a swapped Llama saved by hand under the fused names."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    import layerswap
+
+    llama = layerswap.get_family("llama")
+    model = llama.build(llama.tiny_config(num_hidden_layers=2), seed=0)
+    handle = layerswap.swap(model, backend="fused")
+    peft_model = get_peft_model(model, LoraConfig(target_modules="all-linear", r=2))
+    peft_model.peft_config["default"].save_pretrained(str(directory))
+    state = get_peft_model_state_dict(peft_model)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, directory / "adapter_model.safetensors"
+    )
+    del peft_model, handle
 
 
 def run(command: str, exit_code: bool = True) -> str:

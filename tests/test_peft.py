@@ -406,3 +406,64 @@ def test_the_check_is_layerswaps_own_and_ends_with_the_test_or_fixture_that_arme
     result = pytester.runpytest_inprocess(*_INNER)
     result.assert_outcomes(passed=4)  # a leak would be reported as an error
     assert not any(peft_targets.is_guard(info.patch) for info in layerswap.active_patches())
+
+
+# --- which layout an adapter is in: layerswap adapter DIR ---------------------------------
+
+
+def _saved_with_fused_names(base: PreTrainedModel, path: Path) -> torch.Tensor:
+    """An adapter of a swapped ``base`` written by hand under the fused names; its logits."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    torch.manual_seed(4)
+    config = LoraConfig(target_modules="all-linear", r=2, init_lora_weights=False)
+    model = get_peft_model(_swapped(base), config).eval()
+    model.peft_config["default"].save_pretrained(str(path))
+    state = {key: value.contiguous() for key, value in get_peft_model_state_dict(model).items()}
+    save_file(state, str(path / "adapter_model.safetensors"))
+    return _logits(model, base.config.vocab_size)
+
+
+def test_the_adapter_command_says_a_fused_adapter_would_be_applied_in_part(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from command_line import run
+
+    base = tiny_model("llama", num_hidden_layers=2)
+    expected = _saved_with_fused_names(base, tmp_path / "fused")
+
+    code, out, _ = run(capsys, "adapter", str(tmp_path / "fused"), "--model", "llama")
+
+    assert code == 1
+    assert "fused layout, adapts down_proj, gate_up_proj, o_proj, qkv_proj" in out
+    assert "would apply only down_proj, o_proj and skip the rest without a word" in out
+    # the documented one-line fix gives an adapter a plain model applies whole
+    adapters.save_adapter(
+        adapters.load_adapter(_swapped(base), tmp_path / "fused"), tmp_path / "ok"
+    )
+    plain = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "ok")).eval()
+    torch.testing.assert_close(_logits(plain, base.config.vocab_size), expected, atol=ATOL, rtol=0)
+    code, out, _ = run(capsys, "adapter", str(tmp_path / "ok"), "--model", "llama", "--json")
+    assert code == 0
+    assert json.loads(out)["layout"] == "original"
+
+
+def test_the_adapter_command_reads_the_family_from_a_local_base_checkpoint(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from command_line import run
+
+    base = tiny_model("qwen3", num_hidden_layers=2)
+    base.save_pretrained(tmp_path / "base")
+    plain = get_peft_model(
+        type(base).from_pretrained(tmp_path / "base"), LoraConfig(target_modules=["q_proj"], r=2)
+    )
+    plain.save_pretrained(str(tmp_path / "adapter"))
+
+    code, out, err = run(capsys, "adapter", str(tmp_path / "adapter"))
+
+    assert code == 0, err
+    assert "(qwen3): original layout, adapts q_proj" in out
+    code, _, err = run(capsys, "adapter", str(tmp_path / "base"))
+    assert code == 2 and "no adapter_config.json" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from layerswap.cli.options import JsonOption, ModelChoice, model_options
 from layerswap.cli.output import Chatter, Output, Progress, print_json
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
 from layerswap.cli.render import (
+    render_adapter,
     render_bench,
     render_checks,
     render_coverage,
@@ -418,6 +420,46 @@ def check_command(
     else:
         render_checks(Output(), rows)
     if any(row["status"] == "failed" for row in rows):
+        raise typer.Exit(1)
+
+
+@app.command("adapter")
+def adapter_command(
+    directory: Annotated[
+        Path,
+        typer.Argument(metavar="DIR", help="A PEFT adapter directory.", show_default=False),
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            metavar="FAMILY",
+            help="The base model's family (default: from the adapter's base model, when "
+            "that is a local checkpoint).",
+            show_default=False,
+        ),
+    ] = None,
+    json_output: JsonOption = False,
+) -> None:
+    """Which layout a LoRA adapter is in, and whether a plain model would miss parts of it.
+
+    Exit 1 when plain transformers + PEFT would skip some of its modules (an adapter saved
+    with the swapped layers' fused names).
+    """
+    with exit_codes():
+        from layerswap.adapters import adapter_layout
+        from layerswap.cli.models import family_of_adapter
+
+        if not (directory / "adapter_config.json").is_file():
+            raise UsageProblem(f"{directory}: no adapter_config.json (not a PEFT adapter)")
+        family = find_family(model).name if model is not None else family_of_adapter(directory)
+        found = adapter_layout(directory, family)
+    if json_output:
+        print_json({"adapter": str(directory), "family": family, **dataclasses.asdict(found)})
+    else:
+        render_adapter(Output(), str(directory), family, found)
+    if found.plain_model_misses:
         raise typer.Exit(1)
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from layerswap.family import Family
     from layerswap.substitution import Substitution
 
-__all__ = ["Setup", "build", "find_family"]
+__all__ = ["Setup", "build", "family_of_adapter", "find_family"]
 
 
 @dataclass
@@ -169,6 +169,18 @@ def _fp8_usage() -> str:
     labels = " or ".join(b.dependencies[0].label if b.dependencies else b.name for b in with_fp8)
     names = " or ".join(b.name for b in with_fp8)
     return f"--fp8 runs {labels or 'FP8'} layers: use it with --backend {names or '(none)'}"
+
+
+def family_of_adapter(directory: Path) -> str:
+    """The family of an adapter's base model, read from ``base_model_name_or_path`` when
+    that is a local checkpoint; else a usage problem asking for ``--model``."""
+    base = _read_json(directory / "adapter_config.json").get("base_model_name_or_path")
+    if isinstance(base, str) and (Path(base) / "config.json").is_file():
+        return find_family(_family_of_config(base)).name
+    raise UsageProblem(
+        f"{directory}: the adapter's base model ({base!r}) is not a local checkpoint; "
+        "name its family with --model"
+    )
 
 
 def _family_of_config(config: str) -> str:

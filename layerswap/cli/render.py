@@ -11,11 +11,13 @@ from rich.text import Text
 from layerswap.cli.output import Output
 
 if TYPE_CHECKING:
+    from layerswap.adapters import AdapterLayout
     from layerswap.bench import BenchReport
     from layerswap.cli.models import Setup
     from layerswap.verify import VerificationReport
 
 __all__ = [
+    "render_adapter",
     "render_bench",
     "render_checks",
     "render_coverage",
@@ -229,4 +231,29 @@ def render_environment(
     for name, reason in sorted(backends.items()):
         console.print(
             f"backend {name}: " + ("usable here" if reason is None else f"not usable: {reason}")
+        )
+
+
+def render_adapter(console: Output, directory: str, family: str, found: AdapterLayout) -> None:
+    """The adapter's layout, and what plain transformers + PEFT would do with it."""
+    adapted = ", ".join(found.adapted) or "nothing"
+    console.print(f"adapter {directory} ({family}): {found.layout} layout, adapts {adapted}")
+    if found.plain_model_misses:
+        kept = [leaf for leaf in found.adapted if leaf not in found.fused]
+        console.print(
+            Text(
+                f"a plain {family} model has no {', '.join(found.fused)}: transformers + PEFT "
+                f"would apply only {', '.join(kept) or 'nothing'} and skip the rest without a "
+                "word",
+                style="bold red",
+            )
+        )
+        console.print(
+            "convert it once, on a swapped model: layerswap.adapters.save_adapter("
+            f'layerswap.adapters.load_adapter(swapped_model, "{directory}"), "OUT")'
+        )
+    else:
+        console.print(
+            "plain transformers + PEFT load it whole; on a swapped model "
+            "PeftModel.from_pretrained converts it"
         )
