@@ -36,7 +36,13 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["Reapply", "applied_substitutions", "check_ranks_agree", "reapply"]
+__all__ = [
+    "Reapply",
+    "WithSubstitutions",
+    "applied_substitutions",
+    "check_ranks_agree",
+    "reapply",
+]
 
 # Groups started by Reapply in a worker: they last as long as the worker process.
 _WORKER_GROUPS: list[PatchGroup] = []
@@ -102,6 +108,28 @@ class Reapply:
     def __repr__(self) -> str:
         then = f", then={self.then!r}" if self.then is not None else ""
         return f"Reapply({list(self.names)!r}{then})"
+
+
+class WithSubstitutions:
+    """A picklable callable that applies substitutions in its process, then calls ``fn``.
+
+    What the pytest plugin hands ``torch.multiprocessing.start_processes`` in a
+    ``--layerswap`` run, so a rank started with ``spawn`` builds the same layers as the
+    test that started it. Example::
+
+        torch.multiprocessing.spawn(WithSubstitutions(run_rank, ["llama.decoder.fused"]))
+    """
+
+    def __init__(self, fn: Callable[..., Any], substitutions: Iterable[str | Substitution]):
+        self.fn = fn
+        self.reapply = Reapply(substitutions)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.reapply()
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"WithSubstitutions({self.fn!r}, {list(self.reapply.names)!r})"
 
 
 def _portable(sub: Substitution) -> Substitution | str:

@@ -543,6 +543,43 @@ def test_every_xdist_worker_applies_the_session_substitutions(pytester):
     assert workers == {"gw0", "gw1"}
 
 
+@pytest.mark.slow  # a spawned interpreter that imports torch and transformers
+def test_a_process_a_test_spawns_builds_the_session_substitutions(pytester):
+    pytester.makepyfile(
+        textwrap.dedent(
+            """
+            import torch.multiprocessing as mp
+
+
+            def build(rank, path):
+                from transformers import LlamaConfig, LlamaForCausalLM
+
+                config = LlamaConfig(
+                    hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                )
+                layer = LlamaForCausalLM(config).model.layers[0]
+                with open(path, "w") as out:
+                    out.write(type(layer).__name__)
+
+
+            def test_spawned_rank(tmp_path):
+                path = tmp_path / "layer.txt"
+                mp.spawn(build, args=(str(path),), nprocs=1)
+                print("SPAWNED BUILT", path.read_text())
+            """
+        )
+    )
+    swapped = pytester.runpytest_subprocess(
+        *PLUGIN, *INNER, "--layerswap=llama.decoder.fused", "-rP"
+    )
+    swapped.assert_outcomes(passed=1)
+    swapped.stdout.fnmatch_lines(["SPAWNED BUILT FusedLlamaDecoderLayer"])
+    plain = pytester.runpytest_subprocess(*PLUGIN, *INNER, "-rP")
+    plain.assert_outcomes(passed=1)
+    plain.stdout.fnmatch_lines(["SPAWNED BUILT LlamaDecoderLayer"])
+
+
 def _downstream(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return run(pytester, str(DOWNSTREAM), "-rP", *args)
 

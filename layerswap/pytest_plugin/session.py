@@ -2,18 +2,22 @@
 
 Both apply substitutions with :func:`layerswap.use`: the option when pytest configures
 itself (each xdist worker for itself), the marker before the test's fixtures are set up,
-so that fixtures building models get the replacement layers.
+so that fixtures building models get the replacement layers. The option also reaches
+processes a test starts with ``torch.multiprocessing.spawn``/``start_processes``: each
+applies the substitutions before it runs (:class:`layerswap.distributed.WithSubstitutions`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from layerswap.errors import LayerswapError
-from layerswap.patching import Origin, PatchGroup, patches
+from layerswap.patching import Origin, Patch, PatchGroup, patches, wrap
 
 __all__ = [
     "MARKER",
@@ -91,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
     group = _applied(names, where="--layerswap")
     if isinstance(group, str):
         raise pytest.UsageError(group)
+    group = patches(group, _carried_to_spawned(names))
     try:
         group.start()
     except LayerswapError as exc:
@@ -196,6 +201,31 @@ def _applied(names: tuple[str, ...], *, where: str) -> PatchGroup | str:
         return patches(*(use(name) for name in names))
     except LayerswapError as exc:
         return f"{where}: {exc}"
+
+
+#: where torch starts worker processes (torch.multiprocessing.spawn calls it too)
+START_PROCESSES = "torch.multiprocessing.spawn:start_processes"
+
+
+def _carried_to_spawned(names: tuple[str, ...]) -> Patch:
+    """A patch of ``torch.multiprocessing``'s process start: each process it starts with
+    ``spawn`` or ``forkserver`` applies ``names`` before the function it runs (a forked
+    one inherits them). Lazy: torch is not imported for it."""
+
+    def carry(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        from layerswap.distributed import WithSubstitutions
+
+        try:
+            bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        except TypeError:
+            return wrapped(*args, **kwargs)
+        if bound.arguments.get("start_method", "spawn") != "fork":
+            bound.arguments["fn"] = WithSubstitutions(bound.arguments["fn"], names)
+        return wrapped(*bound.args, **bound.kwargs)
+
+    return wrap(START_PROCESSES, carry, lazy=True, aliases=True)
 
 
 def _marked_names(item: pytest.Item) -> tuple[str, ...] | str:
