@@ -583,7 +583,13 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             (config.num_attention_heads, head_dim): "head_weights",
             (config.num_attention_heads * head_dim,): "across",
         }
-        shape = tuple(q_norm.weight.shape)
+        weight = getattr(q_norm, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise UnsupportedFamilyError(
+                f"{where}: a q norm without a learned scale ({type(q_norm).__name__} has no "
+                "weight); the fused layer's norms all have one"
+            )
+        shape = tuple(weight.shape)
         if shape not in per_head:
             raise UnsupportedFamilyError(f"{where}: a q norm of shape {shape}")
         qk_norm = per_head[shape]
