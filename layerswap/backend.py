@@ -34,6 +34,7 @@ from layerswap.errors import SubstitutionError, UnsupportedFamilyError
 from layerswap.family import Family
 from layerswap.substitution import (
     SLOTS,
+    UNPROVEN_TENSOR_PARALLEL,
     Substitution,
     UpstreamCheck,
     check_structure,
@@ -149,6 +150,9 @@ class Backend:
     devices: tuple[str, ...] = ("cpu", "cuda")
     dependencies: tuple[Dependency, ...] = ()
     variants: tuple[Variant, ...] = ()
+    #: why transformers' tensor parallelism may not shard its layers, ``None`` when it
+    #: may (declared by a backend whose layers are tested sharded)
+    tensor_parallel: str | None = UNPROVEN_TENSOR_PARALLEL
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.slots) - set(SLOTS))
@@ -201,6 +205,7 @@ class Backend:
             description=implementation.description,
             slot=slot,
             context=implementation.context,
+            tensor_parallel=self.tensor_parallel,
         )
         if variant is None:
             return sub

@@ -13,6 +13,7 @@ __all__ = [
     "ConversionError",
     "LayerswapError",
     "LazyPatchWarning",
+    "ParallelismError",
     "PatchConflictWarning",
     "PatchError",
     "PatchStateError",
@@ -110,6 +111,10 @@ class UpstreamDriftError(SubstitutionError, RuntimeError):
 
 class ConversionError(SubstitutionError, ValueError):
     """Weights could not be converted between the original and the replacement layout."""
+
+
+class ParallelismError(SubstitutionError, RuntimeError):
+    """A swapped model cannot be sharded the way transformers was asked to (with the reason)."""
 
 
 class CheckpointError(LayerswapError, ValueError):

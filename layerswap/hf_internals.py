@@ -38,6 +38,7 @@ __all__ = [
     "WEIGHT_CONVERSIONS_ATTRIBUTE",
     "LOWEST_TRANSFORMERS",
     "SWEPT_TRANSFORMERS",
+    "TP_PLAN_ATTRIBUTE",
     "CaptureHook",
     "LayerCache",
     "LayerCall",
@@ -47,9 +48,11 @@ __all__ = [
     "capture_subtree",
     "conversion_ops_class",
     "layer_attention_type",
+    "loads_sharded_on_read",
     "output_capture_installed",
     "output_capture_tasks",
     "read_layer_call",
+    "register_tp_style",
     "transformers_support",
     "weight_converter",
     "weight_renaming",
@@ -235,6 +238,66 @@ def conversion_ops_class() -> type:
 
     base: type = ConversionOps
     return base
+
+
+# --- tensor parallelism and sharded loading -------------------------------------------------
+# transformers shards a model by a plan of module names and styles (``_tp_plan``, from
+# ``config.base_model_tp_plan`` and the class), applies it before loading, and slices
+# each checkpoint tensor for the rank as it reads it (``DtensorShardOperation``): the
+# weight transforms then see the rank's slice of each original tensor.
+
+#: the instance attribute holding a ``PreTrainedModel``'s tensor-parallel plan, which
+#: ``from_pretrained(..., distributed_config=...)`` reads to shard the model
+TP_PLAN_ATTRIBUTE = "_tp_plan"
+
+
+def loads_sharded_on_read() -> bool:
+    """Whether this transformers slices each checkpoint tensor per rank as it reads it.
+
+    ``transformers.distributed.sharding_utils.DtensorShardOperation``: from it on, the
+    weight transforms of a sharded load see each original tensor's slice for the rank,
+    which :mod:`layerswap.parallel` is written (and tested) for.
+    """
+    try:
+        from transformers.distributed.sharding_utils import DtensorShardOperation  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def register_tp_style(name: str, on_apply: Any) -> None:
+    """Register a tensor-parallel style ``name`` whose every use calls ``on_apply(module)``.
+
+    ``transformers.integrations.tensor_parallel.ALL_PARALLEL_STYLES`` is transformers'
+    public registry of styles a plan may name; ``TensorParallelLayer`` its base.
+    ``on_apply`` is called when the style would shard a parameter or hook a module
+    (layerswap's refusal raises there). Nothing happens where the registry is absent.
+    """
+    try:
+        from transformers.integrations.tensor_parallel import (
+            ALL_PARALLEL_STYLES,
+            TensorParallelLayer,
+        )
+    except ImportError:
+        return
+    if name in ALL_PARALLEL_STYLES:
+        return
+
+    class Refused(TensorParallelLayer):  # type: ignore[misc, valid-type]
+        def shard_param(self, module: Any, param: Any, mesh: Any) -> None:
+            on_apply(module)
+
+        def install_forward(self, module: Any, mesh: Any) -> Any:
+            on_apply(module)
+
+        # older releases name the hooks differently; refuse there too
+        def partition_tensor(self, *args: Any, **kwargs: Any) -> Any:
+            on_apply(args[0] if args else None)
+
+        def prepare_module_tp(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+            on_apply(module)
+
+    ALL_PARALLEL_STYLES.register(name, Refused())
 
 
 # --- which releases --------------------------------------------------------------------------

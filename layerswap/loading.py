@@ -22,6 +22,7 @@ from torch import nn
 from layerswap import hf_internals
 from layerswap.layers import adopt_layer
 from layerswap.model import layer_config, substitution_of
+from layerswap.parallel import tp_plan_of
 from layerswap.peft_targets import guard as guard_peft_targets
 from layerswap.proof import ensure_proven
 from layerswap.substitution import Substitution
@@ -69,21 +70,31 @@ def conversion_transforms(
 
 
 def model_attributes(
-    model: nn.Module, replacement_cls: type[nn.Module], transforms: list[Any]
+    model: nn.Module, sub: Substitution, replacement_cls: type[nn.Module], transforms: list[Any]
 ) -> dict[str, Any]:
-    """The attributes a ``PreTrainedModel`` holding replacement layers needs, by name.
+    """The attributes a ``PreTrainedModel`` holding ``sub``'s layers needs, by name.
 
-    Its weight conversions with ``transforms`` added (``save_pretrained`` reverses them)
-    and its no-split classes with ``replacement_cls`` added (``device_map`` keeps each
-    replacement layer on one device).
+    Its weight conversions with ``transforms`` added (``save_pretrained`` reverses them),
+    its no-split classes with ``replacement_cls`` added (``device_map`` keeps each
+    replacement layer on one device), and its tensor-parallel plan translated for the
+    replacement's modules (:func:`layerswap.parallel.tp_plan_of`).
     """
     no_split = set(getattr(model, "_no_split_modules", None) or ())
-    return {
+    attributes = {
         hf_internals.WEIGHT_CONVERSIONS_ATTRIBUTE: (
             hf_internals.base_weight_conversions(model) + transforms
         ),
         "_no_split_modules": no_split | {replacement_cls.__name__},
     }
+    layers = [
+        name
+        for name, module in model.named_modules()
+        if substitution_of(module) is sub or type(module) is replacement_cls
+    ]
+    plan = tp_plan_of(model, sub, layers)
+    if plan is not None:
+        attributes[hf_internals.TP_PLAN_ATTRIBUTE] = plan
+    return attributes
 
 
 def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Module]) -> None:
@@ -119,7 +130,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
         return  # nested use() of the same substitution: done once
     transforms = conversion_transforms(model, sub)
     _ADOPTED[model] = transforms
-    for attribute, value in model_attributes(model, replacement_cls, transforms).items():
+    for attribute, value in model_attributes(model, sub, replacement_cls, transforms).items():
         setattr(model, attribute, value)
 
 

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from layerswap.backend import Variant
 
 __all__ = [
+    "UNPROVEN_TENSOR_PARALLEL",
     "SLOTS",
     "Substitution",
     "UpstreamCheck",
@@ -50,6 +51,12 @@ __all__ = [
     "original_of",
     "runs_anywhere",
 ]
+
+#: the reason a substitution nobody declared sharded is refused under tensor parallelism
+UNPROVEN_TENSOR_PARALLEL = (
+    "its layers are not proven under transformers' tensor parallelism (the backend does "
+    "not declare them so)"
+)
 
 #: what a substitution can replace: every decoder layer, or the causal LM's head and loss
 SLOTS = ("decoder", "head")
@@ -274,6 +281,10 @@ class Substitution:
     context: Callable[[], AbstractContextManager[Any]] | None = None
     #: the backend's variant these layers run in (TransformerEngine's FP8), if any
     variant: Variant | None = None
+    #: why transformers' tensor parallelism may not shard these layers (its plan,
+    #: translated by :mod:`layerswap.parallel`), or ``None`` when it may: proven only
+    #: for layers tested sharded, so refused unless the backend declares otherwise
+    tensor_parallel: str | None = UNPROVEN_TENSOR_PARALLEL
 
     def unmet_requirement(self) -> str | None:
         """Why this substitution cannot run here, or ``None`` when it can."""

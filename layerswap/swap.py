@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from layerswap import hf_internals
-from layerswap.errors import SubstitutionError, SwapWarning
+from layerswap.errors import ParallelismError, SubstitutionError, SwapWarning
 from layerswap.family import Family
 from layerswap.handle import SwapHandle
 from layerswap.heads import swap_head, unswap_head
@@ -244,7 +244,7 @@ def _register_model_state(
 ) -> None:
     for _, model in pretrained_ancestors(root, layer_names):
         transforms = conversion_transforms(model, sub)
-        for attribute, value in model_attributes(model, replacement_cls, transforms).items():
+        for attribute, value in model_attributes(model, sub, replacement_cls, transforms).items():
             state.set(model, attribute, value)
 
 
@@ -381,6 +381,22 @@ def swap(
         raise SubstitutionError(
             f"{len(done)} layers of this model are already swapped by "
             f"{getattr(owner, 'name', owner)}; undo that swap first"
+        )
+    sharded = next(
+        (
+            f"{layer_name}.{param_name}"
+            for layer_name, layer in layers
+            for param_name, param in layer.named_parameters()
+            if getattr(param, "placements", None) is not None
+        ),
+        None,
+    )
+    if sharded is not None:
+        raise ParallelismError(
+            f"{sub.name}: this model is already sharded ({sharded} is a DTensor), and a "
+            "sharded parameter cannot be converted in place; swap before sharding "
+            "(fully_shard after swap), or load it inside layerswap.use(...) with the "
+            "distributed_config"
         )
     for name, layer in layers:
         if type(layer) is not original_cls:

@@ -451,7 +451,11 @@ def _rule_op_class() -> type:
                     )
                 value = input_dict.pop(pattern)
                 tensors.append(value[0] if isinstance(value, list) else value)
-            if self.forward:
+            shard = _sharded_target(self.rule, self.forward, kwargs)
+            results: Sequence[torch.Tensor]
+            if shard is not None:
+                results = _convert_sharded(self.rule, tensors, self.config, self.forward, shard)
+            elif self.forward:
                 results = self.rule.to_replacement(tensors, self.config)
             else:
                 results = self.rule.to_original(tensors, self.config)
@@ -467,3 +471,75 @@ def _rule_op_class() -> type:
 def _rule_op(rule: Rule, config: PreTrainedConfig, forward: bool = True) -> Any:
     """A ``transformers`` ``ConversionOps`` running ``rule`` (to the replacement if ``forward``)."""
     return _rule_op_class()(rule, config, forward)
+
+
+def _sharded_target(rule: Rule, forward: bool, kwargs: dict[str, Any]) -> Any:
+    """How the replacement parameter a rule fills is split across ranks, or ``None``.
+
+    transformers passes the model and the full name of the first tensor made; the
+    parameter is a DTensor when ``from_pretrained`` shards the model (tensor parallel,
+    FSDP loading).
+    """
+    from layerswap import parallel
+
+    model, name = kwargs.get("model"), kwargs.get("full_layer_name")
+    if model is None or not isinstance(name, str):
+        return None
+    made = rule.targets[0] if forward else rule.sources[0]
+    replacement = rule.targets[0]
+    if not name.endswith(made):
+        return None
+    try:
+        param = model.get_parameter(name[: len(name) - len(made)] + replacement)
+    except AttributeError:
+        return None
+    if not isinstance(rule, Concat):
+        if getattr(param, "placements", None) is not None and any(
+            p.is_shard() for p in param.placements
+        ):
+            raise ConversionError(
+                f"{describe(rule)}: layerswap converts a sharded parameter only for "
+                "concatenations and renames; load this model whole"
+            )
+        return None
+    return parallel.parameter_shard(param, rule.dim)
+
+
+def _convert_sharded(
+    rule: Rule, tensors: list[torch.Tensor], config: PreTrainedConfig, forward: bool, shard: Any
+) -> list[torch.Tensor]:
+    """A concatenation into (or split from) a parameter split across ranks.
+
+    Loading: transformers read each part sliced for this rank. Tensor parallel: the
+    rank's share of every part, concatenated (a packed shard). FSDP: the parts are
+    gathered from the ranks and the rank keeps its stretch of the concatenation.
+    Saving: the parameter was gathered whole; a packed one is reordered first.
+    """
+    from layerswap import hf_internals, parallel
+
+    assert isinstance(rule, Concat)
+    sizes = rule.part_sizes(config)
+    if not forward:
+        (whole,) = tensors
+        if shard.packed:
+            whole = parallel.unpack_gathered(whole, sizes, rule.dim, shard.ranks)
+        return list(rule.to_original([whole], config))
+    if not hf_internals.loads_sharded_on_read():
+        raise ConversionError(
+            f"{describe(rule)}: this transformers loads a sharded (tensor parallel or FSDP) "
+            "model without slicing each checkpoint tensor as it reads it; layerswap converts "
+            "sharded loads from transformers 5.24 on. Load the model whole, or upgrade"
+        )
+    local = parallel.local_part_sizes(sizes, shard)
+    for name, tensor, size in zip(rule.sources, tensors, local, strict=True):
+        if tensor.dim() <= rule.dim or tensor.shape[rule.dim] != size:
+            raise ConversionError(
+                f"tensor {name!r} arrived with shape {tuple(tensor.shape)} on rank {shard.rank} "
+                f"of {shard.ranks}, but its share of dim {rule.dim} is {size} "
+                f"(concatenating into {rule.target!r})"
+            )
+    if shard.packed:
+        return [torch.cat(tensors, dim=rule.dim)]
+    whole = torch.cat(parallel.gather_parts(tensors, sizes, rule.dim, shard), dim=rule.dim)
+    start, length = parallel.stretch(whole.shape[rule.dim], shard)
+    return [whole.narrow(rule.dim, start, length).clone()]

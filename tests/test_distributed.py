@@ -15,8 +15,6 @@ import dataclasses
 import datetime
 import os
 import pickle
-import socket
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import free_port, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -44,12 +42,6 @@ SPAWN_TIMEOUT_S = 120
 
 
 # --- DDP over gloo, two processes ----------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _in_original_layout(
@@ -142,19 +134,12 @@ def _train_one_rank(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_and_fsdp_gradients_of_swapped_and_original_models_agree_on_two_ranks(tmp_path):
-    context = mp.start_processes(
+    run_ranks(
         _train_one_rank,
-        args=(_free_port(), str(tmp_path)),
+        (free_port(), str(tmp_path)),
         nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
+        timeout_s=SPAWN_TIMEOUT_S,
     )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD_SIZE} ranks did not finish in {SPAWN_TIMEOUT_S} s")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
     for report in ranks:

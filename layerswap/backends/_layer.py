@@ -73,6 +73,7 @@ __all__ = [
     "family_layer_class_named",
     "rotate_half",
     "rotate_interleaved",
+    "local_sizes",
     "split_heads",
     "update_cache",
 ]
@@ -275,9 +276,33 @@ def split_heads(
     """
     query, key, value = (
         part.view(*part.shape[:-1], -1, head_dim)
-        for part in torch.split(projected, list(sizes), dim=-1)
+        for part in torch.split(projected, local_sizes(sizes, projected.shape[-1]), dim=-1)
     )
     return query, key, value
+
+
+def local_sizes(sizes: Sequence[int], width: int) -> list[int]:
+    """The parts ``sizes`` of a packed projection whose output here is ``width`` wide.
+
+    ``width`` is ``sum(sizes)`` on one process. Under tensor parallelism each rank holds
+    its share of every part (its heads of q, of k and of v: a packed column shard), so
+    each part is ``size * width / sum(sizes)`` wide.
+
+    Example::
+
+        local_sizes((256, 64, 64), 384)   # [256, 64, 64]
+        local_sizes((256, 64, 64), 192)   # [128, 32, 32]: one rank of two
+    """
+    whole = sum(sizes)
+    if width == whole:
+        return list(sizes)
+    if whole % width or any(size * width % whole for size in sizes):
+        raise ValueError(
+            f"a packed projection of parts {list(sizes)} is {width} wide here: not an equal "
+            "share of every part (tensor parallelism needs every part, the key/value heads "
+            "included, to divide by the number of ranks)"
+        )
+    return [size * width // whole for size in sizes]
 
 
 def rotate_half(states: torch.Tensor) -> torch.Tensor:

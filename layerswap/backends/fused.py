@@ -478,6 +478,8 @@ BACKEND = Backend(
         ),
         "head": HEAD,
     },
+    # tests/test_parallel.py: tensor parallel and FSDP loading equal the original
+    tensor_parallel=None,
 )
 
 

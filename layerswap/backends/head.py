@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerswap.backend import Implementation
-from layerswap.errors import UnsupportedModelError, UpstreamDriftError
+from layerswap.errors import ParallelismError, UnsupportedModelError, UpstreamDriftError
 from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform
 from layerswap.registry import families
@@ -298,6 +298,12 @@ class CausalLMHead(nn.Module):
                 f"{type(lm_head).__module__}.{type(lm_head).__qualname__} (an adapter or a "
                 "quantised layer?); its own computation would be bypassed. Undo the head "
                 "swap, or merge the adapter first"
+            )
+        if any(p.is_shard() for p in getattr(lm_head.weight, "placements", ())):
+            raise ParallelismError(
+                f"{name} projects onto the whole vocabulary, but tensor parallelism split "
+                "lm_head's weight across ranks; shard only the decoder layers (no head "
+                "substitution), or load the model without tensor parallelism"
             )
         hooks = [
             hook

@@ -474,6 +474,10 @@ BACKEND = Backend(
     },
     requirement=unmet_requirement,
     devices=("cuda",),
+    tensor_parallel=(
+        "the liger layers split their packed projections per rank as the fused ones do, "
+        "but have not run sharded on a GPU yet"
+    ),
     dependencies=(
         Dependency(
             label="Liger-Kernel",

@@ -634,6 +634,10 @@ BACKEND = Backend(
     },
     requirement=unmet_requirement,
     devices=("cuda",),
+    tensor_parallel=(
+        "TransformerEngine layers shard with TransformerEngine's own tensor parallelism "
+        "(tp_group, sequence_parallel), which transformers' plan does not drive"
+    ),
     dependencies=(
         Dependency(
             label="TransformerEngine",
