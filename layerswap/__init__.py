@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os as _os
 import sys
 import types
 from pathlib import Path
@@ -134,3 +135,10 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+# a process started by one that called layerswap.distributed.propagate(): apply its
+# substitutions here too (each when its modeling module is imported)
+if _os.environ.get("LAYERSWAP_SUBSTITUTIONS"):
+    from layerswap.distributed import apply_from_environment as _apply_from_environment
+
+    _apply_from_environment()

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import pickle
 import warnings
 from collections import Counter
@@ -37,10 +38,14 @@ if TYPE_CHECKING:
     from layerswap.substitution import Substitution
 
 __all__ = [
+    "ENVIRONMENT",
+    "Propagation",
     "Reapply",
     "WithSubstitutions",
     "applied_substitutions",
+    "apply_from_environment",
     "check_ranks_agree",
+    "propagate",
     "reapply",
 ]
 
@@ -247,3 +252,149 @@ def check_ranks_agree(model: nn.Module | None = None, *, group: Any = None) -> N
         "ranks disagree on layerswap substitutions (every rank must apply the same ones "
         "before building or loading the model):\n" + "\n".join(lines)
     )
+
+
+# --- processes the user's code starts: an environment variable read at import ------------
+
+#: the environment variable naming the substitutions a process applies when it imports
+#: layerswap: ``"llama.decoder.fused@transformers.models.llama.modeling_llama,..."``
+#: (each registered name, with the module its original class lives in)
+ENVIRONMENT = "LAYERSWAP_SUBSTITUTIONS"
+
+# substitutions armed or applied in this process from the environment, by name
+_FROM_ENVIRONMENT: dict[str, PatchGroup | None] = {}
+
+
+class Propagation:
+    """Substitutions carried to processes started from here, through :data:`ENVIRONMENT`.
+
+    Made by :func:`propagate`. ``stop()`` (or leaving the ``with`` block) puts the
+    variable back as it was; processes started meanwhile keep what they got.
+    """
+
+    def __init__(self, names: tuple[str, ...], value: str, previous: str | None) -> None:
+        self.names = names
+        self.value = value
+        self._previous = previous
+        self._active = True
+
+    def stop(self) -> None:
+        """Stop carrying them: :data:`ENVIRONMENT` is restored (removed if it was unset)."""
+        import os
+
+        if not self._active:
+            return
+        self._active = False
+        if self._previous is None:
+            os.environ.pop(ENVIRONMENT, None)
+        else:
+            os.environ[ENVIRONMENT] = self._previous
+
+    def __enter__(self) -> Propagation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "stopped"
+        return f"Propagation({list(self.names)!r}, {state})"
+
+
+def propagate(substitutions: Iterable[str | Substitution] | None = None) -> Propagation:
+    """Make processes started from here apply ``substitutions`` (default: those applied now).
+
+    Sets :data:`ENVIRONMENT`, which child processes inherit. A process that imports
+    layerswap with it set applies each substitution (:func:`layerswap.use`, for the
+    rest of its life) as soon as the original's modeling module is imported, before
+    any model is built, and says so on stderr. That covers ``multiprocessing`` with
+    ``spawn`` and ``forkserver`` and ``torch.multiprocessing.spawn`` (the child
+    re-imports the script that called this), and ``torchrun`` (each rank runs the
+    script). A forked child inherits the patches themselves and applies nothing twice.
+    Only registered substitutions travel by name; others raise
+    :class:`SubstitutionError`. Off unless called.
+
+    Example::
+
+        with layerswap.use("llama.decoder.fused"):
+            propagate()                    # every process started from here on
+        torch.multiprocessing.spawn(train, nprocs=2)
+    """
+    import os
+
+    from layerswap.registry import get
+
+    if substitutions is None:
+        chosen: list[Substitution] = list(applied_substitutions())
+        if not chosen:
+            raise SubstitutionError(
+                "propagate(): no layerswap substitution is applied here; call it inside the "
+                "use(...) block, or name them: propagate(['llama.decoder.fused'])"
+            )
+    else:
+        items = [substitutions] if isinstance(substitutions, str) else list(substitutions)
+        chosen = [get(item) for item in items]
+    entries = []
+    for sub in chosen:
+        try:
+            registered = get(sub.name)
+        except LookupError:
+            registered = None
+        if registered != sub:
+            raise SubstitutionError(
+                f"propagate(): {sub.name!r} is not the registered substitution of that name, "
+                "so another process cannot look it up; register it, or hand it to the "
+                "process yourself (WithSubstitutions)"
+            )
+        module = sub.original.partition(":")[0]
+        entries.append(f"{sub.name}@{module}")
+    previous = os.environ.get(ENVIRONMENT)
+    kept = [entry for entry in (previous or "").split(",") if entry and entry not in entries]
+    value = ",".join([*kept, *entries])
+    os.environ[ENVIRONMENT] = value
+    return Propagation(tuple(sub.name for sub in chosen), value, previous)
+
+
+def apply_from_environment(value: str | None = None) -> list[str]:
+    """Arm the substitutions :data:`ENVIRONMENT` (or ``value``) names in this process.
+
+    Run when layerswap is imported with the variable set. Each substitution is applied
+    when its original's modeling module is imported (now, if it already is), skipping
+    those this process already has; returns the names armed. A name this process
+    cannot resolve raises :class:`SubstitutionError` at that import, never silently.
+    """
+    import os
+
+    import wrapt
+
+    text = os.environ.get(ENVIRONMENT, "") if value is None else value
+    armed = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, _, module = entry.partition("@")
+        if not name or not module:
+            raise SubstitutionError(
+                f"{ENVIRONMENT}={text!r}: entries are NAME@MODULE "
+                "(set by layerswap.distributed.propagate)"
+            )
+        if name in _FROM_ENVIRONMENT:
+            continue
+        _FROM_ENVIRONMENT[name] = None
+        armed.append(name)
+        wrapt.register_post_import_hook(functools.partial(_apply_named, name), module)
+    return armed
+
+
+def _apply_named(name: str, _module: Any = None) -> None:
+    import os
+    import sys
+
+    from layerswap.use import use
+
+    if _FROM_ENVIRONMENT.get(name) is not None:
+        return
+    if name in {sub.name for sub in applied_substitutions()}:
+        return  # a forked process inherited the patch
+    group = use(name)
+    group.start()
+    _FROM_ENVIRONMENT[name] = group
+    sys.stderr.write(f"layerswap: {ENVIRONMENT} applied {name} in process {os.getpid()}\n")

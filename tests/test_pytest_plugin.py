@@ -580,6 +580,45 @@ def test_a_process_a_test_spawns_builds_the_session_substitutions(pytester):
     plain.stdout.fnmatch_lines(["SPAWNED BUILT LlamaDecoderLayer"])
 
 
+@pytest.mark.slow  # a spawned interpreter that imports torch and transformers
+def test_a_multiprocessing_child_of_a_test_gets_the_session_substitutions(pytester):
+    # multiprocessing (not torch's): the child re-imports the test module, which imports
+    # layerswap, which reads LAYERSWAP_SUBSTITUTIONS (layerswap.distributed.propagate)
+    pytester.makepyfile(
+        textwrap.dedent(
+            """
+            import multiprocessing
+
+            import layerswap
+
+
+            def build(queue):
+                from transformers import LlamaForCausalLM
+
+                config = layerswap.get_family("llama").tiny_config(num_hidden_layers=1)
+                queue.put(type(LlamaForCausalLM(config).model.layers[0]).__name__)
+
+
+            def test_spawned_child():
+                context = multiprocessing.get_context("spawn")
+                queue = context.Queue()
+                process = context.Process(target=build, args=(queue,))
+                process.start()
+                print("CHILD BUILT", queue.get(timeout=120))
+                process.join()
+            """
+        )
+    )
+    swapped = pytester.runpytest_subprocess(
+        *PLUGIN, *INNER, "--layerswap=llama.decoder.fused", "-rP"
+    )
+    swapped.assert_outcomes(passed=1)
+    swapped.stdout.fnmatch_lines(["CHILD BUILT FusedLlamaDecoderLayer"])
+    plain = pytester.runpytest_subprocess(*PLUGIN, *INNER, "-rP")
+    plain.assert_outcomes(passed=1)
+    plain.stdout.fnmatch_lines(["CHILD BUILT LlamaDecoderLayer"])
+
+
 def _downstream(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return run(pytester, str(DOWNSTREAM), "-rP", *args)
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from layerswap.errors import LayerswapError
 from layerswap.patching import Origin, Patch, PatchGroup, patches, wrap
+
+if TYPE_CHECKING:
+    from layerswap.distributed import Propagation
 
 __all__ = [
     "MARKER",
@@ -42,6 +45,7 @@ class _Session:
 
     names: tuple[str, ...] = ()
     group: PatchGroup | None = None
+    propagation: Propagation | None = None
 
 
 _SESSION = pytest.StashKey[_Session]()
@@ -101,10 +105,18 @@ def pytest_configure(config: pytest.Config) -> None:
     except LayerswapError as exc:
         raise pytest.UsageError(f"--layerswap: {exc}") from exc
     state.group = group
+    # processes the tests start that import layerswap (multiprocessing spawn/forkserver,
+    # torchrun) apply them too: layerswap.distributed.propagate
+    from layerswap.distributed import propagate
+
+    state.propagation = propagate(names)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_SESSION, None)
+    if state is not None and state.propagation is not None:
+        state.propagation.stop()
+        state.propagation = None
     if state is not None and state.group is not None:
         state.group.stop()
         state.group = None
