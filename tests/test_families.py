@@ -131,6 +131,15 @@ def test_inference_keeps_a_mixture_of_experts_block_as_the_original_has_it() -> 
     assert infer_family("llama", verify=False).mlp_class is None
 
 
+def test_inference_gives_the_same_declaration_on_every_call() -> None:
+    # Cohere 2 MoE: full-attention layers skip the rotary embedding (NoPE); the probe that
+    # finds that rule once read the experts' uninitialised memory and flipped from call
+    # to call between "sliding" and "all" (a wrong declaration then failed verification)
+    first, second = (infer_family("cohere2_moe", verify=False) for _ in range(2))
+    assert first == second
+    assert first.rotary_layers == "sliding"
+
+
 def test_the_fused_moe_layer_keeps_the_original_block_with_its_dense_layers() -> None:
     # Qwen2-MoE: layer 1 dense (mlp_only_layers), the others sparse with a shared expert
     model = tiny_model("qwen2_moe", seed=7, num_hidden_layers=3, mlp_only_layers=[1])

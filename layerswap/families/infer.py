@@ -54,10 +54,12 @@ VERIFIED: tuple[str, ...] = (
     "aria_text",
     "cohere",
     "cohere2",
+    "cohere2_moe",
     "cwm",
     "ernie4_5",
     "ernie4_5_moe",
     "exaone4",
+    "exaone_moe",
     "flex_olmo",
     "gemma2",
     "gemma3_text",
@@ -339,6 +341,25 @@ def _rotary_width(attention: nn.Module, config: Any) -> int:
     return int(head_dim * (factor or 1.0))
 
 
+def _seeded(decoder: Any, config: Any, index: int) -> nn.Module:
+    """Layer ``index`` of ``config`` with every parameter drawn from a fixed seed, so a
+    probe gives the same answer on every call.
+
+    A bare decoder layer is not initialised by transformers (that happens in the
+    model's ``post_init``): parameters made with ``torch.empty`` (experts of a
+    mixture-of-experts block) hold whatever memory they got, zeros or NaNs included.
+    """
+    generator = torch.Generator().manual_seed(1000 + index)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1000 + index)
+        layer: nn.Module = decoder(config, index)
+    with torch.no_grad():  # buffers (rotary frequencies) are computed, not learned: kept
+        for param in layer.parameters():
+            if param.is_floating_point():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return layer
+
+
 def _rotates(layer: nn.Module, config: Any) -> bool:
     """Whether ``layer`` applies the rotary embedding: its output changes with the angles."""
     width = _rotary_width(layer.get_submodule("self_attn"), config)
@@ -364,7 +385,7 @@ def _rotates(layer: nn.Module, config: Any) -> bool:
 def _rotary_layers(decoder: Any, config: Any, where: str) -> str:
     """The rule of :data:`~layerswap.family.ROTARY_LAYERS` that says, for every layer of
     ``config``, whether the original applies the rotary embedding, probed layer by layer."""
-    layers = [decoder(config, index) for index in range(config.num_hidden_layers)]
+    layers = [_seeded(decoder, config, index) for index in range(config.num_hidden_layers)]
     truth = [_rotates(layer, config) for layer in layers]
     attentions = [layer.get_submodule("self_attn") for layer in layers]
     for name, rule in ROTARY_LAYERS.items():
@@ -573,8 +594,8 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     qk_norm_switch = _qk_norm_switch(build, config)
     qk_config = config if qk_norm_switch is None else _with(config, qk_norm_switch, True)
     # norms on real tensors: the kind and offset are probed numerically
-    real: nn.Module = decoder(config, 0)
-    real_qk: nn.Module = real if qk_norm_switch is None else decoder(qk_config, 0)
+    real: nn.Module = _seeded(decoder, config, 0)
+    real_qk: nn.Module = real if qk_norm_switch is None else _seeded(decoder, qk_config, 0)
     qk_norm: bool | str = False
     q_norm: Any = getattr(real_qk.get_submodule("self_attn"), "q_norm", None)
     if q_norm is not None:
