@@ -489,6 +489,18 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         raise UnsupportedFamilyError(
             f"{model_type}: dropout the fused layer does not apply ({dropouts})"
         )
+    # Llama 4's attention temperature (Ministral 3): queries scaled by a function of the
+    # position, read from the default rotary parameters the tiny config leaves out
+    try:
+        default_rope = getattr(config_class(), "rope_parameters", None) or {}
+    except Exception:  # a config that needs arguments: nothing to read here
+        default_rope = {}
+    if isinstance(default_rope, dict) and default_rope.get("llama_4_scaling_beta") is not None:
+        raise UnsupportedFamilyError(
+            f"{model_type}: queries scaled by their position (Llama 4 attention temperature, "
+            f"rope_parameters llama_4_scaling_beta={default_rope['llama_4_scaling_beta']}); "
+            "the fused layer has no such scaling"
+        )
     with torch.device("meta"):
         try:
             model = causal_lm(config)
