@@ -117,7 +117,7 @@ def sweep_one(workdir: Path, version: str) -> dict[str, Any]:
     except ValueError:
         families = []
     tests = subprocess.run(
-        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TESTS],
+        [str(python), "-m", "pytest", "--full", "-q", "-p", "no:cacheprovider", "-x", *TESTS],
         capture_output=True,
         text=True,
         env=env,

@@ -46,3 +46,51 @@ def make_module(tmp_path: Path) -> Iterator[Callable[[str, str], str]]:
     sys.path.remove(str(tmp_path))
     for name in created:
         sys.modules.pop(name, None)
+
+
+# --- the fast lane ---------------------------------------------------------------------------
+# `pytest` runs the unit tests and the per-family tests on the representative families
+# (tests/models.py: REPRESENTATIVES, every structural choice covered); `pytest --full`
+# (what .ci/run runs) adds the tests marked `slow` and the family matrix (`matrix`).
+
+_SKIPPED_LANES = ("slow", "matrix")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="run the whole suite: the tests marked slow and every family (what CI runs)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from models import FAMILIES, REPRESENTATIVES
+
+    others = set(FAMILIES) - set(REPRESENTATIVES)
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        # a family's name, or a substitution of it ("solar_open.head.fused")
+        if callspec is not None and any(
+            isinstance(value, str) and value.split(".")[0] in others
+            for value in callspec.params.values()
+        ):
+            item.add_marker(pytest.mark.matrix)
+    if config.getoption("--full") or config.getoption("-m"):
+        return  # everything, or what the -m expression chose
+    kept, dropped = [], []
+    for item in items:
+        lane = any(item.get_closest_marker(name) for name in _SKIPPED_LANES)
+        (dropped if lane else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.getoption("--full") or config.getoption("-m"):
+        return None
+    return (
+        "fast lane: tests marked slow and the family matrix are deselected "
+        "(pytest --full runs the whole suite, as CI does)"
+    )

@@ -26,6 +26,50 @@ from layerswap.registry import get_family
 FAMILIES = tuple(sorted(_registered()))
 
 
+def _features(spec: Family) -> set[tuple[str, Any]]:
+    """The structural choices a family declares, each as (field, value)."""
+    config = spec.tiny_config()
+    return {
+        ("qkv_bias", bool(spec.qkv_bias)),
+        ("o_bias", bool(spec.o_bias)),
+        ("mlp_bias", bool(spec.mlp_bias)),
+        ("qk_norm", spec.qk_norm),
+        ("qk_norm_switch", spec.qk_norm_switch is not None),
+        ("norm", spec.norm),
+        ("norm_offset", spec.norm_offset != 0),
+        ("mlp", spec.mlp),
+        ("qkv_modules", spec.qkv_modules),
+        ("norms", spec.norms),
+        ("parallel", spec.parallel),
+        ("rotary", spec.rotary),
+        ("rotary_layers", spec.rotary_layers),
+        ("softcap", getattr(config, "attn_logit_softcapping", None) is not None),
+        ("sliding", getattr(config, "sliding_window", None) is not None),
+    }
+
+
+def _representatives() -> tuple[str, ...]:
+    """Families that between them show every structural choice any family makes.
+
+    Greedy cover, most common families first: the fast lane runs the per-family tests on
+    these; ``pytest --full`` (and CI) on every family.
+    """
+    first = ("llama", "qwen3", "qwen2", "gemma2", "mixtral")
+    order = [*first, *(name for name in FAMILIES if name not in first)]
+    covered: set[tuple[str, Any]] = set()
+    chosen = []
+    for name in order:
+        features = _features(get_family(name))
+        if not features <= covered:
+            chosen.append(name)
+            covered |= features
+    return tuple(sorted(chosen))
+
+
+#: the families the fast lane runs per-family tests on (the rest are marked ``matrix``)
+REPRESENTATIVES = _representatives()
+
+
 def family(name: str) -> Family:
     """The builtin family called ``name``."""
     return get_family(name)

@@ -98,6 +98,7 @@ def test_the_configs_output_attentions_is_honoured() -> None:
         _assert_same(swapped(ids).attentions, eager(ids).attentions)
 
 
+@pytest.mark.slow  # torch.compile
 def test_layers_compiled_one_by_one_return_the_weights() -> None:
     original = tiny_model("llama", num_hidden_layers=2)
     swapped = _swapped(original)
@@ -112,6 +113,7 @@ def test_layers_compiled_one_by_one_return_the_weights() -> None:
         assert swapped(ids).attentions is None
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_model_returns_the_weights_without_more_breaks_than_the_original() -> None:
     original = tiny_model("llama", num_hidden_layers=2)
     swapped = _swapped(original)

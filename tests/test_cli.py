@@ -49,6 +49,7 @@ def logits_of(model: Any) -> torch.Tensor:
 # --- the main job, in a real interpreter ----------------------------------------------
 
 
+@pytest.mark.slow  # full verification through the command line
 def test_patch_llama_passes_and_prints_a_plain_table() -> None:
     result = run_process("patch", "--model", "llama")
 
@@ -102,6 +103,7 @@ def broken_plugin(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow  # full verification through the command line
 def test_broken_substitution_from_a_plugin_fails_with_exit_1_naming_layer_2_saving_nothing(
     broken_plugin: Path,
 ) -> None:

@@ -79,6 +79,7 @@ def reshape(directory: Path) -> None:
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
 
+@pytest.mark.slow  # a fresh interpreter per fault
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [

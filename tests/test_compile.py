@@ -20,6 +20,8 @@ import layerswap
 from layerswap.swap import rebuild_originals
 from layerswap.verify.gradients import gradients_to_original
 
+pytestmark = pytest.mark.slow  # torch.compile
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 

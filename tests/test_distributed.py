@@ -133,6 +133,7 @@ def _train_one_rank(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawned processes
 def test_ddp_and_fsdp_gradients_of_swapped_and_original_models_agree_on_two_ranks(tmp_path):
     run_ranks(
         _train_one_rank,
@@ -189,6 +190,7 @@ def _from_worker(worker_init_fn: Any, context: str) -> list[str]:
     return list(loader)
 
 
+@pytest.mark.slow  # spawned processes
 def test_spawned_dataloader_workers_get_the_substitution_back_with_reapply():
     with layerswap.use(SUBSTITUTION):
         init = reapply()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs every page's code and commands
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

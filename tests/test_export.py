@@ -20,6 +20,8 @@ from torch import nn
 
 import layerswap
 
+pytestmark = pytest.mark.slow  # torch.export, TorchScript and ONNX exports
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 

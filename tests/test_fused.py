@@ -161,6 +161,7 @@ def test_hidden_states_asked_first_while_swapped_still_work_after_undo() -> None
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_a_swapped_model_pickles_and_loads_in_a_fresh_process(tmp_path: Path) -> None:
     model = tiny_model("qwen3", num_hidden_layers=1)
     ids = tokens(model.config.vocab_size)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from models import FAMILIES
 from ranks import free_port, run_ranks
 from safetensors.torch import load_file
 
@@ -214,13 +215,13 @@ def test_parts_sharded_in_different_styles_are_refused_when_transformers_applies
         ALL_PARALLEL_STYLES[parallel.REFUSED_STYLE].install_forward(attention, None)
 
 
-def test_every_swapped_family_plan_names_only_modules_it_has():
-    for sub in layerswap.substitutions(backend="fused", slot="decoder"):
-        model = _swapped(sub.family)
-        names = {parallel._wildcard(n) for n, _ in model.named_modules()}
-        names |= {parallel._wildcard(n) for n, _ in model.named_parameters()}
-        for key, style in (getattr(model, "_tp_plan", None) or {}).items():
-            assert key in names, f"{sub.family}: plan entry {key} ({style}) names nothing"
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_every_swapped_family_plan_names_only_modules_it_has(family_name):
+    model = _swapped(family_name)
+    names = {parallel._wildcard(n) for n, _ in model.named_modules()}
+    names |= {parallel._wildcard(n) for n, _ in model.named_parameters()}
+    for key, style in (getattr(model, "_tp_plan", None) or {}).items():
+        assert key in names, f"{family_name}: plan entry {key} ({style}) names nothing"
 
 
 def test_layers_not_declared_sharded_are_refused_whole():

@@ -52,6 +52,7 @@ def _started(method: str) -> str:
         process.join(timeout=60)
 
 
+@pytest.mark.slow  # fresh interpreters that import torch and transformers
 def test_spawned_and_forkserver_processes_apply_what_propagate_carries():
     with layerswap.use(SUBSTITUTION):
         propagation = propagate()  # what is applied here and now
@@ -64,6 +65,7 @@ def test_spawned_and_forkserver_processes_apply_what_propagate_carries():
     assert _started("spawn") == "LlamaDecoderLayer"
 
 
+@pytest.mark.slow  # fresh interpreters that import torch and transformers
 def test_torchrun_ranks_apply_what_propagate_carries(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(

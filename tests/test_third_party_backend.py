@@ -47,6 +47,7 @@ def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # installs a package
 def test_an_installed_backend_covers_every_family_and_verifies(installed: dict[str, str]) -> None:
     script = textwrap.dedent(
         """
@@ -92,6 +93,7 @@ def test_an_installed_backend_covers_every_family_and_verifies(installed: dict[s
     assert result.stdout.strip().endswith("ok")
 
 
+@pytest.mark.slow  # installs a package
 def test_the_cli_lists_and_verifies_an_installed_backend(installed: dict[str, str]) -> None:
     listed = _run(installed, "-m", "layerswap", "list", "--backend", "guarded")
     verified = _run(installed, "-m", "layerswap", "verify", "--model", "llama", "-b", "guarded")
@@ -102,6 +104,7 @@ def test_the_cli_lists_and_verifies_an_installed_backend(installed: dict[str, st
     assert "llama.decoder.guarded" in verified.stdout
 
 
+@pytest.mark.slow  # installs a package
 def test_without_the_package_the_backend_is_unknown_with_a_suggestion() -> None:
     result = _run(
         dict(os.environ),
