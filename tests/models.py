@@ -28,7 +28,10 @@ FAMILIES = tuple(sorted(_registered()))
 
 def _features(spec: Family) -> set[tuple[str, Any]]:
     """The structural choices a family declares, each as (field, value)."""
-    config = spec.tiny_config()
+    try:
+        config: Any = spec.tiny_config()
+    except Exception:  # not in this transformers (kolibri1 before 5.13): declared fields only
+        config = None
     return {
         ("qkv_bias", bool(spec.qkv_bias)),
         ("o_bias", bool(spec.o_bias)),
