@@ -1,0 +1,135 @@
+"""Image-and-text inputs for the multimodal wrappers of a covered text decoder.
+
+A ``*ForConditionalGeneration`` model (Llava, Gemma 3, Mistral 3, ...) runs a vision
+tower and puts its features where the prompt holds image tokens; its language model is a
+text decoder layerswap swaps (the family is read from ``config.text_config``). Verifying
+such a model on text alone would leave the image path untested, so :func:`verify`'s
+default inputs for a wrapper listed in :data:`WRAPPERS` hold images: random pixels, and
+as many image tokens per prompt as the model's own ``get_image_features`` returns
+features, placed after the padding.
+
+Example::
+
+    batch = image_text_inputs(model)   # input_ids, attention_mask, pixel_values, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["WRAPPERS", "image_text_inputs", "is_image_text"]
+
+#: the wrappers proven with image inputs, by ``model_type``, with what their processor
+#: adds to the pixels: ``image_sizes`` (each image's height and width), ``images_axis``
+#: (pixels as batch x images x channels x height x width), ``token_type_ids`` (1 on image
+#: tokens)
+WRAPPERS: Mapping[str, frozenset[str]] = {
+    "aya_vision": frozenset(),
+    "gemma3": frozenset({"token_type_ids"}),
+    "idefics3": frozenset({"images_axis"}),
+    "internvl": frozenset(),
+    "llava": frozenset(),
+    "mistral3": frozenset({"image_sizes"}),
+    "smolvlm": frozenset({"images_axis"}),
+}
+
+
+def _config(model: nn.Module) -> Any:
+    return getattr(model, "config", None)
+
+
+def is_image_text(model: nn.Module) -> bool:
+    """Whether ``model`` is a wrapper whose default verification inputs hold images."""
+    config = _config(model)
+    return (
+        getattr(config, "model_type", None) in WRAPPERS
+        and getattr(config, "vision_config", None) is not None
+        and callable(getattr(model, "get_image_features", None))
+    )
+
+
+def _image_token(config: Any) -> int:
+    for field in ("image_token_id", "image_token_index"):
+        value = getattr(config, field, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{config.model_type}: the config names no image token")
+
+
+def _special_tokens(config: Any) -> set[int]:
+    found = set()
+    for source in (config, getattr(config, "text_config", None)):
+        for key, value in (source.to_dict() if source is not None else {}).items():
+            if key.endswith(("_token_id", "_token_index")) and isinstance(value, int):
+                found.add(value)
+    return found
+
+
+def image_text_inputs(
+    model: nn.Module,
+    *,
+    batch: int = 2,
+    text: int = 6,
+    padding: int = 2,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """A batch of ``batch`` prompts, each one image and ``text`` text tokens.
+
+    Every row after the first starts with ``padding`` pad tokens (masked out); then two
+    text tokens, the image tokens, the rest of the text. The pixels and the text are
+    drawn from ``seed`` (special tokens avoided); the image token count is what the
+    model's ``get_image_features`` returns for one image.
+    """
+    config = _config(model)
+    kind = WRAPPERS[config.model_type]
+    vision = config.vision_config
+    size = vision.image_size
+    size = int(size[0] if isinstance(size, (list, tuple)) else size)
+    channels = int(getattr(vision, "num_channels", 3))
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(batch, channels, size, size, generator=generator)
+    extra: dict[str, torch.Tensor] = {}
+    if "image_sizes" in kind:
+        extra["image_sizes"] = torch.tensor([[size, size]] * batch)
+    if "images_axis" in kind:
+        pixels = pixels[:, None]
+    parameter = next(model.parameters())
+    image_features: Any = model.get_image_features
+    with torch.no_grad():
+        features = image_features(
+            pixel_values=pixels[:1].to(parameter.device, parameter.dtype),
+            **{key: value[:1].to(parameter.device) for key, value in extra.items()},
+        )
+    pooled = getattr(features, "pooler_output", None)
+    pooled = features if pooled is None else pooled
+    parts = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+    count = sum(part.reshape(-1, part.shape[-1]).shape[0] for part in parts)
+    text_config = config.get_text_config()
+    image_token = _image_token(config)
+    pad = getattr(text_config, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) else 0
+    allowed = torch.tensor(
+        sorted(set(range(text_config.vocab_size)) - _special_tokens(config) - {pad})
+    )
+    width = padding + text + count
+    drawn = torch.randint(0, len(allowed), (batch, width), generator=generator)
+    input_ids = allowed[drawn]
+    attention_mask = torch.ones(batch, width, dtype=torch.long)
+    for row in range(batch):
+        start = 0 if row == 0 else padding
+        if row:
+            input_ids[row, :padding] = pad
+            attention_mask[row, :padding] = 0
+        input_ids[row, start + 2 : start + 2 + count] = image_token
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixels}
+    if "token_type_ids" in kind:
+        out["token_type_ids"] = (input_ids == image_token).long()
+    out.update(extra)
+    if device is not None:
+        out = {key: value.to(device) for key, value in out.items()}
+    return out
