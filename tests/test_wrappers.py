@@ -27,7 +27,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "idefics3": ("llama", {}),
     "internvl": ("qwen2", {}),
     "llava": ("llama", {}),
+    "llava_next": ("llama", {"image_grid_pinpoints": [[32, 64], [64, 32]]}),  # 32 x 32 tiles
     "mistral3": ("mistral", {}),
+    "paligemma": ("gemma", {"projection_dim": 128}),  # the text width
     "smolvlm": ("llama", {}),
 }
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
@@ -46,7 +48,8 @@ def tiny_wrapper(model_type: str, seed: int = 0) -> Any:
         if key in vision:
             vision[key] = [value, value] if isinstance(vision[key], (list, tuple)) else value
     vision.update({key: 16 for key in ("head_dim",) if key in vision})
-    vision.update({key: 32 for key in ("projection_dim",) if key in vision})
+    # PaliGemma projects the vision features to projection_dim: the text width
+    vision.update({key: text["hidden_size"] for key in ("projection_dim",) if key in vision})
     image_token = {
         key: 3 for key in ("image_token_id", "image_token_index") if hasattr(defaults, key)
     }

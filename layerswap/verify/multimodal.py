@@ -25,15 +25,18 @@ __all__ = ["WRAPPERS", "image_text_inputs", "is_image_text"]
 
 #: the wrappers proven with image inputs, by ``model_type``, with what their processor
 #: adds to the pixels: ``image_sizes`` (each image's height and width), ``images_axis``
-#: (pixels as batch x images x channels x height x width), ``token_type_ids`` (1 on image
-#: tokens)
+#: (pixels as batch x images x channels x height x width), ``anyres`` (batch x crops x
+#: channels x height x width: the whole image and its tiles, LLaVA-NeXT),
+#: ``token_type_ids`` (1 on image tokens)
 WRAPPERS: Mapping[str, frozenset[str]] = {
     "aya_vision": frozenset(),
     "gemma3": frozenset({"token_type_ids"}),
     "idefics3": frozenset({"images_axis"}),
     "internvl": frozenset(),
     "llava": frozenset(),
+    "llava_next": frozenset({"image_sizes", "anyres"}),
     "mistral3": frozenset({"image_sizes"}),
+    "paligemma": frozenset({"token_type_ids"}),
     "smolvlm": frozenset({"images_axis"}),
 }
 
@@ -69,6 +72,21 @@ def _special_tokens(config: Any) -> set[int]:
     return found
 
 
+def _anyres_crops(model: nn.Module, size: int) -> int:
+    """How many crops LLaVA-NeXT's processor makes of one ``size`` x ``size`` image: the
+    whole image and its tiles at the best of ``config.image_grid_pinpoints`` (the
+    modeling module's own ``image_size_to_num_patches``)."""
+    import sys
+
+    module = sys.modules[type(model).__module__]
+    crops: int = module.image_size_to_num_patches(
+        image_size=(size, size),
+        grid_pinpoints=_config(model).image_grid_pinpoints,
+        patch_size=size,
+    )
+    return crops
+
+
 def image_text_inputs(
     model: nn.Module,
     *,
@@ -98,6 +116,9 @@ def image_text_inputs(
         extra["image_sizes"] = torch.tensor([[size, size]] * batch)
     if "images_axis" in kind:
         pixels = pixels[:, None]
+    if "anyres" in kind:
+        crops = _anyres_crops(model, size)
+        pixels = torch.randn(batch, crops, channels, size, size, generator=generator)
     parameter = next(model.parameters())
     image_features: Any = model.get_image_features
     with torch.no_grad():
