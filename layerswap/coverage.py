@@ -1,9 +1,9 @@
 """What layerswap covers: every decoder family transformers ships, and one model's modules.
 
-:func:`coverage` answers, for every causal-LM model type of the installed transformers,
-which registered family covers it and, per backend, whether that backend's decoder layer
-does and why not; a model type no family covers says why (refused by inference, or
-inferred and verified but not builtin). :func:`model_coverage` answers, for one model
+:func:`coverage` answers, for every causal-LM model type of the installed transformers
+and every multimodal wrapper proven on image prompts, which registered family covers it
+and, per backend, whether that backend's decoder layer does and why not; a model type no
+family covers says why (refused by inference, or inferred and verified but not builtin). :func:`model_coverage` answers, for one model
 (a family name, a config file or a checkpoint directory), which of its modules each
 substitution replaces and which stay the original's (embeddings, final norm, rotary,
 ``lm_head``).
@@ -48,6 +48,9 @@ class Coverage:
     reason: str | None
     #: every registered backend: ``None`` when its decoder layer covers the family, else why not
     backends: Mapping[str, str | None]
+    #: for a multimodal wrapper, what stays the original's (its vision tower); ``None``
+    #: for a text decoder
+    wrapper: str | None = None
 
     @property
     def covered(self) -> bool:
@@ -83,7 +86,29 @@ def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str
             continue
         reason = why_not_covered(model_type)
         report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
+    for model_type, family in _wrapped().items():
+        answers = {name: backend.unsupported(family) for name, backend in declared.items()}
+        kept = "the vision tower and projector stay the original's; verified on image prompts"
+        report[model_type] = Coverage(model_type, family.name, None, answers, wrapper=kept)
     return report
+
+
+def _wrapped() -> dict[str, Family]:
+    """The multimodal wrappers proven on image prompts, each with its text decoder's family."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from layerswap.verify.multimodal import WRAPPERS
+
+    by_type = {family.model_type: family for family in families().values()}
+    found = {}
+    for model_type in sorted(WRAPPERS):
+        try:
+            text_type = CONFIG_MAPPING[model_type]().text_config.model_type
+        except Exception:  # not in this transformers
+            continue
+        if text_type in by_type:
+            found[model_type] = by_type[text_type]
+    return found
 
 
 def why_not_covered(model_type: str) -> str:

@@ -202,6 +202,16 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
     assert "fused" not in rows["olmo2"]["not_covered"]
     assert "not a dense MLP or a mixture-of-experts block" in rows["granitemoe"]["reason"]
     assert "no counterpart for: mlp.act_fn.alpha_p" in rows["apertus"]["reason"]
+    # the multimodal wrappers proven on image prompts, through their language model
+    for model_type, family_name in (
+        ("llava", "llama"),
+        ("gemma3", "gemma3"),
+        ("mistral3", "mistral"),
+    ):
+        row = rows[model_type]
+        assert row["family"] == family_name and row["reason"] is None, row
+        assert "vision tower" in row["wrapper"] and "fused" in row["backends"]
+    assert rows["llama"]["wrapper"] is None
 
 
 def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None:

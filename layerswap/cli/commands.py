@@ -138,6 +138,7 @@ def _list_coverage(json_output: bool) -> None:
                     "family": name,
                     "backends": backends,
                     "reason": found.reason,
+                    "wrapper": found.wrapper,
                     "not_covered": {
                         backend: why for backend, why in found.backends.items() if why is not None
                     }

@@ -170,15 +170,18 @@ def render_coverage(
         why = row["reason"]
         if why is None:
             why = "; ".join(f"{b}: {reason}" for b, reason in row["not_covered"].items())
-        table.add_row(
-            row["model_type"],
-            row["family"] or "-",
-            ", ".join(row["backends"]) or "-",
-            Text(why),
-        )
+        family = row["family"] or "-"
+        if row.get("wrapper"):  # a multimodal wrapper: the family of its language model
+            family = f"{family} (wrapped)"
+            why = "; ".join(part for part in (row["wrapper"], why) if part)
+        table.add_row(row["model_type"], family, ", ".join(row["backends"]) or "-", Text(why))
     console.emit(table)
     covered = sum(row["reason"] is None for row in rows)
-    console.print(f"{covered} of {len(rows)} causal-LM model types covered")
+    wrappers = sum(bool(row.get("wrapper")) for row in rows)
+    console.print(
+        f"{covered} of {len(rows)} model types covered ({wrappers} of them multimodal wrappers "
+        "whose language model is swapped)"
+    )
     if held_back is not None:
         console.print(held_back)
 
