@@ -1,0 +1,74 @@
+"""How long the command line and the registry take to answer, against importing a model.
+
+Each command runs in a fresh interpreter, the commands interleaved round by round (so a
+busy spell of the machine touches all of them), and the median of the rounds is
+compared with the reference: ``python -c "import torch,
+transformers.models.llama.modeling_llama"``, what any use of a Llama costs anyway.
+
+Targets (issue "a lazy registry"): ``layerswap list`` and an unknown-family error at most
+0.5x the reference; ``layerswap.get("llama.decoder.fused")`` imports only llama's
+modeling module. Run: ``python benchmarks/bench_startup.py [rounds]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+PYTHON = sys.executable
+REFERENCE = "import torch, transformers.models.llama.modeling_llama"
+COMMANDS = {
+    "reference: import torch + llama modeling": [PYTHON, "-c", REFERENCE],
+    "import layerswap": [PYTHON, "-c", "import layerswap"],
+    "layerswap.get('llama.decoder.fused')": [
+        PYTHON,
+        "-c",
+        "import layerswap; layerswap.get('llama.decoder.fused')",
+    ],
+    "layerswap list": [PYTHON, "-m", "layerswap", "list"],
+    "layerswap patch --model lama (unknown family)": [
+        PYTHON,
+        "-m",
+        "layerswap",
+        "patch",
+        "--model",
+        "lama",
+    ],
+}
+MODELING = (
+    "import sys, layerswap; layerswap.get('llama.decoder.fused'); "
+    "print(sorted(m for m in sys.modules if m.startswith('transformers.models.') "
+    "and '.modeling_' in m))"
+)
+
+
+def _time(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, capture_output=True, check=False)
+    return time.perf_counter() - start
+
+
+def main(rounds: int = 5) -> None:
+    times: dict[str, list[float]] = {label: [] for label in COMMANDS}
+    for _ in range(rounds):
+        for label, command in COMMANDS.items():
+            times[label].append(_time(command))
+    reference = statistics.median(times[next(iter(COMMANDS))])
+    print(f"python {sys.version.split()[0]}, {rounds} rounds, median seconds (min-max)")
+    for label, seconds in times.items():
+        median = statistics.median(seconds)
+        print(
+            f"{label:48s} {median:6.2f} ({min(seconds):.2f}-{max(seconds):.2f})"
+            f"  {median / reference:5.2f}x"
+        )
+    imported = subprocess.run(
+        [PYTHON, "-c", MODELING], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    count = imported.count("modeling_")
+    print(f"modeling modules imported by layerswap.get('llama.decoder.fused'): {count}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
