@@ -1,7 +1,7 @@
 """What layerswap covers: every decoder family transformers ships, and one model's modules.
 
 :func:`coverage` answers, for every causal-LM model type of the installed transformers
-and every multimodal wrapper proven on image prompts, which registered family covers it
+and every multimodal wrapper proven on image or audio prompts, which registered family covers it
 and, per backend, whether that backend's decoder layer does and why not; a model type no
 family covers says why (refused by inference, or inferred and verified but not builtin). :func:`model_coverage` answers, for one model
 (a family name, a config file or a checkpoint directory), which of its modules each
@@ -86,15 +86,17 @@ def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str
             continue
         reason = why_not_covered(model_type)
         report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
-    for model_type, family in _wrapped().items():
+    for model_type, (family, media) in _wrapped().items():
         answers = {name: backend.unsupported(family) for name, backend in declared.items()}
-        kept = "the vision tower and projector stay the original's; verified on image prompts"
+        tower = "audio" if media == "audio" else "vision"
+        kept = f"the {tower} tower and projector stay the original's; verified on {media} prompts"
         report[model_type] = Coverage(model_type, family.name, None, answers, wrapper=kept)
     return report
 
 
-def _wrapped() -> dict[str, Family]:
-    """The multimodal wrappers proven on image prompts, each with its text decoder's family."""
+def _wrapped() -> dict[str, tuple[Family, str]]:
+    """The multimodal wrappers proven on image or audio prompts: each one's text decoder
+    family, and which medium it takes."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from layerswap.verify.multimodal import WRAPPERS
@@ -107,7 +109,8 @@ def _wrapped() -> dict[str, Family]:
         except Exception:  # not in this transformers
             continue
         if text_type in by_type:
-            found[model_type] = by_type[text_type]
+            media = "audio" if "audio" in WRAPPERS[model_type] else "image"
+            found[model_type] = (by_type[text_type], media)
     return found
 
 

@@ -1,10 +1,11 @@
-"""Multimodal wrappers of covered text decoders, swapped and verified on image inputs.
+"""Multimodal wrappers of covered text decoders, swapped and verified on image or audio inputs.
 
 Each wrapper (``*ForConditionalGeneration``) is built tiny from its config class: its
 text config is the family's tiny config, its vision tower two small layers on 32 x 32
-images. The decoder layers of its language model are swapped; the vision tower and the
-projector stay the original's. Logits and greedy generation on prompts holding an image
-equal the original's, and ``layerswap.verify`` without inputs runs on images.
+images (its audio tower two small layers on 16 log-mel bins x 16 frames). The decoder
+layers of its language model are swapped; the tower and the projector stay the
+original's. Logits and greedy generation on prompts holding an image or a clip equal the
+original's, and ``layerswap.verify`` without inputs runs on them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText, VoxtralForConditionalGeneration
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import layerswap
-from layerswap.verify.multimodal import WRAPPERS, image_text_inputs, is_image_text
+from layerswap.verify.multimodal import WRAPPERS, is_multimodal, multimodal_inputs
 
 # wrapper -> the family of its text decoder, and config fields its tiny form needs
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -31,32 +32,40 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral3": ("mistral", {}),
     "paligemma": ("gemma", {"projection_dim": 128}),  # the text width
     "smolvlm": ("llama", {}),
+    "voxtral": ("llama", {"audio_token_id": 3}),
 }
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 VISION_SHAPE = {"num_attention_heads": 2, "image_size": 32, "patch_size": 8}
+AUDIO = {**VISION, "num_attention_heads": 2, "num_mel_bins": 16, "max_source_positions": 8}
 
 
 def tiny_wrapper(model_type: str, seed: int = 0) -> Any:
-    """The wrapper ``model_type`` with a tiny text decoder of its family and vision tower."""
+    """The wrapper ``model_type`` with a tiny text decoder of its family and a tiny tower."""
     family, fields = CASES[model_type]
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
     text = layerswap.get_family(family).tiny_config(num_hidden_layers=2).to_dict()
     text["model_type"] = defaults.text_config.model_type
-    vision = defaults.vision_config.to_dict()
-    for key, value in {**VISION, **VISION_SHAPE}.items():
-        if key in vision:
-            vision[key] = [value, value] if isinstance(vision[key], (list, tuple)) else value
-    vision.update({key: 16 for key in ("head_dim",) if key in vision})
-    # PaliGemma projects the vision features to projection_dim: the text width
-    vision.update({key: text["hidden_size"] for key in ("projection_dim",) if key in vision})
-    image_token = {
-        key: 3 for key in ("image_token_id", "image_token_index") if hasattr(defaults, key)
-    }
-    config = config_class(text_config=text, vision_config=vision, **image_token, **fields)
+    if getattr(defaults, "audio_config", None) is not None:
+        audio = {**defaults.audio_config.to_dict(), **AUDIO}
+        config = config_class(text_config=text, audio_config=audio, **fields)
+        build: Any = VoxtralForConditionalGeneration  # no Auto class maps audio-text yet
+    else:
+        vision = defaults.vision_config.to_dict()
+        for key, value in {**VISION, **VISION_SHAPE}.items():
+            if key in vision:
+                vision[key] = [value, value] if isinstance(vision[key], (list, tuple)) else value
+        vision.update({key: 16 for key in ("head_dim",) if key in vision})
+        # PaliGemma projects the vision features to projection_dim: the text width
+        vision.update({key: text["hidden_size"] for key in ("projection_dim",) if key in vision})
+        image_token = {
+            key: 3 for key in ("image_token_id", "image_token_index") if hasattr(defaults, key)
+        }
+        config = config_class(text_config=text, vision_config=vision, **image_token, **fields)
+        build = AutoModelForImageTextToText.from_config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForImageTextToText.from_config(config).eval()
+        return build(config).eval()
 
 
 def test_every_proven_wrapper_is_tested():
@@ -64,19 +73,20 @@ def test_every_proven_wrapper_is_tested():
 
 
 @pytest.mark.parametrize("model_type", sorted(CASES))
-def test_a_swapped_wrapper_equals_the_original_on_image_inputs(model_type):
+def test_a_swapped_wrapper_equals_the_original_on_image_or_audio_prompts(model_type):
     family, _ = CASES[model_type]
     original = tiny_wrapper(model_type)
-    assert is_image_text(original)
-    batch = image_text_inputs(original)
-    image_token = batch["input_ids"][0, 2]
-    assert (batch["input_ids"] == image_token).sum() > 0  # images are in the prompts
+    assert is_multimodal(original)
+    batch = multimodal_inputs(original)
+    placeholder = batch["input_ids"][0, 2]
+    assert (batch["input_ids"] == placeholder).sum() > 0  # images (clips) are in the prompts
     swapped = copy.deepcopy(original)
     handle = layerswap.swap(swapped, f"{family}.decoder.fused")
     assert len(handle) == 2  # the language model's layers; the vision tower is kept
-    vision_before = {n: p for n, p in original.named_parameters() if "vision" in n}
-    vision_after = {n: p for n, p in swapped.named_parameters() if "vision" in n}
-    assert vision_before.keys() == vision_after.keys() and vision_before
+    tower = ("vision", "audio")
+    before = {n for n, _ in original.named_parameters() if any(t in n for t in tower)}
+    after = {n for n, _ in swapped.named_parameters() if any(t in n for t in tower)}
+    assert before == after and before  # the tower is kept
     with torch.no_grad():
         expected, actual = original(**batch).logits, swapped(**batch).logits
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -86,8 +96,11 @@ def test_a_swapped_wrapper_equals_the_original_on_image_inputs(model_type):
     )
 
 
-@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
-def test_verify_on_a_wrapper_runs_images_by_default(model_type):
+@pytest.mark.parametrize(
+    ("model_type", "media"),
+    [("llava", "pixel_values"), ("gemma3", "pixel_values"), ("voxtral", "input_features")],
+)
+def test_verify_on_a_wrapper_runs_its_media_by_default(model_type, media):
     family, _ = CASES[model_type]
     model = tiny_wrapper(model_type)
     seen: list[set[str]] = []
@@ -97,7 +110,7 @@ def test_verify_on_a_wrapper_runs_images_by_default(model_type):
     report = layerswap.verify(model, f"{family}.decoder.fused")
     hook.remove()
     assert report.passed, report.summary()
-    assert any("pixel_values" in keys for keys in seen)
+    assert any(media in keys for keys in seen)
 
 
 def test_a_wrapper_built_inside_use_has_the_replacement_layers():

@@ -8,7 +8,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from layerswap.verify.multimodal import image_text_inputs, is_image_text
+from layerswap.verify.multimodal import is_multimodal, multimodal_inputs
 from layerswap.verify.placement import DeviceLike, resolve_device
 
 __all__ = [
@@ -90,8 +90,8 @@ def prepare_inputs(
 ) -> dict[str, torch.Tensor]:
     """``inputs`` as a batch with ``input_ids`` and ``attention_mask``, on ``device``."""
     if inputs is None:
-        # a multimodal wrapper: images too, so the image path is compared as well
-        batch = image_text_inputs(model) if is_image_text(model) else inputs_for(model)
+        # a multimodal wrapper: images or audio too, so that path is compared as well
+        batch = multimodal_inputs(model) if is_multimodal(model) else inputs_for(model)
     elif isinstance(inputs, torch.Tensor):
         batch = {"input_ids": inputs}
     elif isinstance(inputs, Mapping):

@@ -1,16 +1,17 @@
-"""Image-and-text inputs for the multimodal wrappers of a covered text decoder.
+"""Image- or audio-and-text inputs for the multimodal wrappers of a covered text decoder.
 
-A ``*ForConditionalGeneration`` model (Llava, Gemma 3, Mistral 3, ...) runs a vision
-tower and puts its features where the prompt holds image tokens; its language model is a
-text decoder layerswap swaps (the family is read from ``config.text_config``). Verifying
-such a model on text alone would leave the image path untested, so :func:`verify`'s
-default inputs for a wrapper listed in :data:`WRAPPERS` hold images: random pixels, and
-as many image tokens per prompt as the model's own ``get_image_features`` returns
-features, placed after the padding.
+A ``*ForConditionalGeneration`` model (Llava, Gemma 3, Mistral 3, Voxtral, ...) runs a
+vision or audio tower and puts its features where the prompt holds image (audio) tokens;
+its language model is a text decoder layerswap swaps (the family is read from
+``config.text_config``). Verifying such a model on text alone would leave that path
+untested, so :func:`verify`'s default inputs for a wrapper listed in :data:`WRAPPERS`
+hold an image or a clip: random pixels (log-mel features), and as many placeholder
+tokens per prompt as the model's own ``get_image_features`` (``get_audio_features``)
+returns features, placed after the padding.
 
 Example::
 
-    batch = image_text_inputs(model)   # input_ids, attention_mask, pixel_values, ...
+    batch = multimodal_inputs(model)   # input_ids, attention_mask, pixel_values, ...
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WRAPPERS", "image_text_inputs", "is_image_text"]
+__all__ = ["WRAPPERS", "is_multimodal", "multimodal_inputs"]
 
 #: the wrappers proven with image inputs, by ``model_type``, with what their processor
 #: adds to the pixels: ``image_sizes`` (each image's height and width), ``images_axis``
 #: (pixels as batch x images x channels x height x width), ``anyres`` (batch x crops x
 #: channels x height x width: the whole image and its tiles, LLaVA-NeXT),
-#: ``token_type_ids`` (1 on image tokens)
+#: ``token_type_ids`` (1 on image tokens); ``audio``: a clip of log-mel features instead
+#: of an image
 WRAPPERS: Mapping[str, frozenset[str]] = {
     "aya_vision": frozenset(),
     "gemma3": frozenset({"token_type_ids"}),
@@ -38,6 +40,7 @@ WRAPPERS: Mapping[str, frozenset[str]] = {
     "mistral3": frozenset({"image_sizes"}),
     "paligemma": frozenset({"token_type_ids"}),
     "smolvlm": frozenset({"images_axis"}),
+    "voxtral": frozenset({"audio"}),
 }
 
 
@@ -45,22 +48,26 @@ def _config(model: nn.Module) -> Any:
     return getattr(model, "config", None)
 
 
-def is_image_text(model: nn.Module) -> bool:
-    """Whether ``model`` is a wrapper whose default verification inputs hold images."""
+def is_multimodal(model: nn.Module) -> bool:
+    """Whether ``model`` is a wrapper whose default verification inputs hold images or audio."""
     config = _config(model)
-    return (
-        getattr(config, "model_type", None) in WRAPPERS
-        and getattr(config, "vision_config", None) is not None
-        and callable(getattr(model, "get_image_features", None))
+    kind = WRAPPERS.get(getattr(config, "model_type", None) or "")
+    if kind is None:
+        return False
+    tower, features = (
+        ("audio_config", "get_audio_features")
+        if "audio" in kind
+        else ("vision_config", "get_image_features")
     )
+    return getattr(config, tower, None) is not None and callable(getattr(model, features, None))
 
 
-def _image_token(config: Any) -> int:
-    for field in ("image_token_id", "image_token_index"):
+def _placeholder_token(config: Any, media: str) -> int:
+    for field in (f"{media}_token_id", f"{media}_token_index"):
         value = getattr(config, field, None)
         if isinstance(value, int):
             return value
-    raise ValueError(f"{config.model_type}: the config names no image token")
+    raise ValueError(f"{config.model_type}: the config names no {media} token")
 
 
 def _special_tokens(config: Any) -> set[int]:
@@ -87,29 +94,20 @@ def _anyres_crops(model: nn.Module, size: int) -> int:
     return crops
 
 
-def image_text_inputs(
-    model: nn.Module,
-    *,
-    batch: int = 2,
-    text: int = 6,
-    padding: int = 2,
-    seed: int = 0,
-    device: torch.device | str | None = None,
-) -> dict[str, torch.Tensor]:
-    """A batch of ``batch`` prompts, each one image and ``text`` text tokens.
-
-    Every row after the first starts with ``padding`` pad tokens (masked out); then two
-    text tokens, the image tokens, the rest of the text. The pixels and the text are
-    drawn from ``seed`` (special tokens avoided); the image token count is what the
-    model's ``get_image_features`` returns for one image.
-    """
+def _media(
+    model: nn.Module, kind: frozenset[str], batch: int, generator: torch.Generator
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the media tensors for ``batch`` prompts, the extras their features need)."""
     config = _config(model)
-    kind = WRAPPERS[config.model_type]
+    if "audio" in kind:
+        audio = config.audio_config
+        frames = 2 * int(audio.max_source_positions)  # the encoder's whole window
+        clip = torch.randn(batch, int(audio.num_mel_bins), frames, generator=generator)
+        return {"input_features": clip}, {}
     vision = config.vision_config
     size = vision.image_size
     size = int(size[0] if isinstance(size, (list, tuple)) else size)
     channels = int(getattr(vision, "num_channels", 3))
-    generator = torch.Generator().manual_seed(seed)
     pixels = torch.randn(batch, channels, size, size, generator=generator)
     extra: dict[str, torch.Tensor] = {}
     if "image_sizes" in kind:
@@ -119,11 +117,37 @@ def image_text_inputs(
     if "anyres" in kind:
         crops = _anyres_crops(model, size)
         pixels = torch.randn(batch, crops, channels, size, size, generator=generator)
+    return {"pixel_values": pixels}, extra
+
+
+def multimodal_inputs(
+    model: nn.Module,
+    *,
+    batch: int = 2,
+    text: int = 6,
+    padding: int = 2,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """A batch of ``batch`` prompts, each one image (or audio clip) and ``text`` text tokens.
+
+    Every row after the first starts with ``padding`` pad tokens (masked out); then two
+    text tokens, the placeholder tokens, the rest of the text. The media and the text are
+    drawn from ``seed`` (special tokens avoided); the placeholder count is what the
+    model's ``get_image_features`` (``get_audio_features``) returns for one item.
+    """
+    config = _config(model)
+    kind = WRAPPERS[config.model_type]
+    media_name = "audio" if "audio" in kind else "image"
+    generator = torch.Generator().manual_seed(seed)
+    media, extra = _media(model, kind, batch, generator)
     parameter = next(model.parameters())
-    image_features: Any = model.get_image_features
+    features_of: Any = getattr(model, f"get_{media_name}_features")
     with torch.no_grad():
-        features = image_features(
-            pixel_values=pixels[:1].to(parameter.device, parameter.dtype),
+        features = features_of(
+            **{
+                key: value[:1].to(parameter.device, parameter.dtype) for key, value in media.items()
+            },
             **{key: value[:1].to(parameter.device) for key, value in extra.items()},
         )
     pooled = getattr(features, "pooler_output", None)
@@ -131,7 +155,7 @@ def image_text_inputs(
     parts = pooled if isinstance(pooled, (list, tuple)) else [pooled]
     count = sum(part.reshape(-1, part.shape[-1]).shape[0] for part in parts)
     text_config = config.get_text_config()
-    image_token = _image_token(config)
+    placeholder = _placeholder_token(config, media_name)
     pad = getattr(text_config, "pad_token_id", None)
     pad = pad if isinstance(pad, int) else 0
     allowed = torch.tensor(
@@ -146,10 +170,10 @@ def image_text_inputs(
         if row:
             input_ids[row, :padding] = pad
             attention_mask[row, :padding] = 0
-        input_ids[row, start + 2 : start + 2 + count] = image_token
-    out = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixels}
+        input_ids[row, start + 2 : start + 2 + count] = placeholder
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, **media}
     if "token_type_ids" in kind:
-        out["token_type_ids"] = (input_ids == image_token).long()
+        out["token_type_ids"] = (input_ids == placeholder).long()
     out.update(extra)
     if device is not None:
         out = {key: value.to(device) for key, value in out.items()}
