@@ -72,7 +72,17 @@ def test_every_proven_wrapper_is_tested():
     assert set(CASES) == set(WRAPPERS)
 
 
-@pytest.mark.parametrize("model_type", sorted(CASES))
+# the fast lane runs one image wrapper and the audio one; pytest --full runs them all
+FAST = ("llava", "voxtral")
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        pytest.param(name, marks=() if name in FAST else pytest.mark.matrix)
+        for name in sorted(CASES)
+    ],
+)
 def test_a_swapped_wrapper_equals_the_original_on_image_or_audio_prompts(model_type):
     family, _ = CASES[model_type]
     original = tiny_wrapper(model_type)
@@ -98,7 +108,11 @@ def test_a_swapped_wrapper_equals_the_original_on_image_or_audio_prompts(model_t
 
 @pytest.mark.parametrize(
     ("model_type", "media"),
-    [("llava", "pixel_values"), ("gemma3", "pixel_values"), ("voxtral", "input_features")],
+    [
+        ("llava", "pixel_values"),
+        pytest.param("gemma3", "pixel_values", marks=pytest.mark.matrix),
+        ("voxtral", "input_features"),
+    ],
 )
 def test_verify_on_a_wrapper_runs_its_media_by_default(model_type, media):
     family, _ = CASES[model_type]
