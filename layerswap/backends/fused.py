@@ -125,6 +125,8 @@ def _rotate(
     a head, and only its first dims rotate; the rest pass through, as in transformers.
     ``layout`` is the family's :attr:`~layerswap.Family.rotary`: rotate halves, or
     interleaved pairs with cos/sin as given (Cohere) or from their first half (GLM).
+    Some families pass float32 cos/sin whatever the model's dtype (OLMo 2, ERNIE 4.5): the
+    rotation is then computed in float32 and cast back to ``states``' dtype, as theirs is.
     """
     width = cos.shape[-1]
     if width != states.shape[-1]:
@@ -137,7 +139,7 @@ def _rotate(
             cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
             sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
         rotated = _layer.rotate_interleaved(states)
-    return states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return (states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(states.dtype)
 
 
 class FusedLayerNorm(nn.Module):
