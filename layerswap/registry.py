@@ -346,9 +346,28 @@ def get(name: str | Substitution) -> Substitution:
     try:
         return _REGISTRY[name]
     except KeyError:
+        refused = _refusal(name)
+        if refused is not None:
+            raise UnknownSubstitutionError(f"no substitution named {name!r}: {refused}") from None
         raise UnknownSubstitutionError(
             f"no substitution named {name!r}{_suggest(name, _REGISTRY)}"
         ) from None
+
+
+def _refusal(name: str) -> str | None:
+    """Why ``<family>.<slot>.<backend>`` is not registered when its family, slot and backend
+    all are: the backend's own reason for refusing that family's slot."""
+    family_name, _, rest = name.partition(".")
+    slot, _, backend_name = rest.partition(".")
+    with _LOCK:
+        family = _FAMILIES.get(family_name)
+        backend = next((b for b in _BACKENDS.values() if backend_name in b.names()), None)
+    if family is None or backend is None or slot not in backend.slots:
+        return None
+    reason = backend.unsupported(family, slot)
+    if reason is None:
+        return None
+    return f"the {backend.name} backend does not express {family_name}'s {slot}: {reason}"
 
 
 def substitutions(

@@ -27,7 +27,7 @@ import layerswap
 from layerswap.backends import head_liger, liger
 from layerswap.cli import app
 from layerswap.errors import RequirementError
-from layerswap.registry import families
+from layerswap.registry import families, substitutions
 from layerswap.verify import default_inputs, verify
 
 # the families whose decoder layer Liger's kernels express; the others are refused with
@@ -113,8 +113,10 @@ def test_refused_families_get_no_decoder_substitution_and_a_reason() -> None:
         reason = liger.unsupported(families()[name])
         assert reason, name
         assert liger.BACKEND.unsupported(families()[name]) is not None
-        with pytest.raises(layerswap.errors.UnknownSubstitutionError):
+        with pytest.raises(layerswap.errors.UnknownSubstitutionError) as refused:
             layerswap.get(f"{name}.decoder.liger")
+        # the error gives the backend's reason, not a list of close names
+        assert str(refused.value).endswith(f"does not express {name}'s decoder: {reason}")
     if "gemma2" in families():
         assert "soft-capping" in str(liger.unsupported(families()["gemma2"]))
 
@@ -262,6 +264,17 @@ def test_cli_list_shows_liger_with_the_reason() -> None:
 
 
 @without_liger
+def test_check_lists_the_families_liger_refuses_with_the_reason() -> None:
+    refused = sorted(set(families()) - set(FAMILIES))
+    result = CliRunner().invoke(app, ["check", *refused[:2], "llama", "-b", "liger", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["family"]: row for row in json.loads(result.stdout)}
+    for name in refused[:2]:
+        assert rows[name]["status"] == "refused"
+        assert rows[name]["detail"].endswith(str(liger.unsupported(families()[name])))
+    assert rows["llama"]["status"] in ("proven", "skipped")
+
+
 def test_doctor_reports_why_liger_cannot_run() -> None:
     report = json.loads(CliRunner().invoke(app, ["doctor", "--json"]).stdout)
     assert report["backends"]["liger"] == {"usable": False, "reason": liger.NOT_INSTALLED}
@@ -346,7 +359,9 @@ def test_decoder_logits_and_gradients_match_the_original(name: str, dtype: torch
 @pytest.mark.gpu
 @requires_liger
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", sorted(families()))
+@pytest.mark.parametrize(
+    "name", [sub.family for sub in substitutions(backend="liger", slot="head")]
+)
 def test_head_loss_and_gradients_match_the_original(name: str, dtype: torch.dtype) -> None:
     model = families()[name].build(seed=0)
     report = verify(model, f"{name}.head.liger", dtype=dtype, device="cuda", backward=True)

@@ -33,9 +33,12 @@ def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     """The check of one family: its static contract, then the behaviour proof."""
     from layerswap.family import transformers_version
     from layerswap.proof import prove
-    from layerswap.registry import get, get_family
+    from layerswap.registry import get, get_backend, get_family
 
     name = f"{family}.decoder.{backend}"
+    refused = get_backend(backend).unsupported(get_family(family))
+    if refused is not None:
+        return _row(family, name, status="refused", detail=f"the backend refuses it: {refused}")
     sub = get(name)
     if not _shipped(get_family(family).module):
         version = transformers_version()
@@ -68,8 +71,9 @@ def check_rows(
     on_step: Callable[[int, int, str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per family: ``proven``, ``failed`` (with the first difference), ``skipped``
-    (cannot run here), ``absent`` (not in the installed transformers) or ``unbuildable``
-    (the original itself fails to build on it: nothing to prove)."""
+    (cannot run here), ``refused`` (the backend does not express the family, and says
+    why), ``absent`` (not in the installed transformers) or ``unbuildable`` (the original
+    itself fails to build on it: nothing to prove)."""
     rows = []
     for done, family in enumerate(families):
         if on_step is not None:

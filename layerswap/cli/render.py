@@ -211,6 +211,7 @@ def render_checks(console: Output, rows: list[dict[str, Any]]) -> None:
         "proven": "green",
         "failed": "bold red",
         "skipped": "yellow",
+        "refused": "dim",
         "absent": "dim",
         "unbuildable": "dim",
     }
