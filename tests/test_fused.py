@@ -264,3 +264,36 @@ def test_fused_layers_match_on_the_gpu(name: str) -> None:
     torch.testing.assert_close(masked[valid], expected_masked[valid], atol=1e-4, rtol=0)
     torch.testing.assert_close(plain, expected_plain, atol=1e-4, rtol=0)
     assert torch.equal(generated, expected_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "granite", "qwen3"])
+def test_fused_head_loss_and_gradients_match_on_the_gpu(name: str, dtype: torch.dtype) -> None:
+    """The head's chunked loss on CUDA: in bfloat16 the weight gradient's chunk products
+    run on the tensor cores and add into a float32 sum (see linear_cross_entropy)."""
+    from layerswap.verify import verify
+
+    report = verify(
+        tiny_model(name), f"{name}.head.fused", dtype=dtype, device="cuda", backward=True
+    )
+    assert report.passed, report.summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_chunked_loss_accumulates_bfloat16_products_in_float32_on_the_gpu() -> None:
+    from layerswap.ops.linear_cross_entropy import _wide_addmm_works, linear_cross_entropy
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4096, 256, device="cuda", generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(32000, 256, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+    targets = torch.randint(0, 32000, (4096,), device="cuda", generator=generator)
+    assert _wide_addmm_works(hidden.device)
+    weight.requires_grad_(True)
+    linear_cross_entropy(hidden, weight, targets, chunk_size=256).backward()
+    exact = weight.detach().double().requires_grad_(True)
+    torch.nn.functional.cross_entropy(hidden.double() @ exact.t(), targets).backward()
+    error = (weight.grad.double() - exact.grad).abs().max() / exact.grad.abs().max()
+    assert error < 1e-2, error

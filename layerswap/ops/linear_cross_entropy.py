@@ -13,7 +13,14 @@ The numerics follow transformers' ``ForCausalLMLoss``: the logits are computed i
 hidden states' dtype, transformed there (a family's scaling or soft-capping, in its order),
 upcast to float32 (float64 stays float64), and then the loss is taken. The weight
 gradient is accumulated in that precision across chunks and cast to the weight's dtype
-once.
+once. On CUDA each chunk's weight-gradient product runs on the tensor cores in the hidden
+states' dtype and adds into the float32 sum in the same matrix multiply (cuBLAS with a
+float32 output); elsewhere the operands are upcast first.
+
+A chunk holds at least :data:`DEFAULT_CHUNK_BYTES` of float32 logits, and, for long
+inputs, as many rows as keep its logits no larger than the hidden states themselves
+(Liger-Kernel's rule): small chunks starve a GPU of work, and the float32 sum of the
+weight gradient is read and written once per chunk.
 
 Example::
 
@@ -67,6 +74,48 @@ class LogitTransform:
 def chunk_rows(vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """How many token rows one chunk holds so its float32 logits fit ``budget_bytes``."""
     return max(1, budget_bytes // (4 * max(vocab_size, 1)))
+
+
+def _default_chunk(tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """:func:`chunk_rows`, or more rows where the logits of that many stay no larger than
+    the hidden states of all ``tokens`` (``tokens / ceil(vocab / hidden)``)."""
+    like_hidden = -(-tokens // max(1, -(-vocab_size // max(hidden_size, 1))))
+    return max(chunk_rows(vocab_size), like_hidden)
+
+
+_WIDE_ADDMM_PROVEN: dict[torch.device, bool] = {}
+
+
+def _wide_addmm_works(device: torch.device) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=float32, out=acc)`` accumulates bfloat16
+    products into ``acc`` on ``device``: checked once per device against the upcast
+    product (older torch has no ``out_dtype``; CPU builds have no such kernel)."""
+    if device.type != "cuda":
+        return False
+    known = _WIDE_ADDMM_PROVEN.get(device)
+    if known is None:
+        generator = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(64, 32, device=device, generator=generator).to(torch.bfloat16)
+        b = torch.randn(32, 48, device=device, generator=generator).to(torch.bfloat16)
+        acc = torch.randn(64, 48, device=device, generator=generator)
+        expected = acc + a.float() @ b.float()
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            known = bool(torch.allclose(acc, expected, rtol=1e-5, atol=1e-4))
+        except (RuntimeError, TypeError):
+            known = False
+        _WIDE_ADDMM_PROVEN[device] = known
+    return known
+
+
+def _accumulate_product(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``total += left @ right`` with ``total`` in a wider dtype than ``left``/``right``."""
+    if left.dtype == total.dtype:
+        total.addmm_(left, right)
+    elif left.dtype in (torch.bfloat16, torch.float16) and _wide_addmm_works(total.device):
+        torch.addmm(total, left, right, out_dtype=total.dtype, out=total)
+    else:
+        total.addmm_(left.to(total.dtype), right.to(total.dtype))
 
 
 def _chunk_loss_and_grad(
@@ -151,7 +200,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if need_weight:
-                grad_weight.addmm_(grad_logits.t().to(wide), hidden[rows].to(wide))
+                _accumulate_product(grad_weight, grad_logits.t(), hidden[rows])
             if grad_bias is not None:
                 grad_bias += grad_logits.to(wide).sum(0)
         # new tensors, not inputs or outputs: kept on ctx without save_for_backward's checks
@@ -201,7 +250,7 @@ def linear_cross_entropy(
     denominator (a mean over no valid target is ``nan``, as in ``F.cross_entropy``).
     ``transforms`` are applied to the logits in order (see :class:`LogitTransform`).
     ``chunk_size`` is the number of token rows per chunk (default: float32 logits of
-    about :data:`DEFAULT_CHUNK_BYTES`). Raises ``ValueError`` for a target outside
+    about :data:`DEFAULT_CHUNK_BYTES`, or more rows for long inputs: see above). Raises ``ValueError`` for a target outside
     ``[0, vocab)`` that is not ``ignore_index``, and for mismatched shapes.
 
     Example::
@@ -230,7 +279,11 @@ def linear_cross_entropy(
             f"target {bad} is outside the vocabulary [0, {vocab}) and is not ignore_index "
             f"({ignore_index})"
         )
-    chunk = chunk_size if chunk_size is not None else chunk_rows(vocab)
+    chunk = (
+        chunk_size
+        if chunk_size is not None
+        else _default_chunk(flat_hidden.shape[0], flat_hidden.shape[1], vocab)
+    )
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk}")
     grad_on = torch.is_grad_enabled()
