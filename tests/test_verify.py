@@ -417,3 +417,36 @@ def test_a_model_built_inside_use_with_a_broken_substitution_fails_at_that_layer
     report = verify(model, broken)
     assert not report.passed
     assert report.first_divergent_layer == 2
+
+
+# --- bfloat16: the original's own rounding as the floor ----------------------------------
+
+
+def test_bfloat16_over_the_fixed_tolerance_is_judged_against_the_originals_own_rounding() -> None:
+    # gemma2's tiny random model has near-tied next tokens: in bfloat16 greedy decoding
+    # flips on the original's side as on the swap's (measured against float32)
+    model = get_family("gemma2").build(seed=0).to(torch.bfloat16)
+    fixed = verify(
+        model, "gemma2.decoder.fused", generate=8, tolerance=Tolerance.for_dtype("bfloat16")
+    )
+    assert not fixed.passed and fixed.floor is None
+
+    report = verify(model, "gemma2.decoder.fused", generate=8)
+
+    assert report.passed, report.summary()
+    assert report.floor == "float32" and not report.calibrated
+    assert "2x the original's own bfloat16 error against float32" in report.summary()
+    assert next(model.parameters()).dtype == torch.bfloat16  # the caller's model is untouched
+
+
+@pytest.mark.parametrize("scale", [1.25, 0.5])
+def test_a_broken_layer_still_fails_in_bfloat16_against_the_float32_floor(
+    llama: Any, scale: float
+) -> None:
+    broken = _perturbed(get(FUSED), layer=2, scale=scale, name="llama.decoder.broken")
+    report = verify(llama.to(torch.bfloat16), broken, backward=True, generate=4)
+
+    assert not report.passed
+    assert report.floor == "float32"
+    assert report.first_divergent_layer == 2
+    assert "the original in bfloat16: cosine" in report.summary()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -82,15 +83,8 @@ def diff(reference: torch.Tensor, candidate: torch.Tensor, *, rowwise: bool) -> 
     return Diff(max_abs, max_rel, cosine, scale)
 
 
-def compare_generation(
-    reference: torch.Tensor,
-    candidate: torch.Tensor,
-    tolerance: Tolerance,
-    reference_logits: torch.Tensor | None = None,
-    candidate_logits: torch.Tensor | None = None,
-) -> GenerationReport:
-    """Token agreement of two greedy generations (``[batch, new_tokens]`` each), and the
-    logits of every step up to the first mismatch (each computed from the same prefix)."""
+def _agreement(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, int | None]:
+    """The share of positions where two generations agree, and the first that differs."""
     width = min(reference.shape[1], candidate.shape[1])
     same = reference[:, :width] == candidate[:, :width]
     agreement = float(same.float().mean()) if same.numel() else 1.0
@@ -100,11 +94,51 @@ def compare_generation(
     first_mismatch = int(mismatched[0]) if len(mismatched) else None
     if first_mismatch is None and reference.shape != candidate.shape:
         first_mismatch = width
+    return agreement, first_mismatch
+
+
+def _stepped_logits(
+    reference: torch.Tensor, candidate: torch.Tensor, first_mismatch: int | None, width: int
+) -> Diff:
+    """The logits of every decoding step up to the first mismatch (same prefixes)."""
+    steps = width if first_mismatch is None else first_mismatch + 1
+    return diff(reference[:, :steps], candidate[:, :steps], rowwise=True)
+
+
+def compare_generation(
+    reference: torch.Tensor,
+    candidate: torch.Tensor,
+    tolerance: Tolerance,
+    reference_logits: torch.Tensor | None = None,
+    candidate_logits: torch.Tensor | None = None,
+    *,
+    floor: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> GenerationReport:
+    """Token agreement of two greedy generations (``[batch, new_tokens]`` each), and the
+    logits of every step up to the first mismatch (each computed from the same prefix).
+
+    ``floor`` is the tokens and logits the original generated in float32: the agreement
+    required is then at most the original's own with its float32 self, and the logits
+    are held to :data:`~layerswap.verify.fp8.FLOOR_FACTOR` times its errors there.
+    """
+    width = min(reference.shape[1], candidate.shape[1])
+    agreement, first_mismatch = _agreement(reference, candidate)
     exact = first_mismatch is None
+    if floor is not None:
+        floor_tokens, floor_logits = floor
+        floor_agreement, floor_mismatch = _agreement(reference, floor_tokens)
+        tolerance = dataclasses.replace(
+            tolerance,
+            min_token_agreement=min(tolerance.min_token_agreement, floor_agreement),
+        )
+        if reference_logits is not None and floor_logits is not None:
+            measured = _stepped_logits(reference_logits, floor_logits, floor_mismatch, width)
+            tolerance = tolerance.widened(
+                measured.max_rel_error, measured.cosine, FLOOR_FACTOR, FLOOR_SLACK
+            )
     logits_error, logits_passed = None, True
     if reference_logits is not None and candidate_logits is not None:
-        steps = width if first_mismatch is None else first_mismatch + 1
-        stepped = diff(reference_logits[:, :steps], candidate_logits[:, :steps], rowwise=True)
+        stepped = _stepped_logits(reference_logits, candidate_logits, first_mismatch, width)
         logits_error, logits_passed = stepped.max_abs_error, stepped.passes(tolerance)
     return GenerationReport(
         passed=(exact or agreement >= tolerance.min_token_agreement) and logits_passed,
@@ -126,8 +160,14 @@ def compare_gradients(
     tolerance: Tolerance,
     *,
     local: bool,
+    floor: Mapping[str, torch.Tensor] | None = None,
 ) -> BackwardReport:
-    """Loss and every gradient of ``reference``, keyed as in the original model."""
+    """Loss and every gradient of ``reference``, keyed as in the original model.
+
+    ``floor`` is the original's gradients computed in float32: each gradient is then held
+    to :data:`~layerswap.verify.fp8.FLOOR_FACTOR` times the reference's error there, where
+    that is looser than ``tolerance``.
+    """
     missing = [name for name in reference if name not in candidate]
     if missing:
         raise VerificationError(
@@ -138,13 +178,19 @@ def compare_gradients(
     reports = []
     for name, ref_grad in reference.items():
         gradient = diff(ref_grad, candidate[name], rowwise=False)
+        allowed = tolerance
+        if floor is not None and name in floor:
+            measured = diff(ref_grad, floor[name], rowwise=False)
+            allowed = tolerance.widened(
+                measured.max_rel_error, measured.cosine, FLOOR_FACTOR, FLOOR_SLACK
+            )
         reports.append(
             GradientReport(
                 name=name,
                 max_abs_error=gradient.max_abs_error,
                 max_rel_error=gradient.max_rel_error,
                 cosine=gradient.cosine,
-                passed=gradient.passes(tolerance, gradient=True),
+                passed=gradient.passes(allowed, gradient=True),
             )
         )
     first = next((r.name for r in reports if not r.passed), None)
@@ -166,21 +212,25 @@ def compare_gradients(
     )
 
 
+#: what a floor run is: the reference under ideal FP8 rounding (the tolerance is replaced
+#: by one calibrated to it), or the original in float32 (the tolerance is only widened)
+FloorKind = Literal["ideal FP8", "float32"]
+
+
 def _against_floor(
-    reference: torch.Tensor, floor: torch.Tensor | None, tolerance: Tolerance
+    reference: torch.Tensor, floor: torch.Tensor | None, tolerance: Tolerance, kind: FloorKind
 ) -> tuple[Tolerance, float | None]:
     """The tolerance for one tensor: calibrated to the noise floor's errors there, if any."""
     if floor is None:
         return tolerance, None
     measured = diff(reference, floor, rowwise=True)
-    calibrated = tolerance.calibrated(
-        measured.max_rel_error, measured.cosine, FLOOR_FACTOR, FLOOR_SLACK
-    )
+    adjust = tolerance.calibrated if kind == "ideal FP8" else tolerance.widened
+    calibrated = adjust(measured.max_rel_error, measured.cosine, FLOOR_FACTOR, FLOOR_SLACK)
     return calibrated, measured.cosine
 
 
 def _compare_layers(
-    reference: Run, candidate: Run, tolerance: Tolerance, floor: Run | None
+    reference: Run, candidate: Run, tolerance: Tolerance, floor: Run | None, kind: FloorKind
 ) -> list[LayerReport]:
     if len(reference.layers) != len(candidate.layers):
         raise VerificationError(
@@ -194,7 +244,7 @@ def _compare_layers(
     ):
         output = diff(ref_out, cand_out, rowwise=True)
         allowed, floor_cosine = _against_floor(
-            ref_out, floors[index] if floors is not None else None, tolerance
+            ref_out, floors[index] if floors is not None else None, tolerance, kind
         )
         layers.append(
             LayerReport(
@@ -263,13 +313,17 @@ class Comparison:
         mode: Literal["full", "streaming", "models"],
         local_gradients: bool = False,
         floor: Run | None = None,
+        floor_kind: FloorKind = "ideal FP8",
     ) -> VerificationReport:
         """The verdict on ``candidate`` against ``reference``.
 
         Gradients and generated tokens are compared when both runs have them;
         ``local_gradients`` says the gradients are per layer (streaming mode). ``floor``
-        is the reference run under :func:`~layerswap.verify.fp8.ideal_fp8`: each layer and
-        the logits are then held to :data:`FLOOR_FACTOR` times its errors there.
+        is the reference run under :func:`~layerswap.verify.fp8.ideal_fp8` (``floor_kind``
+        ``"ideal FP8"``): each layer and the logits are then held to :data:`FLOOR_FACTOR`
+        times its errors there. With ``floor_kind="float32"`` it is the original run in
+        float32: every tolerance (layers, logits, gradients, decoding) is widened to
+        :data:`FLOOR_FACTOR` times the reference's own rounding error, never narrowed.
         """
         tolerance = self.tolerance
         backward = None
@@ -282,6 +336,7 @@ class Comparison:
                 candidate.loss,
                 tolerance,
                 local=local_gradients,
+                floor=floor.gradients if floor is not None and floor_kind == "float32" else None,
             )
         generation = None
         if reference.tokens is not None and candidate.tokens is not None:
@@ -291,12 +346,15 @@ class Comparison:
                 tolerance,
                 reference.token_logits,
                 candidate.token_logits,
+                floor=(floor.tokens, floor.token_logits)
+                if floor is not None and floor_kind == "float32" and floor.tokens is not None
+                else None,
             )
-        layers = _compare_layers(reference, candidate, tolerance, floor)
+        layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind)
         logits = diff(reference.logits, candidate.logits, rowwise=True)
         top1, kl = _top1_and_kl(reference, candidate)
         logits_allowed, logits_floor = _against_floor(
-            reference.logits, floor.logits if floor is not None else None, tolerance
+            reference.logits, floor.logits if floor is not None else None, tolerance, floor_kind
         )
         logits_passed = logits.passes(logits_allowed)
         first = next((layer.index for layer in layers if not layer.passed), None)
@@ -329,4 +387,5 @@ class Comparison:
             logits_min_cosine=logits_allowed.min_cosine,
             logits_rtol=logits_allowed.rtol,
             logits_floor_cosine=logits_floor,
+            floor=floor_kind if floor is not None else None,
         )

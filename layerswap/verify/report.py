@@ -37,7 +37,9 @@ class LayerReport:
 
     ``min_cosine`` and ``rtol`` are what this layer was held to: the report's tolerance,
     or, for FP8, that tolerance calibrated to the ideal-FP8 noise floor measured at this
-    layer, whose cosine is ``floor_cosine`` (see :mod:`layerswap.verify.fp8`).
+    layer, whose cosine is ``floor_cosine`` (see :mod:`layerswap.verify.fp8`); in
+    bfloat16/float16 over the fixed tolerance, that tolerance widened to the original's
+    own error against float32 at this layer (``floor_cosine``: the original's cosine).
     """
 
     index: int
@@ -139,11 +141,15 @@ class VerificationReport:
     logits_min_cosine: float | None = None
     logits_rtol: float | None = None
     logits_floor_cosine: float | None = None
+    #: the noise floor the run was judged against: ``"ideal FP8"`` (FP8's default), or
+    #: ``"float32"`` (bfloat16/float16 over the fixed tolerance: the original's own
+    #: rounding against float32 widened it); ``None``: the fixed tolerance alone
+    floor: str | None = None
 
     @property
     def calibrated(self) -> bool:
         """Whether the tolerance was calibrated to an ideal-FP8 noise floor."""
-        return self.logits_floor_cosine is not None
+        return self.floor == "ideal FP8"
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (nested dataclasses become dicts, tuples become lists)."""
@@ -177,6 +183,12 @@ class VerificationReport:
                 f"FP8: held to {_FLOOR_FACTOR:g}x the error of ideal FP8 rounding at each layer "
                 f"(ideal FP8 logits cosine {self.logits_floor_cosine:.6f})"
             )
+        elif self.floor == "float32":
+            lines.append(
+                f"{self.dtype}: over the fixed tolerance, so held to {_FLOOR_FACTOR:g}x the "
+                f"original's own {self.dtype} error against float32 at each layer, gradient and "
+                f"decoding step (the original's logits cosine {self.logits_floor_cosine:.6f})"
+            )
         lines.extend(self._problems())
         return "\n".join(lines)
 
@@ -188,7 +200,8 @@ class VerificationReport:
             rtol = tol.rtol if layer.rtol is None else layer.rtol
             min_cosine = tol.min_cosine if layer.min_cosine is None else layer.min_cosine
             floor = (
-                f"; ideal FP8 rounding: cosine {layer.floor_cosine:.6f}"
+                f"; {'ideal FP8 rounding' if self.calibrated else 'the original in ' + self.dtype}"
+                f": cosine {layer.floor_cosine:.6f}"
                 if layer.floor_cosine is not None
                 else ""
             )

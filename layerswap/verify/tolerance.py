@@ -68,6 +68,29 @@ class Tolerance:
             min_cosine=round(1.0 - factor * (1.0 - floor_cosine) - slack, 12),
         )
 
+    def widened(
+        self, floor_max_rel: float, floor_cosine: float, factor: float, slack: float
+    ) -> Tolerance:
+        """This tolerance, loosened where ``factor`` times a measured floor's errors exceed it.
+
+        Never tighter than ``self``: the relative errors allowed (``rtol`` and
+        ``gradient_rtol``) become at least ``factor`` times the floor's, the cosine
+        deficit at least ``factor`` times the floor's plus ``slack``. Used for bfloat16
+        and float16, where the original's own rounding against float32 is the floor.
+
+        Example::
+
+            >>> Tolerance.for_dtype("bfloat16").widened(0.1, 0.99, 2.0, 1e-4).rtol
+            0.2
+        """
+        allowed = factor * floor_max_rel
+        return dataclasses.replace(
+            self,
+            rtol=max(self.rtol, allowed),
+            gradient_rtol=max(self.gradient_rtol, allowed),
+            min_cosine=min(self.min_cosine, round(1.0 - factor * (1.0 - floor_cosine) - slack, 12)),
+        )
+
     @classmethod
     def for_dtype(cls, dtype: DTypeLike) -> Tolerance:
         """The default tolerance for computations in ``dtype`` (``"fp8"`` is accepted)."""
