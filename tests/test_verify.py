@@ -450,3 +450,31 @@ def test_a_broken_layer_still_fails_in_bfloat16_against_the_float32_floor(
     assert report.floor == "float32"
     assert report.first_divergent_layer == 2
     assert "the original in bfloat16: cosine" in report.summary()
+
+
+def _generation(step_logits: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and their logits, [1, steps] and [1, steps, vocab]."""
+    logits = torch.tensor([step_logits])
+    return logits.argmax(-1), logits
+
+
+def test_decoding_may_part_only_at_a_near_tie_when_judged_against_the_float32_floor() -> None:
+    from layerswap.verify.compare import compare_generation
+
+    tolerance = Tolerance.for_dtype("bfloat16")
+    reference, ref_logits = _generation([[0, 5, 0, 0], [0, 0, 3.00, 2.99], [4, 0, 0, 0]])
+    # the same first step; at the second the two best tokens swap places (0.01 apart),
+    # and after it the prefixes differ, so the third step is not comparable
+    tied, tied_logits = _generation([[0, 5, 0, 0], [0, 0, 2.99, 3.00], [0, 0, 0, 4]])
+    # at the second step a token whose logit is 3 below the reference's best: no tie
+    apart, apart_logits = _generation([[0, 5, 0, 0], [0, 4, 0, 0], [0, 0, 0, 4]])
+    floor = (reference, ref_logits)  # the original agrees with its float32 self
+
+    fixed = compare_generation(reference, tied, tolerance, ref_logits, tied_logits)
+    assert not fixed.passed and fixed.first_mismatch == 1  # agreement 1/3 < 0.75
+
+    judged = compare_generation(reference, tied, tolerance, ref_logits, tied_logits, floor=floor)
+    assert judged.passed and judged.agreement == pytest.approx(1 / 3)
+
+    refused = compare_generation(reference, apart, tolerance, ref_logits, apart_logits, floor=floor)
+    assert not refused.passed and not refused.logits_passed
