@@ -31,6 +31,7 @@ import functools
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -49,7 +50,7 @@ import transformers
 import layerswap
 from layerswap.backends import te
 from layerswap.errors import RequirementError
-from layerswap.registry import families
+from layerswap.registry import families, get, get_backend
 from layerswap.swap import swap
 from layerswap.verify import default_inputs, verify
 
@@ -146,7 +147,11 @@ def verify_fresh(
 
 
 # the dtypes each backend is verified in: TransformerEngine's speed is in bf16 (and FP8)
-VERIFY_DTYPES = {"fused": (torch.float32, torch.bfloat16), "te": (torch.bfloat16,)}
+VERIFY_DTYPES = {
+    "fused": (torch.float32, torch.bfloat16),
+    "liger": (torch.float32, torch.bfloat16),
+    "te": (torch.bfloat16,),
+}
 DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
@@ -157,6 +162,10 @@ def verify_tiny(names: list[str], fp8_recipe: str, backends: list[str]) -> list[
         vocab = family.tiny_config().vocab_size
         for backend in backends:
             sub = f"{name}.decoder.{backend}"
+            refused = get_backend(backend).unsupported(family)
+            if refused is not None:
+                log(f"[SKIP] {sub}: refused by the backend: {refused}")
+                continue
             for dtype in VERIFY_DTYPES[backend]:
                 label = DTYPE_LABEL[dtype]
                 for what, options in (
@@ -178,14 +187,16 @@ def verify_tiny(names: list[str], fp8_recipe: str, backends: list[str]) -> list[
     return checks
 
 
-def verify_large(model: Any, fp8_recipe: str) -> list[Check]:
+def verify_large(model: Any, fp8_recipe: str, backends: list[str]) -> list[Check]:
     inputs = unpadded(model.config.vocab_size, 2, 256)
     checks = [
         run_check(
             f"benchmark model: {sub} bf16", functools.partial(verify, model, sub, inputs=inputs)
         )
-        for sub in ("llama.decoder.fused", "llama.decoder.te")
+        for sub in (f"llama.decoder.{backend}" for backend in backends)
     ]
+    if "te" not in backends:
+        return checks
     fp8 = te.BACKEND.substitution(families()["llama"], variant="fp8").with_options(
         recipe=fp8_recipe
     )
@@ -291,46 +302,118 @@ def rotations(items: list[Contender]) -> Iterator[list[Contender]]:
         index += 1
 
 
-def make_contenders(
-    original: Any, fp8_recipes: list[str], learning_rate: float
-) -> tuple[list[Contender], list[str]]:
+def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Contender], list[str]]:
+    """The contenders ``args.contenders`` names, each on its own copy of the same weights.
+
+    ``original``; ``fused`` / ``liger`` (decoder layers swapped); ``fused+head`` /
+    ``liger+head`` (the decoder layers and the head's loss); ``te`` (bf16, then one FP8
+    contender per recipe in ``args.fp8_recipes``). A contender that cannot run here is
+    left out with a note saying why.
+    """
+
     def optimizer(model: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=learning_rate, fused=DEVICE.type == "cuda")
+        fused_step = DEVICE.type == "cuda"
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused_step)
+
+    def swapped(*names: str) -> Any:
+        model = copy.deepcopy(original)
+        for name in names:
+            swap(model, name)
+        return model
 
     notes = []
-    contenders = [Contender("original", original, optimizer(original))]
-    fused_model = copy.deepcopy(original)
-    swap(fused_model, "llama.decoder.fused")
-    contenders.append(Contender("fused", fused_model, optimizer(fused_model)))
-    reason = te.unmet_requirement()
-    if reason is not None:
-        notes.append(f"te contenders skipped: {reason}")
-        return contenders, notes
-    # every contender trains its own copy from the same weights, so the losses they print
-    # after the same number of steps are comparable (a check the swap trains the same)
-    te_model = copy.deepcopy(original)
-    swap(te_model, "llama.decoder.te")
-    contenders.append(Contender("te bf16", te_model, optimizer(te_model)))
-    for recipe in fp8_recipes:
-        why_not = te.fp8_unmet_requirement(recipe)
-        if why_not is not None:
-            notes.append(f"te fp8 {recipe} skipped: {why_not}")
-            continue
-        fp8_model = copy.deepcopy(original)
-        swap(fp8_model, "llama.decoder.te")
-        contenders.append(
-            Contender(
-                f"te fp8 {recipe}",
-                fp8_model,
-                optimizer(fp8_model),
-                context=functools.partial(te.fp8_autocast, recipe),
-            )
-        )
+    contenders = []
+    for wanted in args.contenders:
+        if wanted == "original":
+            contenders.append(Contender("original", original, optimizer(original)))
+        elif wanted in ("fused", "liger", "fused+head", "liger+head"):
+            backend = wanted.split("+")[0]
+            names = [f"llama.decoder.{backend}"]
+            if wanted.endswith("+head"):
+                names.append(f"llama.head.{backend}")
+            reason = next(filter(None, (get(name).unmet_requirement() for name in names)), None)
+            if reason is not None:
+                notes.append(f"{wanted} skipped: {reason}")
+                continue
+            model = swapped(*names)
+            contenders.append(Contender(wanted, model, optimizer(model)))
+        elif wanted == "te":
+            reason = te.unmet_requirement()
+            if reason is not None:
+                notes.append(f"te contenders skipped: {reason}")
+                continue
+            # every contender trains its own copy from the same weights, so the losses they
+            # print after the same number of steps are comparable (the swap trains the same)
+            te_model = swapped("llama.decoder.te")
+            contenders.append(Contender("te bf16", te_model, optimizer(te_model)))
+            for recipe in args.fp8_recipes:
+                why_not = te.fp8_unmet_requirement(recipe)
+                if why_not is not None:
+                    notes.append(f"te fp8 {recipe} skipped: {why_not}")
+                    continue
+                fp8_model = swapped("llama.decoder.te")
+                contenders.append(
+                    Contender(
+                        f"te fp8 {recipe}",
+                        fp8_model,
+                        optimizer(fp8_model),
+                        context=functools.partial(te.fp8_autocast, recipe),
+                    )
+                )
     return contenders, notes
 
 
+# dense (no sparsity) tensor-core peaks from the vendor's datasheets, TFLOP/s: the
+# denominator of model FLOPs utilisation (MFU); the H200's arithmetic is the H100's
+DATASHEET_TFLOPS = {
+    "H100": {"bf16": 989.4, "fp8": 1978.9},
+    "H200": {"bf16": 989.4, "fp8": 1978.9},
+}
+
+
+def datasheet_peak(precision: str) -> float | None:
+    if DEVICE.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    for key, peaks in DATASHEET_TFLOPS.items():
+        if key in name:
+            return peaks[precision] * 1e12
+    return None
+
+
+def measured_matmul_peak() -> float | None:
+    """bf16 8192^3 matrix products through torch on random data, FLOP/s (median of 10)."""
+    if DEVICE.type != "cuda":
+        return None
+    size = 8192
+    a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = [step_ms(lambda: a @ b) for _ in range(10)]
+    return 2 * size**3 / (statistics.median(times) / 1000)
+
+
+def model_flops_per_token(config: Any, seq: int, training: bool) -> float:
+    """PaLM's count (appendix B): 6N + 12·L·d·S per trained token, 2N + 4·L·d·S forward.
+
+    N is every weight a token's matrix products use (the decoder layers and ``lm_head``;
+    not the embedding lookup); attention's two products are counted whole (no causal
+    halving), as PaLM and Megatron count them.
+    """
+    d, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head = d // heads
+    attention = d * heads * head + 2 * d * kv_heads * head + heads * head * d
+    mlp = 3 * d * config.intermediate_size
+    n = layers * (attention + mlp) + d * config.vocab_size
+    if training:
+        return 6 * n + 12 * layers * d * seq
+    return 2 * n + 4 * layers * d * seq
+
+
 def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
-    contenders, notes = make_contenders(original, args.fp8_recipes, args.lr)
+    contenders, notes = make_contenders(original, args)
     for note in notes:
         log(note)
     generator = torch.Generator(device=DEVICE).manual_seed(args.seed)
@@ -350,6 +433,15 @@ def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
         contender.forward_peak_bytes = peak_bytes(functools.partial(forward_step, contender, ids))
         contender.train_peak_bytes = peak_bytes(functools.partial(train_step, contender, ids))
     tokens = args.batch * args.seq
+    config = original.config
+    train_flops = model_flops_per_token(config, args.seq, training=True) * tokens
+    forward_flops = model_flops_per_token(config, args.seq, training=False) * tokens
+    matmul_peak = measured_matmul_peak()
+
+    def mfu(contender: Contender, flops: float, ms: float) -> float | None:
+        peak = datasheet_peak("fp8" if "fp8" in contender.name else "bf16")
+        return None if peak is None else flops / (ms / 1000) / peak
+
     base = contenders[0]
     base_forward = statistics.median(base.forward_ms)
     base_train = statistics.median(base.train_ms)
@@ -369,6 +461,9 @@ def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
                 "forward_peak_gib": contender.forward_peak_bytes / GIB,
                 "train_peak_gib": contender.train_peak_bytes / GIB,
                 "train_peak_ratio": contender.train_peak_bytes / max(base.train_peak_bytes, 1),
+                "forward_mfu": mfu(contender, forward_flops, forward),
+                "train_mfu": mfu(contender, train_flops, train),
+                "train_tflops": train_flops / (train / 1000) / 1e12,
                 "forward_samples_ms": contender.forward_ms,
                 "train_samples_ms": contender.train_ms,
                 "losses": [float(loss) for loss in contender.losses],
@@ -384,7 +479,7 @@ def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
     header = (
         f"{'contender':<16}{'fwd ms':>9}{'fwd tok/s':>12}{'x orig':>8}"
         f"{'train ms':>10}{'train tok/s':>13}{'x orig':>8}{'fwd peak':>10}{'train peak':>12}"
-        f"{'x orig':>8}"
+        f"{'x orig':>8}{'fwd MFU':>9}{'train MFU':>10}"
     )
     log(header)
     log("-" * len(header))
@@ -395,12 +490,29 @@ def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
             f"{row['train_tokens_per_s']:>13,.0f}{row['train_speedup']:>8.2f}"
             f"{row['forward_peak_gib']:>9.2f}G{row['train_peak_gib']:>11.2f}G"
             f"{row['train_peak_ratio']:>8.2f}"
+            f"{percent(row['forward_mfu']):>9}{percent(row['train_mfu']):>10}"
         )
+    log(
+        f"MFU: model FLOPs ({train_flops / tokens / 1e9:.2f} GFLOP per trained token, "
+        f"{forward_flops / tokens / 1e9:.2f} forward; PaLM's count) over the datasheet's dense "
+        f"peak (bf16, or fp8 for FP8 contenders); this GPU's bf16 matrix product measured "
+        f"{'n/a' if matmul_peak is None else f'{matmul_peak / 1e12:.0f} TFLOP/s'}"
+    )
     log("x orig: original's time / contender's time (above 1 is faster); peak: memory a step")
     log("allocates above the resident weights and optimizer state; losses of the last steps:")
     for row in rows:
         log(f"  {row['contender']:<16}" + " ".join(f"{loss:.4f}" for loss in row["losses"][-3:]))
-    return {"notes": notes, "tokens_per_step": tokens, "rows": rows}
+    return {
+        "notes": notes,
+        "tokens_per_step": tokens,
+        "train_flops_per_step": train_flops,
+        "measured_bf16_matmul_flops": matmul_peak,
+        "rows": rows,
+    }
+
+
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -410,8 +522,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_results"))
     parser.add_argument("--families", default=",".join(sorted(families())))
-    parser.add_argument("--backends", default="fused,te", help="verified backends")
+    parser.add_argument("--backends", default="fused,liger,te", help="verified backends")
     parser.add_argument("--fp8-recipes", default="delayed,current", help="benchmark columns")
+    parser.add_argument(
+        "--contenders",
+        default="original,fused,fused+head,liger,liger+head,te",
+        help="benchmarked: original, fused, liger, fused+head, liger+head, te (bf16 and FP8)",
+    )
     parser.add_argument("--verify-fp8-recipe", default="current")
     parser.add_argument("--skip-verify", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
@@ -432,14 +549,21 @@ def parse_args() -> argparse.Namespace:
     args.fp8_recipes = [name for name in args.fp8_recipes.split(",") if name]
     args.families = [name for name in args.families.split(",") if name]
     args.backends = [name for name in args.backends.split(",") if name]
+    args.contenders = [name for name in args.contenders.split(",") if name]
     unknown = sorted(set(args.backends) - set(VERIFY_DTYPES))
     if unknown:
         parser.error(f"unknown backend(s) {unknown}; known: {sorted(VERIFY_DTYPES)}")
     return args
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    # `timeout` sends SIGTERM: unwind, so what was measured is still written
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     global DEVICE
+    signal.signal(signal.SIGTERM, _interrupted)
     args = parse_args()
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -457,7 +581,7 @@ def main() -> int:
         original = build_on_gpu(benchmark_config(args), args.seed)
         if not args.skip_verify:
             log("\n== verification: the benchmark model")
-            checks += verify_large(original, args.verify_fp8_recipe)
+            checks += verify_large(original, args.verify_fp8_recipe, args.backends)
         if not args.skip_bench:
             log("\n== benchmark")
             results["benchmark"] = benchmark(args, original)

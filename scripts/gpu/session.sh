@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One device call: every GPU check that needs no TransformerEngine, in priority order, each
+# step bounded so that the call ends inside its limit and what was measured comes back.
+#
+#   carry [".whl"] (transformers as constraints.txt pins it, liger-kernel), then
+#   [STEPS="verify pytest ..."] [PYTEST_FILES="tests/..."] bash scripts/gpu/session.sh [seconds]
+#
+# (default: every step, 540 seconds; the steps: doctor bench head-memory verify pytest
+# bench-7b check-liger)
+#
+# Writes under $OUT (8 files): session.log (versions, doctor, each step's exit code and
+# time), bench.log, bench.json, head_memory.txt, verify.log, pytest_gpu.log, bench_7b.txt,
+# check_liger.json.
+set -u
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+deadline=$(( $(date +%s) + ${1:-540} ))
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 LAYERSWAP_CACHE=/tmp/layerswap-cache
+log() { echo "$*" | tee -a "$OUT/session.log"; }
+
+# step NAME BUDGET FILE COMMAND...: run COMMAND for at most BUDGET seconds (less if the
+# deadline is nearer), its output into $OUT/FILE
+step() {
+  local name=$1 budget=$2 file=$3; shift 3
+  local left=$(( deadline - $(date +%s) - 5 ))
+  (( left < budget )) && budget=$left
+  if (( budget < 10 )); then log "== $name: not run (deadline)"; return; fi
+  log "== $name (at most ${budget}s)"
+  local started=$(date +%s)
+  timeout -s TERM -k 10 "$budget" "$@" > "$OUT/$file" 2>&1
+  local code=$?
+  log "== $name: exit $code in $(( $(date +%s) - started ))s"
+  tail -n 25 "$OUT/$file"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee -a "$OUT/session.log"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/session.log"
+wanted() { [[ " ${STEPS:-doctor bench head-memory verify pytest bench-7b check-liger} " == *" $1 "* ]]; }
+wanted doctor && python3 -m layerswap doctor 2>&1 | tee -a "$OUT/session.log"
+# the benchmark model (0.85 B Llama, 8 x 512): verified, then every contender timed
+wanted bench && step bench 120 bench.log python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/bench --families '' --backends fused,liger \
+  --contenders original,fused,fused+head,liger,liger+head
+cp /tmp/bench/verify_and_bench.json "$OUT/bench.json" 2>/dev/null
+wanted head-memory && step head-memory 90 head_memory.txt python3 benchmarks/bench_memory.py \
+  --device cuda --vocab 128256 --hidden 4096 --layers 2 --batch 4 --seq 2048 --steps 3
+# every family's tiny model: fused in fp32 and bf16, liger where it expresses the family
+wanted verify && step verify 220 verify.log python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/verify --skip-bench --backends fused,liger --hidden 256 --intermediate 512 \
+  --layers 2 --heads 4 --kv-heads 2 --vocab 1024
+wanted pytest && step pytest-gpu 120 pytest_gpu.log python3 -m pytest --full -m gpu -q \
+  -p no:cacheprovider -n 4 ${PYTEST_FILES:-}
+# Llama-2-7B's shape at the TransformerEngine tutorial's batch (8 x 256)
+wanted bench-7b && step bench-7b 100 bench_7b.txt python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/b7 --skip-verify --contenders original,fused --hidden 4096 --intermediate 11008 \
+  --layers 32 --heads 32 --kv-heads 32 --batch 8 --seq 256 --warmup 2 --rounds 5
+wanted check-liger && step check-liger 60 check_liger.json python3 -m layerswap check --all \
+  --backend liger --json
+log "== done"
