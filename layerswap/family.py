@@ -161,8 +161,12 @@ class Family:
     #: the rotary pairing of a head's dims: ``"half"`` (i, i + d/2), Llama's rotate-half, or
     #: ``"interleaved"`` (2i, 2i + 1) with the model's cos/sin applied as they come (Cohere),
     #: or ``"interleaved_from_half"``, (2i, 2i + 1) with the first half of cos/sin
-    #: repeated pairwise, as GLM applies the rotate-half layout it is given
+    #: repeated pairwise, as GLM applies the rotate-half layout it is given, or
+    #: ``"half_narrow"``: rotate-half with cos/sin given for one half only (gpt-oss)
     rotary: str = "half"
+    #: a learned logit per head joining every softmax as one more key whose value is zero
+    #: (gpt-oss's ``self_attn.sinks``): attention may rest there instead of on a token
+    attention_sinks: bool = False
     #: which layers apply the rotary embedding, a key of :data:`ROTARY_LAYERS`: ``"all"``,
     #: or a rule read off the original attention (Cohere 2 rotates on sliding-window
     #: layers only, SmolLM3 where ``no_rope_layers`` says so)

@@ -51,6 +51,8 @@ def features(family: Family) -> str:
         found.append(f"rotary `{family.rotary}`")
     if family.rotary_layers != "all":
         found.append(f"rotary on some layers only (`{family.rotary_layers}`)")
+    if family.attention_sinks:
+        found.append("attention sinks (`self_attn.sinks`)")
     biases = []
     for name, label in (("qkv_bias", "q/k/v"), ("o_bias", "output"), ("mlp_bias", "MLP")):
         value = getattr(family, name)

@@ -107,7 +107,6 @@ def test_inference_reads_the_rotary_layout_and_renamed_norm_places() -> None:
         ("granitemoe", "not a dense MLP or a mixture-of-experts block"),  # block_sparse_moe
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("seed_oss", "dropout the fused layer does not apply"),
-        ("gpt_oss", "no counterpart for: self_attn.sinks"),
         ("nanochat", r"a q norm without a learned scale \(NanoChatRMSNorm has no weight\)"),
         ("ministral3", r"queries scaled by their position \(Llama 4 attention temperature"),
         ("vit", "no causal LM"),

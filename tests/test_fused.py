@@ -297,3 +297,37 @@ def test_the_chunked_loss_accumulates_bfloat16_products_in_float32_on_the_gpu() 
     torch.nn.functional.cross_entropy(hidden.double() @ exact.t(), targets).backward()
     error = (weight.grad.double() - exact.grad).abs().max() / exact.grad.abs().max()
     assert error < 1e-2, error
+
+
+def test_attention_sinks_join_the_softmax_as_gpt_oss_takes_them() -> None:
+    """gpt-oss: each head's learned sink logit joins the softmax as one more key with a
+    zero value; with a sliding window shorter than the prompt, left padding, cached
+    decoding and the attention weights asked for (the eager path), the swap equals the
+    original, and the sinks it carries are the ones it uses."""
+    from layerswap.registry import get_family
+    from layerswap.verify import verify
+
+    family = get_family("gpt_oss")
+    assert family.attention_sinks and family.rotary == "half_narrow"
+    model = family.build(family.tiny_config(sliding_window=4), seed=0)
+    report = verify(model, "gpt_oss.decoder.fused", generate=4)
+    assert report.passed, report.summary()
+
+    batch = left_padded_batch(model.config.vocab_size)
+    valid = batch["attention_mask"].bool()
+    swapped = copy.deepcopy(model)
+    layerswap.swap(swapped, "gpt_oss.decoder.fused")
+    with torch.no_grad():
+        expected = model(**batch, output_attentions=True)
+        actual = swapped(**batch, output_attentions=True)
+        for theirs, ours in zip(expected.attentions, actual.attentions, strict=True):
+            torch.testing.assert_close(
+                ours[valid[:, None, :, None].expand_as(ours)],
+                theirs[valid[:, None, :, None].expand_as(theirs)],
+                atol=1e-6,
+                rtol=0,
+            )
+        torch.testing.assert_close(actual.logits[valid], expected.logits[valid], atol=ATOL, rtol=0)
+        swapped.model.layers[0].self_attn.sinks.add_(1.0)
+        moved = swapped(**batch).logits
+    assert (moved[valid] - expected.logits[valid]).abs().max() > 1e-2

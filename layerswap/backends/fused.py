@@ -124,10 +124,13 @@ def _rotate(
     Partial rotary (``partial_rotary_factor`` < 1, Phi-3, GLM): cos/sin are narrower than
     a head, and only its first dims rotate; the rest pass through, as in transformers.
     ``layout`` is the family's :attr:`~layerswap.Family.rotary`: rotate halves, or
-    interleaved pairs with cos/sin as given (Cohere) or from their first half (GLM).
+    interleaved pairs with cos/sin as given (Cohere) or from their first half (GLM), or
+    halves with cos/sin given for one half (gpt-oss).
     Some families pass float32 cos/sin whatever the model's dtype (OLMo 2, ERNIE 4.5): the
     rotation is then computed in float32 and cast back to ``states``' dtype, as theirs is.
     """
+    if layout == "half_narrow":  # cos/sin of one half: the rotate-half layout's, whole
+        cos, sin, layout = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), "half"
     width = cos.shape[-1]
     if width != states.shape[-1]:
         passed = states[..., width:]
@@ -223,6 +226,10 @@ class FusedAttention(nn.Module):
             )
             self.q_norm = _family_norm(q_size, config, family, numbers.norm_eps)
             self.k_norm = _family_norm(k_size, config, family, numbers.norm_eps)
+        # gpt-oss: one learned logit per head, a key every query sees, whose value is zero
+        self.sinks: nn.Parameter | None = None
+        if family.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.sizes[0] // self.head_dim))
 
     def forward(
         self,
@@ -293,6 +300,9 @@ class FusedAttention(nn.Module):
             key, value = key[:, :, :query_length], value[:, :, :query_length]
         if weights or self.softcap is not None:
             return self._attend_eagerly(query, key, value, mask, is_causal)
+        if self.sinks is not None:
+            key, value, mask = self._with_sinks(query, key, value, mask, is_causal)
+            is_causal = False
         extra: dict[str, Any] = {}
         if self.num_key_value_groups > 1:
             # measured: on CPU enable_gqa beats expanding k/v with or without a mask; on
@@ -315,6 +325,45 @@ class FusedAttention(nn.Module):
             **extra,
         )
         return output, None
+
+    def _with_sinks(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values with one more position, zero, and an additive mask (per head)
+        whose last column is the head's sink logit: softmax over [q k^T * scale, sink] as
+        gpt-oss's attention takes it, then nothing from the sink's zero value -- exact,
+        and still one ``scaled_dot_product_attention`` call."""
+        assert self.sinks is not None
+        batch, heads, length, _ = query.shape
+        if key.shape[1] != heads:
+            key = key.repeat_interleave(heads // key.shape[1], dim=1)
+            value = value.repeat_interleave(heads // value.shape[1], dim=1)
+        key_length = key.shape[2]
+        if is_causal or mask is None:
+            allowed = torch.ones(length, key_length, dtype=torch.bool, device=query.device)
+            mask = allowed.tril(key_length - length) if is_causal else allowed
+            mask = mask[None, None]
+        mask = mask[:, :, :, :key_length]
+        if mask.dtype == torch.bool:
+            lowest = torch.finfo(query.dtype).min
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, lowest
+            )
+        sink = self.sinks.to(query.dtype).view(1, heads, 1, 1)
+        mask = torch.cat(
+            (
+                mask.to(query.dtype).expand(batch, heads, length, key_length),
+                sink.expand(batch, heads, length, 1),
+            ),
+            dim=-1,
+        )
+        zero = key.new_zeros(batch, heads, 1, key.shape[-1])
+        return torch.cat((key, zero), dim=2), torch.cat((value, zero), dim=2), mask
 
     def _attend_eagerly(
         self,
@@ -343,7 +392,13 @@ class FusedAttention(nn.Module):
                 scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
             else:
                 scores = scores + mask
+        if self.sinks is not None:  # gpt-oss: the sink joins the softmax, then leaves
+            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1)
+            sink = sink.expand(scores.shape[0], -1, scores.shape[2], 1)
+            scores = torch.cat((scores, sink), dim=-1)
         weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        if self.sinks is not None:
+            weights = weights[..., :-1]
         weights = F.dropout(weights, p=self.attention_dropout, training=self.training)
         return torch.matmul(weights, value), weights
 
@@ -452,7 +507,9 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         return self._branch_out("attn_out", attended)
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mixed: torch.Tensor = self.mlp(self._norm("mlp_in", hidden_states))
+        mixed = self.mlp(self._norm("mlp_in", hidden_states))
+        if isinstance(mixed, tuple):  # a kept mixture-of-experts block's (output, router
+            mixed = mixed[0]  # scores): gpt-oss's layer, too, takes the output alone
         return self._branch_out("mlp_out", mixed)
 
 

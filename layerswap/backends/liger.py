@@ -132,6 +132,8 @@ def unsupported(family: Family) -> str | None:
 
         liger.unsupported(layerswap.families()["gemma2"])   # "... soft-capping ..."
     """
+    if getattr(family, "attention_sinks", False):
+        return "the liger layer's attention has no attention sinks (this family's self_attn.sinks)"
     if getattr(family, "norm", "rms") != "rms":
         return "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)"
     if getattr(family, "parallel", False):

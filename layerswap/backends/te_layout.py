@@ -234,6 +234,10 @@ def unexpressible(family: Family) -> str | None:
     norms are per head, with one weight for all heads; its layer runs attention, then
     the MLP, and rotates halves of each head.
     """
+    if getattr(family, "attention_sinks", False):
+        return (
+            "TransformerEngine's attention has no attention sinks (this family's self_attn.sinks)"
+        )
     if family.parallel:
         return "the te layer runs attention, then the MLP (this family runs them in parallel)"
     if family.rotary != "half":

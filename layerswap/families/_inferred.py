@@ -33,6 +33,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -74,6 +75,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -115,6 +117,7 @@ INFERRED = (
         qk_norm_switch="use_qk_norm",
         parallel=True,
         rotary="interleaved",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -156,6 +159,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=True,
         rotary="interleaved",
+        attention_sinks=False,
         rotary_layers="sliding",
         tiny={
             "vocab_size": 512,
@@ -197,6 +201,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=True,
         rotary="interleaved",
+        attention_sinks=False,
         rotary_layers="sliding",
         tiny={
             "vocab_size": 512,
@@ -240,6 +245,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -281,6 +287,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="interleaved_from_half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -322,6 +329,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="interleaved_from_half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -364,6 +372,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="sliding_or_unwindowed",
         tiny={
             "vocab_size": 512,
@@ -405,6 +414,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="sliding_or_unwindowed",
         tiny={
             "vocab_size": 512,
@@ -449,6 +459,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -497,6 +508,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -543,6 +555,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -589,6 +602,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="interleaved_from_half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -639,6 +653,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="interleaved_from_half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -684,6 +699,7 @@ INFERRED = (
         qk_norm_switch="use_qk_norm",
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -710,6 +726,50 @@ INFERRED = (
         description="inferred from transformers.models.glm4_moe.modeling_glm4_moe",
     ),
     Family(
+        name="gpt_oss",
+        model_type="gpt_oss",
+        module="transformers.models.gpt_oss.modeling_gpt_oss",
+        decoder="GptOssDecoderLayer",
+        config_class="GptOssConfig",
+        causal_lm="GptOssForCausalLM",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=False,
+        norm_offset=0.0,
+        norm="rms",
+        activation="hidden_act",
+        mlp="original",
+        mlp_modules=(),
+        mlp_class="GptOssMLP",
+        qkv_modules=("q_proj", "k_proj", "v_proj"),
+        norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half_narrow",
+        attention_sinks=True,
+        rotary_layers="all",
+        tiny={
+            "num_hidden_layers": 4,
+            "num_local_experts": 4,
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "head_dim": 16,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-06,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "num_experts_per_tok": 2,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        description="inferred from transformers.models.gpt_oss.modeling_gpt_oss",
+    ),
+    Family(
         name="granite",
         model_type="granite",
         module="transformers.models.granite.modeling_granite",
@@ -731,6 +791,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -772,6 +833,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="interleaved_from_half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -813,6 +875,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -857,6 +920,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -903,6 +967,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -948,6 +1013,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -991,6 +1057,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1034,6 +1101,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1075,6 +1143,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1118,6 +1187,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1163,6 +1233,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1204,6 +1275,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1250,6 +1322,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1293,6 +1366,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1338,6 +1412,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1381,6 +1456,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1426,6 +1502,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1470,6 +1547,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="use_rope",
         tiny={
             "vocab_size": 512,
@@ -1511,6 +1589,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1554,6 +1633,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1599,6 +1679,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,
@@ -1640,6 +1721,7 @@ INFERRED = (
         qk_norm_switch=None,
         parallel=False,
         rotary="half",
+        attention_sinks=False,
         rotary_layers="all",
         tiny={
             "vocab_size": 512,

@@ -66,6 +66,7 @@ VERIFIED: tuple[str, ...] = (
     "glm",
     "glm4",
     "glm4_moe",
+    "gpt_oss",
     "granite",
     "helium",
     "hy_v3",
@@ -289,11 +290,13 @@ def _norm_kind(norm: nn.Module, shape: tuple[int, ...], where: str) -> tuple[str
 
 
 #: the rotary layouts :func:`_rotary_layout` tells apart (:attr:`Family.rotary`)
-ROTARY_LAYOUTS = ("half", "interleaved", "interleaved_from_half")
+ROTARY_LAYOUTS = ("half", "interleaved", "interleaved_from_half", "half_narrow")
 
 
 def _rotated(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> Any:
     """``states`` rotated the way ``layout`` names, for comparison with the original's."""
+    if layout == "half_narrow":  # cos/sin for one half: each half rotated by them
+        cos, sin, layout = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), "half"
     if layout == "half":
         half = states.shape[-1] // 2
         turned = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
@@ -317,28 +320,38 @@ def _rotary_layout(module: Any, head_dim: int, where: str) -> str:
         raise UnsupportedFamilyError(f"{where}: no apply_rotary_pos_emb to read the rotary from")
     generator = torch.Generator().manual_seed(0)
     query, key = (torch.randn(1, 2, 3, head_dim, generator=generator) for _ in range(2))
-    cos, sin = (torch.randn(1, 3, head_dim, generator=generator) for _ in range(2))
-    try:
-        rotated = apply(query, key, cos, sin)[0]
-    except Exception as exc:
+    failure: Exception | None = None
+    # cos/sin as wide as a head, then as wide as half of one (the model's rotary module
+    # decides which; a mismatched width fails or matches no layout)
+    for width, layouts in ((head_dim, ROTARY_LAYOUTS[:-1]), (head_dim // 2, ROTARY_LAYOUTS[-1:])):
+        cos, sin = (torch.randn(1, 3, width, generator=generator) for _ in range(2))
+        try:
+            rotated = apply(query, key, cos, sin)[0]
+        except Exception as exc:
+            failure = failure or exc
+            continue
+        for layout in layouts:
+            expected = _rotated(query, cos.unsqueeze(1), sin.unsqueeze(1), layout)
+            if isinstance(rotated, torch.Tensor) and torch.allclose(rotated, expected, atol=1e-5):
+                return layout
+    if failure is not None:
         raise UnsupportedFamilyError(
-            f"{where}: its apply_rotary_pos_emb cannot be probed ({_gist(exc)})"
-        ) from exc
-    for layout in ROTARY_LAYOUTS:
-        expected = _rotated(query, cos.unsqueeze(1), sin.unsqueeze(1), layout)
-        if isinstance(rotated, torch.Tensor) and torch.allclose(rotated, expected, atol=1e-5):
-            return layout
+            f"{where}: its apply_rotary_pos_emb cannot be probed ({_gist(failure)})"
+        ) from failure
     raise UnsupportedFamilyError(
         f"{where}: a rotary embedding that rotates neither halves nor interleaved pairs"
     )
 
 
-def _rotary_width(attention: nn.Module, config: Any) -> int:
-    """How many dims of a head the rotary embedding covers (partial rotary: fewer)."""
+def _rotary_width(attention: nn.Module, config: Any, rotary: str) -> int:
+    """How wide the model's cos/sin are: the dims of a head the rotary embedding covers
+    (partial rotary: fewer), or half of them where the layout takes one half's
+    (``"half_narrow"``)."""
     head_dim = int(getattr(attention, "head_dim", None) or config.head_dim)
     rope = getattr(config, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return int(head_dim * (factor or 1.0))
+    width = int(head_dim * (factor or 1.0))
+    return width // 2 if rotary == "half_narrow" else width
 
 
 def _seeded(decoder: Any, config: Any, index: int) -> nn.Module:
@@ -360,9 +373,9 @@ def _seeded(decoder: Any, config: Any, index: int) -> nn.Module:
     return layer
 
 
-def _rotates(layer: nn.Module, config: Any) -> bool:
+def _rotates(layer: nn.Module, config: Any, rotary: str) -> bool:
     """Whether ``layer`` applies the rotary embedding: its output changes with the angles."""
-    width = _rotary_width(layer.get_submodule("self_attn"), config)
+    width = _rotary_width(layer.get_submodule("self_attn"), config, rotary)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 5, config.hidden_size, generator=generator)
     angles = torch.randn(1, 5, width, generator=generator)
@@ -382,11 +395,11 @@ def _rotates(layer: nn.Module, config: Any) -> bool:
     return not torch.equal(outputs[0], outputs[1])
 
 
-def _rotary_layers(decoder: Any, config: Any, where: str) -> str:
+def _rotary_layers(decoder: Any, config: Any, where: str, rotary: str) -> str:
     """The rule of :data:`~layerswap.family.ROTARY_LAYERS` that says, for every layer of
     ``config``, whether the original applies the rotary embedding, probed layer by layer."""
     layers = [_seeded(decoder, config, index) for index in range(config.num_hidden_layers)]
-    truth = [_rotates(layer, config) for layer in layers]
+    truth = [_rotates(layer, config, rotary) for layer in layers]
     attentions = [layer.get_submodule("self_attn") for layer in layers]
     for name, rule in ROTARY_LAYERS.items():
         if all(
@@ -400,7 +413,7 @@ def _rotary_layers(decoder: Any, config: Any, where: str) -> str:
     )
 
 
-def _branch_inputs(layer: nn.Module, config: Any) -> tuple[Any, Any, Any]:
+def _branch_inputs(layer: nn.Module, config: Any, rotary: str) -> tuple[Any, Any, Any]:
     """One forward pass of ``layer``: (attention input, MLP input, MLP input with the
     attention's output projection zeroed). The MLP reads the attention's output unless
     zeroing it leaves the MLP's input as it was: then the two run in parallel."""
@@ -420,7 +433,7 @@ def _branch_inputs(layer: nn.Module, config: Any) -> tuple[Any, Any, Any]:
     hidden = torch.randn(1, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(5)[None]
     # no rotation (cos 1, sin 0): which tensor reaches which branch does not depend on it
-    width = _rotary_width(attention, config)
+    width = _rotary_width(attention, config, rotary)
     cos_sin = (torch.ones(1, 5, width), torch.zeros(1, 5, width))
     found = []
     try:
@@ -568,6 +581,12 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     }
     known_attention = {*qkv_modules, "o_proj", "q_norm", "k_norm", "rotary_emb"}
     activations = ("act_fn", "act", "activation_fn")
+    # gpt-oss's attention sinks: one logit per head (what they do is proven below, by the
+    # behavioural check, like every other declaration)
+    sinks = getattr(attention, "sinks", None)
+    attention_sinks = isinstance(sinks, nn.Parameter) and tuple(sinks.shape) == (
+        config.num_attention_heads,
+    )
     extra = sorted(
         [f"self_attn.{n}" for n, _ in attention.named_children() if n not in known_attention]
         + [
@@ -576,7 +595,11 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             if not original_mlp and n not in (*mlp_modules, *activations)
         ]
         + [n for n, _ in layer.named_parameters(recurse=False)]
-        + [f"self_attn.{n}" for n, _ in attention.named_parameters(recurse=False)]
+        + [
+            f"self_attn.{n}"
+            for n, _ in attention.named_parameters(recurse=False)
+            if not (attention_sinks and n == "sinks")
+        ]
     )
     # xIELU (Apertus): the fused layer builds an activation from its name alone
     extra += [
@@ -636,12 +659,12 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     norm_kind, norm_offset = offsets.pop()
     rotary = _rotary_layout(module, head_dim, where)
     try:
-        attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config)
+        attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config, rotary)
     except Exception as exc:
         raise UnsupportedFamilyError(f"{where}: one layer cannot run ({_gist(exc)})") from exc
     parallel = torch.equal(mlp_in, mlp_in_unattended)
     try:
-        rotary_layers = _rotary_layers(decoder, config, where)
+        rotary_layers = _rotary_layers(decoder, config, where, rotary)
     except UnsupportedFamilyError:
         raise
     except Exception as exc:
@@ -692,6 +715,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         parallel=parallel,
         rotary=rotary,
         rotary_layers=rotary_layers,
+        attention_sinks=attention_sinks,
         tiny={
             key: value
             for key, value in tiny_config_for(config_class).to_diff_dict().items()
