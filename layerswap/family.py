@@ -164,6 +164,10 @@ class Family:
     #: repeated pairwise, as GLM applies the rotate-half layout it is given, or
     #: ``"half_narrow"``: rotate-half with cos/sin given for one half only (gpt-oss)
     rotary: str = "half"
+    #: ``(config field, norm)``: where that field is ``None`` in a config, the norms are
+    #: ``norm`` instead (Cohere 2 MoE: ``("rms_norm_eps", "layer_nobias")``, a bias-free
+    #: LayerNorm with ``layer_norm_eps`` when ``rms_norm_eps`` is unset, as by default)
+    norm_switch: tuple[str, str] | None = None
     #: a learned logit per head joining every softmax as one more key whose value is zero
     #: (gpt-oss's ``self_attn.sinks``): attention may rest there instead of on a token
     attention_sinks: bool = False
@@ -177,6 +181,12 @@ class Family:
     def rotates(self, attention: Any, config: PreTrainedConfig) -> bool:
         """Whether the original layer with this ``attention`` applies the rotary embedding."""
         return ROTARY_LAYERS[self.rotary_layers](attention, config)
+
+    def norm_for(self, config: PreTrainedConfig) -> str:
+        """The norm kind of ``config``'s layers: :attr:`norm`, or the switched one."""
+        if self.norm_switch is not None and getattr(config, self.norm_switch[0], None) is None:
+            return self.norm_switch[1]
+        return self.norm
 
     def norm_at(self, place: str) -> str | None:
         """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""

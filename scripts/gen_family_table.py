@@ -30,6 +30,9 @@ def features(family: Family) -> str:
     norm = {"rms": "RMSNorm", "layer": "LayerNorm with bias", "layer_nobias": "bias-free LayerNorm"}
     kind = norm.get(family.norm, family.norm)
     found.append(f"{kind} scaling by `1 + weight`" if family.norm_offset == 1.0 else kind)
+    if family.norm_switch is not None:
+        field, switched = family.norm_switch
+        found[-1] += f" (a {norm.get(switched, switched)} where `{field}` is unset)"
     if family.norms != PRE_NORMS:
         places = ", ".join(f"`{name}` ({place})" for place, name in family.norms)
         found.append(f"norms: {places}")

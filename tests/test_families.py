@@ -381,3 +381,23 @@ def test_layers_that_skip_the_rotary_embedding_skip_it_in_the_fused_layer_too(
     report = layerswap.verify(model, everywhere)
     assert not report.passed
     assert report.first_divergent_layer == skipping[0]
+
+
+def test_a_norm_a_config_field_switches_is_declared_and_followed() -> None:
+    """Cohere 2 MoE builds a bias-free LayerNorm where rms_norm_eps is unset (its default)
+    and an RMSNorm where it is set; the family says so and the swap follows the config."""
+    from layerswap.backends.fused import FusedLayerNorm, FusedRMSNorm
+    from layerswap.registry import get_family
+    from layerswap.verify import verify
+
+    family = get_family("cohere2_moe")
+    assert family.norm_switch == ("rms_norm_eps", "layer_nobias")
+    assert infer_family("llama", verify=False).norm_switch is None
+    for eps, expected in ((None, FusedLayerNorm), (1e-5, FusedRMSNorm)):
+        model = family.build(family.tiny_config(rms_norm_eps=eps), seed=0)
+        report = verify(model, "cohere2_moe.decoder.fused", generate=4)
+        assert report.passed, report.summary()
+        swapped = copy.deepcopy(model)
+        layerswap.swap(swapped, "cohere2_moe.decoder.fused")
+        norm = swapped.model.layers[0].input_layernorm
+        assert type(norm) is expected and getattr(norm, "bias", None) is None

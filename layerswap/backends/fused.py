@@ -182,8 +182,9 @@ def _family_norm(
     eps: float | None = None,
 ) -> nn.Module:
     eps = float(config.rms_norm_eps) if eps is None else eps
-    if family.norm in ("layer", "layer_nobias"):
-        return FusedLayerNorm(size, eps, family.norm_offset, bias=family.norm == "layer")
+    kind = family.norm_for(config)
+    if kind in ("layer", "layer_nobias"):
+        return FusedLayerNorm(size, eps, family.norm_offset, bias=kind == "layer")
     return FusedRMSNorm(size, eps, family.norm_offset)
 
 

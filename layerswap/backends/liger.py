@@ -134,6 +134,12 @@ def unsupported(family: Family) -> str | None:
     """
     if getattr(family, "attention_sinks", False):
         return "the liger layer's attention has no attention sinks (this family's self_attn.sinks)"
+    switch = getattr(family, "norm_switch", None)
+    if switch is not None:
+        return (
+            "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm "
+            f"where {switch[0]} is unset)"
+        )
     if getattr(family, "norm", "rms") != "rms":
         return "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)"
     if getattr(family, "parallel", False):

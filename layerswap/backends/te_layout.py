@@ -238,6 +238,11 @@ def unexpressible(family: Family) -> str | None:
         return (
             "TransformerEngine's attention has no attention sinks (this family's self_attn.sinks)"
         )
+    if family.norm_switch is not None:
+        return (
+            "the te layer maps RMSNorm only (this family's norm is a LayerNorm where "
+            f"{family.norm_switch[0]} is unset)"
+        )
     if family.parallel:
         return "the te layer runs attention, then the MLP (this family runs them in parallel)"
     if family.rotary != "half":

@@ -451,6 +451,38 @@ def _branch_inputs(layer: nn.Module, config: Any, rotary: str) -> tuple[Any, Any
     return found[0]["attention"], found[0]["mlp"], found[1]["mlp"]
 
 
+def _norm_switch(
+    decoder: Any,
+    config: Any,
+    layout: tuple[tuple[str, str], ...],
+    found: tuple[str, float],
+    where: str,
+) -> tuple[str, str] | None:
+    """``(field, norm)`` where unsetting a ``*norm_eps`` field of the config builds norms of
+    another kind (Cohere 2 MoE: ``rms_norm_eps=None``, its default, builds a bias-free
+    LayerNorm); ``None`` where no such field changes them (or the layer cannot be built
+    or run without it)."""
+    fields = sorted(
+        key
+        for key, value in config.to_dict().items()
+        if key.endswith("norm_eps") and isinstance(value, float)
+    )
+    for field_name in fields:
+        try:
+            unset = _seeded(decoder, _with(config, field_name, None), 0)
+            kinds = {
+                _norm_kind(unset.get_submodule(n), (config.hidden_size,), f"{where} {n}")
+                for _, n in layout
+            }
+        except Exception:  # the layer needs the field: not a switch
+            continue
+        if len(kinds) == 1:
+            kind, offset = kinds.pop()
+            if kind != found[0] and offset == found[1]:
+                return field_name, kind
+    return None
+
+
 def _qk_norm_switch(build: Any, config: Any) -> str | None:
     """The boolean config field with "norm" in its name that adds ``self_attn.q_norm``."""
     for key, value in config.to_dict().items():
@@ -657,6 +689,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     if len(offsets) != 1:
         raise UnsupportedFamilyError(f"{where}: norms of different kinds or offsets")
     norm_kind, norm_offset = offsets.pop()
+    norm_switch = _norm_switch(decoder, config, layout, (norm_kind, norm_offset), where)
     rotary = _rotary_layout(module, head_dim, where)
     try:
         attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config, rotary)
@@ -716,6 +749,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         rotary=rotary,
         rotary_layers=rotary_layers,
         attention_sinks=attention_sinks,
+        norm_switch=norm_switch,
         tiny={
             key: value
             for key, value in tiny_config_for(config_class).to_diff_dict().items()
