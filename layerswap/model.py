@@ -105,12 +105,27 @@ def mark_substitution(layer: nn.Module, substitution: Substitution) -> None:
 def _unknown_family(target: nn.Module, model_type: str | None, known: dict[str, Family]) -> str:
     pool = sorted({*known, *(family.model_type for family in known.values())})
     close = difflib.get_close_matches(model_type or "", pool, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(repr(name) for name in close)}?" if close else ""
-    return (
-        f"no layerswap family fits {type(target).__name__} (model_type {model_type!r}){hint} "
-        f"known families: {', '.join(sorted(known))}. Declare one with "
-        "layerswap.register_family(Family(...))"
-    )
+    parts = [f"no layerswap family fits {type(target).__name__} (model_type {model_type!r})"]
+    parts[0] += _why_not(model_type)
+    if close:
+        parts.append(f"did you mean {', '.join(repr(name) for name in close)}?")
+    parts.append(f"known families: {', '.join(sorted(known))}")
+    return "; ".join(parts) + ". Declare one with layerswap.register_family(Family(...))"
+
+
+def _why_not(model_type: str | None) -> str:
+    """Coverage's reason for ``model_type`` where it is stored (``layerswap coverage`` and
+    ``list --all`` store it), else where to get it: inferring it here would import and
+    probe the modeling module inside an error path."""
+    if not model_type:
+        return ""
+    from layerswap import verdicts
+
+    stored = verdicts.read(verdicts.key_for("coverage", model_type), kind="coverage")
+    reason = stored.get("reason") if stored is not None else None
+    if isinstance(reason, str):
+        return f": {reason}"
+    return f" (`layerswap coverage {model_type}` says why)"
 
 
 def family_of(model: nn.Module) -> Family:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from models import tiny_model
@@ -34,6 +36,26 @@ def test_family_of_an_unknown_model_names_its_type_and_close_families() -> None:
     model.config.model_type = "lama"
     with pytest.raises(UnknownSubstitutionError, match=r"model_type 'lama'.*did you mean 'llama'"):
         family_of(model)
+
+
+def test_family_of_an_uncovered_model_gives_coverages_reason_or_where_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from layerswap import verdicts
+
+    monkeypatch.setenv("LAYERSWAP_CACHE", str(tmp_path))
+    model = tiny_model("llama", num_hidden_layers=1)
+    model.model.layers[0] = torch.nn.Identity()
+    model.config.model_type = "qwen3_next"
+    with pytest.raises(UnknownSubstitutionError, match=r"`layerswap coverage qwen3_next` says why"):
+        family_of(model)
+    # what `layerswap coverage` / `list --all` store, the error gives
+    reason = "qwen3_next: decoder layers of different structure"
+    key = verdicts.key_for("coverage", "qwen3_next")
+    verdicts.write(key, {"model_type": "qwen3_next", "reason": reason}, kind="coverage")
+    with pytest.raises(UnknownSubstitutionError) as refused:
+        family_of(model)
+    assert f"(model_type 'qwen3_next'): {reason}; did you mean" in str(refused.value)
 
 
 def test_family_of_sees_through_data_parallel() -> None:
