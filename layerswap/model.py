@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import difflib
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from layerswap.errors import UnknownSubstitutionError
 from layerswap.family import Family
 from layerswap.registry import families
 from layerswap.substitution import Substitution
+from layerswap.suggestions import close_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -104,7 +104,7 @@ def mark_substitution(layer: nn.Module, substitution: Substitution) -> None:
 
 def _unknown_family(target: nn.Module, model_type: str | None, known: dict[str, Family]) -> str:
     pool = sorted({*known, *(family.model_type for family in known.values())})
-    close = difflib.get_close_matches(model_type or "", pool, n=3, cutoff=0.5)
+    close = close_names(model_type or "", pool)
     parts = [f"no layerswap family fits {type(target).__name__} (model_type {model_type!r})"]
     parts[0] += _why_not(model_type)
     if close:

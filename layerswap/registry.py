@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import re
@@ -31,6 +30,7 @@ from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubs
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family
 from layerswap.substitution import Substitution
+from layerswap.suggestions import close_names
 
 __all__ = [
     "BACKEND_ENTRY_POINT_GROUP",
@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 def _suggest(name: str, known: Iterable[str]) -> str:
     known = sorted(known)
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+    close = close_names(name, known)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return f"{hint} Known: {', '.join(known) or '(none)'}."
 

@@ -61,3 +61,13 @@ def test_family_of_an_uncovered_model_gives_coverages_reason_or_where_to_get_it(
 def test_family_of_sees_through_data_parallel() -> None:
     model = tiny_model("qwen3", num_hidden_layers=1)
     assert family_of(torch.nn.DataParallel(model)) is layerswap.families()["qwen3"]
+
+
+def test_close_names_are_decided_in_one_place() -> None:
+    from layerswap.suggestions import close_names
+
+    assert close_names("lama", ["llama", "gemma", "qwen3"]) == ["llama"]
+    assert close_names("Llama", ["llama"], cutoff=0.99) == ["llama"]  # case alone
+    assert close_names("llama", ["llama", "llama"]) == []  # never the name itself
+    assert sorted(close_names("qwen", ["qwen2", "qwen3", "qwen3", 7, None])) == ["qwen2", "qwen3"]
+    assert close_names("xyz", ["llama"]) == []

@@ -53,7 +53,7 @@ from torch import nn
 
 from layerswap.backend import Implementation
 from layerswap.errors import ParallelismError, UnsupportedModelError, UpstreamDriftError
-from layerswap.family import Family
+from layerswap.family import Family, transformers_version
 from layerswap.ops.linear_cross_entropy import LogitTransform
 from layerswap.registry import families
 from layerswap.substitution import Substitution, UpstreamCheck
@@ -122,7 +122,7 @@ def head_contract(causal_lm: type) -> HeadContract:
     Raises :class:`UpstreamDriftError` naming the statement layerswap does not know, or
     saying that the source cannot be read.
     """
-    version = _transformers_version()
+    version = transformers_version()
     where = f"{causal_lm.__name__}.forward in transformers {version}"
     try:
         source = textwrap.dedent(inspect.getsource(causal_lm.forward))  # type: ignore[attr-defined]
@@ -176,12 +176,6 @@ def head_contract(causal_lm: type) -> HeadContract:
 def _first_line(text: str) -> str:
     line = text.splitlines()[0] if text else ""
     return line if len(line) < 100 else line[:97] + "..."
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
 
 
 # --- the replacement class ----------------------------------------------------------------

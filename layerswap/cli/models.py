@@ -8,7 +8,6 @@ directory (its own weights, loaded the transformers way).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from layerswap.cli.options import ModelChoice
 from layerswap.cli.output import Progress
 from layerswap.cli.problems import UsageProblem, one_line
+from layerswap.suggestions import close_names
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ def find_family(name: str, option: str = "--model") -> Family:
             return by_type[0]
         _refuse_path(name, option)
         _refuse_model_type(key)
-        close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.5)
+        close = close_names(key, known)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise UsageProblem(
             f"unknown model family {name!r}{hint} (known: {', '.join(sorted(known))})"

@@ -8,12 +8,12 @@ failed, and suggest the closest existing names.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import sys
 from typing import Any
 
 from layerswap.errors import TargetAttributeError, TargetImportError, TargetTypeError
+from layerswap.suggestions import close_names
 
 __all__ = ["ParsedTarget", "import_module", "suggest"]
 
@@ -24,13 +24,9 @@ def suggest(name: str, candidates: Any) -> str:
     ``name`` itself is never suggested, and each candidate is named once.
     """
     try:
-        pool = list(dict.fromkeys(c for c in candidates if isinstance(c, str) and c != name))
-    except TypeError:
+        close = close_names(name, candidates, cutoff=0.6)
+    except TypeError:  # candidates that cannot be listed
         return ""
-    close = difflib.get_close_matches(name, pool, n=3, cutoff=0.6)
-    if not close:
-        lowered = {c.lower(): c for c in pool}
-        close = [lowered[name.lower()]] if name.lower() in lowered else []
     if not close:
         return ""
     return " (did you mean " + " or ".join(f"`{c}`" for c in close) + "?)"

@@ -8,6 +8,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
+from layerswap.model import layer_config
 from layerswap.verify.multimodal import is_multimodal, multimodal_inputs
 from layerswap.verify.placement import DeviceLike, resolve_device
 
@@ -65,8 +66,7 @@ def text_config(model: nn.Module) -> Any:
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"{type(model).__name__} has no .config; pass a transformers model")
-    get_text_config = getattr(config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else config
+    return layer_config(config)
 
 
 def pad_token_id(config: Any) -> int:
