@@ -339,7 +339,13 @@ def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _decode(model: nn.Module, batch: dict[str, torch.Tensor], cache: str | None) -> Any:
-    options: dict[str, Any] = {"cache_implementation": cache} if cache else {}
+    # disable_compile: on a GPU, generate() with a static cache compiles the forward
+    # (transformers' auto-compile); the proof compares what the layers compute, eagerly, the
+    # same on every device (TransformerEngine 2.20's attention cannot be traced by torch
+    # 2.11's dynamo: compiling would refuse te for a reason that is not the layer contract)
+    options: dict[str, Any] = {"disable_compile": True}
+    if cache:
+        options["cache_implementation"] = cache
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(  # type: ignore[operator]

@@ -479,3 +479,35 @@ def test_a_config_that_selects_structure_the_family_does_not_describe_is_refused
         proof.ensure_proven(sub, variant.tiny_config())  # its own tiny config holds
     finally:
         unregister_family("llama_fixed_act")
+
+
+def test_the_proof_compares_static_cache_decoding_eagerly_where_generate_would_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU, generate() with a static cache compiles the model's forward (transformers'
+    auto-compile). The proof compares what the layers compute, eagerly: TransformerEngine's
+    attention cannot be traced by dynamo, and the GPU refused te for that, not for the
+    contract. ``_compile_all_devices`` makes the CPU behave as the GPU does."""
+    compiled: list[dict[str, Any]] = []
+
+    def record(function: Any = None, **options: Any) -> Any:
+        compiled.append(options)
+        return function
+
+    config = tiny_config("llama")
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    candidate = copy.deepcopy(reference)
+    for model in (reference, candidate):
+        model.generation_config.compile_config = transformers.CompileConfig()
+        model.generation_config.compile_config._compile_all_devices = True
+    batch = proof._batch(config, torch.device("cpu"))
+    monkeypatch.setattr(torch, "compile", record)
+    # the original's own generate() compiles here: the condition the proof must not follow
+    reference.generate(
+        **batch, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0
+    )
+    assert compiled, "auto-compile did not trigger: this test no longer shows anything"
+    compiled.clear()
+    assert proof._compare_decoding(reference, candidate, batch, "static") is None
+    assert compiled == []
