@@ -117,7 +117,7 @@ def fp8_noise_floor(original: Any, args: Any) -> None:
 
 
 def profile(original: Any, args: Any) -> None:
-    contenders, notes = vb.make_contenders(original, ["current"], args.lr)
+    contenders, notes = vb.make_contenders(original, args)
     for note in notes:
         vb.log(note)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=vb.DEVICE)

@@ -5,12 +5,14 @@
 #   carry [".whl"] (transformers as constraints.txt pins it, liger-kernel), then
 #   [STEPS="verify pytest ..."] [PYTEST_FILES="tests/..."] bash scripts/gpu/session.sh [seconds]
 #
-# (default: every step, 540 seconds; the steps: doctor bench head-memory verify pytest
-# bench-7b check-liger)
+# (default: every step that needs no TransformerEngine, 540 seconds; the steps: doctor bench
+# head-memory verify pytest bench-7b check-liger; with TE installed (stage_te.sh), also
+# te-7b-bf16 te-7b-fp8 te-verify te-bench te-pytest, run only when STEPS names them)
 #
 # Writes under $OUT (8 files): session.log (versions, doctor, each step's exit code and
 # time), bench.log, bench.json, head_memory.txt, verify.log, pytest_gpu.log, bench_7b.txt,
-# check_liger.json.
+# check_liger.json; the te steps: te_7b_bf16.txt, te_7b_fp8.txt, te_verify.log, te_bench.log,
+# te_pytest.log.
 set -u
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
@@ -21,6 +23,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 LAYERSWAP_CACHE=/tmp/layerswap-cache
+# torch's own cuDNN first: TransformerEngine loaded after a system cuDNN mixes the two builds
+# (docs/gpu.md)
+cudnn_lib=$(python3 -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null)
+[[ -n "$cudnn_lib" ]] && export LD_LIBRARY_PATH=$cudnn_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 log() { echo "$*" | tee -a "$OUT/session.log"; }
 
 # step NAME BUDGET FILE COMMAND...: run COMMAND for at most BUDGET seconds (less if the
@@ -61,4 +67,21 @@ wanted bench-7b && step bench-7b 100 bench_7b.txt python3 scripts/gpu/verify_and
   --layers 32 --heads 32 --kv-heads 32 --batch 8 --seq 256 --warmup 2 --rounds 5
 wanted check-liger && step check-liger 60 check_liger.json python3 -m layerswap check --all \
   --backend liger --json
+# TransformerEngine at Llama-2-7B's shape, batch 8 x 256 (its tutorial's): two 7B contenders
+# with AdamW are what one H200 holds, so bf16 and FP8 each run beside the original
+seven_b=(--skip-verify --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --kv-heads 32
+  --batch 8 --seq 256 --warmup 2 --rounds 5)
+wanted te-7b-bf16 && step te-7b-bf16 100 te_7b_bf16.txt python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/te7b --contenders original,te-bf16 "${seven_b[@]}"
+wanted te-7b-fp8 && step te-7b-fp8 100 te_7b_fp8.txt python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/te7f --contenders original,te-fp8 --fp8-recipes "${TE_7B_RECIPE:-delayed}" "${seven_b[@]}"
+# every family te expresses: bf16 and FP8 (current scaling) against the original
+wanted te-verify && step te-verify 110 te_verify.log python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/teverify --skip-bench --backends te --hidden 256 --intermediate 512 \
+  --layers 2 --heads 4 --kv-heads 2 --vocab 1024
+# the 0.85 B model at 8 x 512 (host-bound for te on the H100)
+wanted te-bench && step te-bench 90 te_bench.log python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/tebench --families '' --backends te --contenders original,fused,te
+wanted te-pytest && step te-pytest 70 te_pytest.log python3 -m pytest --full -m gpu -q \
+  -p no:cacheprovider -n 4 tests/test_te.py tests/test_verify_fp8.py
 log "== done"

@@ -25,6 +25,7 @@ TE_WORK="${TE_WORK:-/tmp/te_stage}"
 PYTHON="${PYTHON:-python3}"
 PART_SIZE="${PART_SIZE:-60m}"
 PYPI_JSON="${PYPI_JSON:-https://pypi.org/pypi}"
+PYPI_SIMPLE="${PYPI_SIMPLE:-https://pypi.org/simple}"
 # What TransformerEngine's Python side needs beyond torch and what the GPU image already has
 # (einops, onnx, onnxscript, packaging, pyyaml are there): pydantic (recipes) with its
 # pinned core, nvdlfw-inspect (imported by the debug hooks), importlib-metadata, and
@@ -51,15 +52,35 @@ wait_seconds() { if [[ "${1:-}" == "--wait" ]]; then echo "${2:?--wait needs sec
 fetch_sdist() {
   # `pip download` of this sdist would first prepare its metadata in an isolated
   # environment holding a CUDA build of torch (minutes, GBs); the index's JSON API names
-  # the file directly (the URL may be relative to the API's, on a mirror)
-  "$PYTHON" - "$PYPI_JSON/transformer-engine-torch/$TE_VERSION/json" "$1" <<'PY'
-import json, sys, urllib.parse, urllib.request
-api, dest = sys.argv[1], sys.argv[2]
-with urllib.request.urlopen(api) as response:
-    files = json.load(response)["urls"]
-sdist = next(f for f in files if f["packagetype"] == "sdist")
-urllib.request.urlretrieve(urllib.parse.urljoin(api, sdist["url"]), dest)
-print("fetched", sdist["filename"], sdist["size"], "bytes")
+  # the file directly (the URL may be relative to the API's, on a mirror). Where the JSON
+  # API answers 404 for a release (seen for 2.20.2), the simple index's page (PEP 503)
+  # names it too, with its sha256.
+  "$PYTHON" - "$PYPI_JSON" "$PYPI_SIMPLE" "$TE_VERSION" "$1" <<'PY'
+import hashlib, json, re, sys, urllib.error, urllib.parse, urllib.request
+api, simple, version, dest = sys.argv[1:5]
+name = f"transformer_engine_torch-{version}.tar.gz"
+url, sha256 = None, None
+try:
+    with urllib.request.urlopen(f"{api}/transformer-engine-torch/{version}/json") as response:
+        files = json.load(response)["urls"]
+    sdist = next(f for f in files if f["packagetype"] == "sdist")
+    url = urllib.parse.urljoin(api + "/", sdist["url"])
+    sha256 = sdist.get("digests", {}).get("sha256")
+except urllib.error.HTTPError as error:
+    print(f"JSON API: {error}; reading the simple index")
+    page_url = f"{simple}/transformer-engine-torch/"
+    with urllib.request.urlopen(page_url) as response:
+        page = response.read().decode()
+    match = re.search(r'href="([^"]*/' + re.escape(name) + r')(?:#sha256=([0-9a-f]+))?"', page)
+    if match is None:
+        sys.exit(f"{name} is not on {page_url}")
+    url, sha256 = urllib.parse.urljoin(page_url, match.group(1)), match.group(2)
+urllib.request.urlretrieve(url, dest)
+with open(dest, "rb") as handle:
+    digest = hashlib.sha256(handle.read()).hexdigest()
+if sha256 and digest != sha256:
+    sys.exit(f"{name}: sha256 {digest} differs from the index's {sha256}")
+print("fetched", name, "sha256", digest)
 PY
 }
 
