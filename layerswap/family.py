@@ -34,7 +34,9 @@ __all__ = [
     "ROTARY_LAYERS",
     "SEPARATE_QKV",
     "Family",
+    "probed_eps",
     "resolve",
+    "stateless",
     "transformers_version",
 ]
 
@@ -162,7 +164,9 @@ class Family:
     #: ``"interleaved"`` (2i, 2i + 1) with the model's cos/sin applied as they come (Cohere),
     #: or ``"interleaved_from_half"``, (2i, 2i + 1) with the first half of cos/sin
     #: repeated pairwise, as GLM applies the rotate-half layout it is given, or
-    #: ``"half_narrow"``: rotate-half with cos/sin given for one half only (gpt-oss)
+    #: ``"half_narrow"``: rotate-half with cos/sin given for one half only (gpt-oss), or
+    #: ``"half_reversed"``: rotate-half by the negative angle (nanochat's ``rotate_half``
+    #: is ``(x2, -x1)``)
     rotary: str = "half"
     #: ``(config field, norm)``: where that field is ``None`` in a config, the norms are
     #: ``norm`` instead (Cohere 2 MoE: ``("rms_norm_eps", "layer_nobias")``, a bias-free
@@ -175,6 +179,13 @@ class Family:
     #: or a rule read off the original attention (Cohere 2 rotates on sliding-window
     #: layers only, SmolLM3 where ``no_rope_layers`` says so)
     rotary_layers: str = "all"
+    #: the norms (the layer's and q/k norms) scale by a learned weight; ``False``: they
+    #: have no parameters at all (OLMo's LayerNorm, nanochat's RMSNorm)
+    norm_scale: bool = True
+    #: the config field bounding q, k and v after their projections (and q/k norms):
+    #: ``clamp(-bound, bound)`` where the config sets it (OLMo's, OLMoE's ``clip_qkv``);
+    #: ``None``: no such field
+    clip_qkv: str | None = None
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
 
@@ -187,6 +198,11 @@ class Family:
         if self.norm_switch is not None and getattr(config, self.norm_switch[0], None) is None:
             return self.norm_switch[1]
         return self.norm
+
+    def qkv_bound(self, config: PreTrainedConfig) -> float | None:
+        """The bound q, k and v are clamped to in ``config``'s layers, or ``None``."""
+        bound = None if self.clip_qkv is None else getattr(config, self.clip_qkv, None)
+        return None if bound is None else float(bound)
 
     def norm_at(self, place: str) -> str | None:
         """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""
@@ -261,3 +277,27 @@ class Family:
                     elif name.endswith("bias"):
                         param.normal_(0.0, 0.1)
         return model.eval()
+
+
+def stateless(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds no parameter and no buffer (a norm without a weight)."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
+
+
+def probed_eps(norm: torch.nn.Module, width: int = 64) -> float:
+    """The epsilon a norm without parameters adds to the variance, read off its output.
+
+    On a zero-mean input of mean square ``m`` both RMSNorm and LayerNorm return
+    ``x / sqrt(m + eps)``; an input with ``m`` near 3e-7 makes ``eps`` (1e-5, 1e-6) the
+    larger term; ``width`` is the normalised axis' size, and the estimate is rounded to two significant digits.
+
+    Example::
+
+        probed_eps(OlmoLayerNorm(64), 64)   # 1e-05
+    """
+    sample = torch.linspace(-1.0, 1.0, width, dtype=torch.float64) * 1e-3
+    with torch.no_grad():
+        out = norm(sample.float().unsqueeze(0)).double().squeeze(0)
+    root = float(sample.dot(sample) / sample.dot(out))  # sqrt(m + eps)
+    eps = root * root - float(sample.pow(2).mean())
+    return float(f"{eps:.2g}")

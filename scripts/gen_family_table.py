@@ -29,6 +29,9 @@ def features(family: Family) -> str:
     found = []
     norm = {"rms": "RMSNorm", "layer": "LayerNorm with bias", "layer_nobias": "bias-free LayerNorm"}
     kind = norm.get(family.norm, family.norm)
+    if not family.norm_scale:
+        kind = {"rms": "RMSNorm", "layer_nobias": "LayerNorm"}.get(family.norm, kind)
+        kind += " without a weight (no parameters)"
     found.append(f"{kind} scaling by `1 + weight`" if family.norm_offset == 1.0 else kind)
     if family.norm_switch is not None:
         field, switched = family.norm_switch
@@ -56,6 +59,8 @@ def features(family: Family) -> str:
         found.append(f"rotary on some layers only (`{family.rotary_layers}`)")
     if family.attention_sinks:
         found.append("attention sinks (`self_attn.sinks`)")
+    if family.clip_qkv is not None:
+        found.append(f"q/k/v clamped where `{family.clip_qkv}` is set")
     biases = []
     for name, label in (("qkv_bias", "q/k/v"), ("o_bias", "output"), ("mlp_bias", "MLP")):
         value = getattr(family, name)

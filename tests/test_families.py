@@ -101,13 +101,25 @@ def test_inference_reads_the_rotary_layout_and_renamed_norm_places() -> None:
     ]
 
 
+def test_inference_reads_norms_without_parameters_and_the_reversed_rotation() -> None:
+    """nanochat: RMSNorms without a weight everywhere (q/k norms too), rotate_half as
+    (x2, -x1); OLMo: a LayerNorm without weight or bias, and clip_qkv."""
+    nanochat = infer_family("nanochat", verify=False)
+    assert (nanochat.norm, nanochat.norm_scale, nanochat.qk_norm) == ("rms", False, True)
+    assert nanochat.rotary == "half_reversed"
+    assert (nanochat.mlp, nanochat.mlp_modules) == ("plain", ("fc1", "fc2"))
+    olmo = infer_family("olmo", verify=False)
+    assert (olmo.norm, olmo.norm_scale, olmo.clip_qkv) == ("layer_nobias", False, "clip_qkv")
+    assert infer_family("llama", verify=False).norm_scale is True
+
+
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
         ("granitemoe", "not a dense MLP or a mixture-of-experts block"),  # block_sparse_moe
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("seed_oss", "dropout the fused layer does not apply"),
-        ("nanochat", r"a q norm without a learned scale \(NanoChatRMSNorm has no weight\)"),
+        ("hunyuan_v1_dense", "no counterpart for: self_attn.key_layernorm"),
         ("ministral3", r"queries scaled by their position \(Llama 4 attention temperature"),
         ("vit", "no causal LM"),
     ],
@@ -259,12 +271,24 @@ def test_cohere_q_k_norms_with_a_weight_per_head_are_computed_as_the_original_do
     ("feature", "reason"),
     [
         ({"parallel": True}, "in parallel"),
-        ({"rotary": "interleaved"}, "interleaved pairs"),
-        ({"rotary": "interleaved_from_half"}, "interleaved pairs"),
+        ({"rotary": "interleaved"}, "rotary layout is interleaved"),
+        ({"rotary": "interleaved_from_half"}, "rotary layout is interleaved_from_half"),
+        ({"rotary": "half_reversed"}, "rotary layout is half_reversed"),
         ({"qk_norm": "head_weights"}, "one per head"),
         ({"qk_norm": True, "qk_norm_switch": "use_qk_norm"}, "follow use_qk_norm"),
+        ({"norm_scale": False}, "norms have none"),
+        ({"clip_qkv": "clip_qkv"}, "clamps them where clip_qkv is set"),
     ],
-    ids=["parallel", "interleaved", "interleaved_from_half", "head_weights", "qk_norm_switch"],
+    ids=[
+        "parallel",
+        "interleaved",
+        "interleaved_from_half",
+        "half_reversed",
+        "head_weights",
+        "qk_norm_switch",
+        "norm_scale",
+        "clip_qkv",
+    ],
 )
 def test_te_and_liger_refuse_what_their_layers_do_not_compute(
     feature: dict[str, object], reason: str

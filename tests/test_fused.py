@@ -331,3 +331,46 @@ def test_attention_sinks_join_the_softmax_as_gpt_oss_takes_them() -> None:
         swapped.model.layers[0].self_attn.sinks.add_(1.0)
         moved = swapped(**batch).logits
     assert (moved[valid] - expected.logits[valid]).abs().max() > 1e-2
+
+
+CLAMPED = sorted(name for name, family in layerswap.families().items() if family.clip_qkv)
+
+
+def test_the_families_that_clamp_q_k_v_are_declared_so() -> None:
+    assert {"olmo", "olmoe"} <= set(CLAMPED)
+
+
+@pytest.mark.parametrize("name", CLAMPED)
+def test_q_k_v_are_clamped_where_the_config_sets_clip_qkv(name: str) -> None:
+    """OLMo's and OLMoE's ``clip_qkv`` (8 in released configs): the original clamps q, k
+    and v after their projections. A tiny model's random values stay under such a bound, so
+    v is scaled until it does not; without the clamp the swap was off by 0.78 in silence."""
+    family = layerswap.get_family(name)
+
+    def build(bound: float | None) -> torch.nn.Module:
+        model = family.build(family.tiny_config(clip_qkv=bound), seed=0)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.v_proj.weight.mul_(400.0)
+        return model
+
+    ids = tokens(family.tiny_config().vocab_size, seed=1)
+    model = build(8.0)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        unclamped = build(None)(input_ids=ids).logits
+    assert (expected - unclamped).abs().max() > 0.1, "the bound no longer bites: test shows nothing"
+    layerswap.swap(model, f"{name}.decoder.fused")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_norm_without_parameters_has_its_epsilon_read_off_its_output() -> None:
+    from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    from layerswap.family import probed_eps
+
+    assert probed_eps(OlmoLayerNorm(96), 96) == 1e-5  # written into its forward()
+    assert probed_eps(NanoChatRMSNorm(eps=1e-6), 96) == 1e-6
+    assert probed_eps(torch.nn.LayerNorm(32, eps=3e-5, elementwise_affine=False), 32) == 3e-5

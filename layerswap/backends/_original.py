@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from layerswap.family import probed_eps, stateless
+
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
@@ -55,6 +57,9 @@ def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -
     for _, name in family.norms:
         norm = layer.get_submodule(name)
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+        if eps is None and stateless(norm):
+            # OLMo's LayerNorm writes its 1e-5 into forward()
+            eps = probed_eps(norm, int(config.hidden_size))
         if eps is not None:
             break
     return OriginalNumbers(

@@ -86,16 +86,27 @@ class FusedRMSNorm(nn.Module):
 
     ``size`` may be a shape, ``(heads, head_dim)``: q/k norms with a weight per head
     (Cohere) normalise each head over its last axis and scale by that head's weight.
+    ``scale=False``: no weight at all (nanochat), as ``F.rms_norm`` without one.
     """
 
-    def __init__(self, size: int | tuple[int, ...], eps: float, offset: float = 0.0) -> None:
+    weight: nn.Parameter | None
+
+    def __init__(
+        self, size: int | tuple[int, ...], eps: float, offset: float = 0.0, *, scale: bool = True
+    ) -> None:
         super().__init__()
         # the original's initial value, so an unloaded weight means the same thing
-        self.weight = nn.Parameter(torch.full(_shape(size), 1.0 - offset))
+        if scale:
+            self.weight = nn.Parameter(torch.full(_shape(size), 1.0 - offset))
+        else:
+            self.register_parameter("weight", None)
+        self.size = _shape(size)
         self.eps = eps
         self.offset = offset
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return F.rms_norm(hidden_states, (hidden_states.shape[-1],), None, self.eps)
         weight = self.weight + self.offset if self.offset else self.weight
         weight = weight.to(hidden_states.dtype)
         if torch.onnx.is_in_onnx_export():
@@ -109,7 +120,8 @@ class FusedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""
-        return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}"
+        scale = "" if self.weight is not None else ", scale=False"
+        return f"{self.size}, eps={self.eps}{offset}{scale}"
 
 
 def _shape(size: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -123,7 +135,8 @@ def _rotate(
 
     Partial rotary (``partial_rotary_factor`` < 1, Phi-3, GLM): cos/sin are narrower than
     a head, and only its first dims rotate; the rest pass through, as in transformers.
-    ``layout`` is the family's :attr:`~layerswap.Family.rotary`: rotate halves, or
+    ``layout`` is the family's :attr:`~layerswap.Family.rotary`: rotate halves (by the
+    angle, or by its negative: nanochat), or
     interleaved pairs with cos/sin as given (Cohere) or from their first half (GLM), or
     halves with cos/sin given for one half (gpt-oss).
     Some families pass float32 cos/sin whatever the model's dtype (OLMo 2, ERNIE 4.5): the
@@ -137,6 +150,8 @@ def _rotate(
         return torch.cat((_rotate(states[..., :width], cos, sin, layout), passed), dim=-1)
     if layout == "half":
         rotated = _layer.rotate_half(states)
+    elif layout == "half_reversed":  # nanochat: rotate_half is (x2, -x1), the angle negated
+        rotated = -_layer.rotate_half(states)
     else:
         if layout == "interleaved_from_half":
             cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
@@ -148,18 +163,32 @@ def _rotate(
 class FusedLayerNorm(nn.Module):
     """LayerNorm through ``F.layer_norm``; scales by ``offset + weight``, adds a bias unless
     ``bias=False`` (Cohere's mean-centred norm has none). ``size`` may be a shape, as for
-    :class:`FusedRMSNorm`."""
+    :class:`FusedRMSNorm`. ``scale=False``: neither weight nor bias (OLMo's LayerNorm)."""
+
+    weight: nn.Parameter | None
 
     def __init__(
-        self, size: int | tuple[int, ...], eps: float, offset: float = 0.0, *, bias: bool = True
+        self,
+        size: int | tuple[int, ...],
+        eps: float,
+        offset: float = 0.0,
+        *,
+        bias: bool = True,
+        scale: bool = True,
     ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.full(_shape(size), 1.0 - offset))
-        self.bias = nn.Parameter(torch.zeros(_shape(size))) if bias else None
+        if scale:
+            self.weight = nn.Parameter(torch.full(_shape(size), 1.0 - offset))
+        else:
+            self.register_parameter("weight", None)
+        self.bias = nn.Parameter(torch.zeros(_shape(size))) if bias and scale else None
+        self.size = _shape(size)
         self.eps = eps
         self.offset = offset
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return F.layer_norm(hidden_states, (hidden_states.shape[-1],), None, None, self.eps)
         weight = self.weight + self.offset if self.offset else self.weight
         dtype = hidden_states.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
@@ -171,8 +200,10 @@ class FusedLayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""
+        if self.weight is None:
+            return f"{self.size}, eps={self.eps}, scale=False"
         bias = "" if self.bias is not None else ", bias=False"
-        return f"{tuple(self.weight.shape)}, eps={self.eps}{offset}{bias}"
+        return f"{self.size}, eps={self.eps}{offset}{bias}"
 
 
 def _family_norm(
@@ -183,9 +214,10 @@ def _family_norm(
 ) -> nn.Module:
     eps = float(config.rms_norm_eps) if eps is None else eps
     kind = family.norm_for(config)
+    scale = family.norm_scale
     if kind in ("layer", "layer_nobias"):
-        return FusedLayerNorm(size, eps, family.norm_offset, bias=kind == "layer")
-    return FusedRMSNorm(size, eps, family.norm_offset)
+        return FusedLayerNorm(size, eps, family.norm_offset, bias=kind == "layer", scale=scale)
+    return FusedRMSNorm(size, eps, family.norm_offset, scale=scale)
 
 
 class FusedAttention(nn.Module):
@@ -231,6 +263,8 @@ class FusedAttention(nn.Module):
         self.sinks: nn.Parameter | None = None
         if family.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(self.sizes[0] // self.head_dim))
+        # OLMo, OLMoE: q, k and v clamped to [-bound, bound] where the config sets clip_qkv
+        self.qkv_bound = family.qkv_bound(config)
 
     def forward(
         self,
@@ -251,6 +285,9 @@ class FusedAttention(nn.Module):
                 key = self.k_norm(key.flatten(-2)).view_as(key)
             else:
                 query, key = self.q_norm(query), self.k_norm(key)
+        if self.qkv_bound is not None:
+            bound = self.qkv_bound
+            query, key, value = (t.clamp(-bound, bound) for t in (query, key, value))
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if self.rotates:  # NoPE layers (Cohere 2's full-attention ones) leave q and k as they are
             cos, sin = position_embeddings

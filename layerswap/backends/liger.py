@@ -146,8 +146,8 @@ def unsupported(family: Family) -> str | None:
         return "the liger layer runs attention, then the MLP (this family runs them in parallel)"
     if getattr(family, "rotary", "half") != "half":
         return (
-            "Liger's RoPE kernel rotates halves of each head (this family rotates interleaved "
-            f"pairs: {getattr(family, 'rotary', None)})"
+            "Liger's RoPE kernel rotates halves of each head by the angle (this family's "
+            f"rotary layout is {getattr(family, 'rotary', None)})"
         )
     if family.rotary_layers != "all":
         return (
@@ -175,6 +175,13 @@ def unsupported(family: Family) -> str | None:
         return (
             f"the liger layer keeps q/k/v and the MLP as one or three projections "
             f"(this family: {_qkv_names(family)}, {_mlp_names(family)})"
+        )
+    if not getattr(family, "norm_scale", True):
+        return "Liger's RMSNorm kernel scales by a learned weight (this family's norms have none)"
+    if getattr(family, "clip_qkv", None) is not None:
+        return (
+            "the liger layer does not clamp q, k and v (this family clamps them where "
+            f"{getattr(family, 'clip_qkv', None)} is set)"
         )
     try:
         config = family.tiny_config()

@@ -247,8 +247,8 @@ def unexpressible(family: Family) -> str | None:
         return "the te layer runs attention, then the MLP (this family runs them in parallel)"
     if family.rotary != "half":
         return (
-            "the te layer applies the rotate-half rotary embedding (this family rotates "
-            f"interleaved pairs: {family.rotary})"
+            "the te layer applies the rotate-half rotary embedding (this family's rotary "
+            f"layout is {family.rotary})"
         )
     if family.rotary_layers != "all":
         return (
@@ -279,6 +279,13 @@ def unexpressible(family: Family) -> str | None:
         return (
             "the te converter maps separate q/k/v and gate/up projections (this family's "
             f"original has {', '.join((*family.qkv_modules, *family.mlp_modules))})"
+        )
+    if not family.norm_scale:
+        return "TransformerEngine's norms have a learned weight (this family's norms have none)"
+    if family.clip_qkv is not None:
+        return (
+            "the te layer does not clamp q, k and v (this family clamps them where "
+            f"{family.clip_qkv} is set)"
         )
     return None
 

@@ -43,7 +43,15 @@ from torch import nn
 
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families._tiny import TINY
-from layerswap.family import GATED_MLP, PRE_NORMS, ROTARY_LAYERS, SEPARATE_QKV, Family
+from layerswap.family import (
+    GATED_MLP,
+    PRE_NORMS,
+    ROTARY_LAYERS,
+    SEPARATE_QKV,
+    Family,
+    probed_eps,
+    stateless,
+)
 
 __all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 
@@ -78,7 +86,9 @@ VERIFIED: tuple[str, ...] = (
     "minimax_m3_vl_text",
     "ministral",
     "mixtral",
+    "nanochat",
     "nemotron",
+    "olmo",
     "olmo2",
     "olmo3",
     "olmoe",
@@ -141,11 +151,15 @@ _ONE_NORM = _NORM_LAYOUTS[frozenset({"input_layernorm"})]
 # the projections a layer can have, by their names: q/k/v separate or fused (Phi-3), and
 # the MLPs, (kind, modules): gated, gated with gate/up fused (Phi-3), plain
 _QKV = (SEPARATE_QKV, ("qkv_proj",))
+#: a ``clip_qkv`` bound small enough to clamp most of a tiny model's q, k and v
+CLAMP_THAT_BITES = 0.05
+
 _MLPS = (
     ("gated", GATED_MLP),
     ("gated", ("gate_up_proj", "down_proj")),
     ("plain", ("up_proj", "down_proj")),
     ("plain", ("c_fc", "c_proj")),  # Starcoder 2
+    ("plain", ("fc1", "fc2")),  # nanochat
 )
 
 
@@ -250,16 +264,25 @@ def _with(config: Any, name: str, value: Any) -> Any:
     return clone
 
 
-def _norm_kind(norm: nn.Module, shape: tuple[int, ...], where: str) -> tuple[str, float]:
-    """(kind, offset) of a norm over the last axis, probed numerically, else refused.
+def _norm_kind(norm: nn.Module, shape: tuple[int, ...], where: str) -> tuple[str, float, bool]:
+    """(kind, offset, scale) of a norm over the last axis, probed numerically, else refused.
 
     Kind ``"rms"`` (RMSNorm), ``"layer"`` (LayerNorm with a bias) or ``"layer_nobias"``
     (mean-centred, no bias: Cohere); offset 0 (scales by ``weight``) or 1 (``1 + weight``).
     With its parameters zeroed a norm of offset 0 gives zeros; the unit-weight output
     (weight 1, or 0 at offset 1) is then compared with RMSNorm and with LayerNorm, since
-    a bias-free LayerNorm looks like an RMSNorm from its parameters alone.
+    a bias-free LayerNorm looks like an RMSNorm from its parameters alone. A norm without
+    any parameter (OLMo's LayerNorm, nanochat's RMSNorm) has ``scale`` ``False``; its
+    output alone is compared.
     """
     weight = getattr(norm, "weight", None)
+    if weight is None and stateless(norm):
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
+        eps = probed_eps(norm, shape[-1]) if eps is None else eps
+        sample = torch.randn(3, *shape, generator=torch.Generator().manual_seed(0)) + 0.5
+        with torch.no_grad():
+            out = norm(sample).float()
+        return _compared(out, sample, float(eps), bias=False, where=where), 0.0, False
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
         raise UnsupportedFamilyError(f"{where}: a norm without a weight of shape {shape}")
     bias = getattr(norm, "bias", None)
@@ -281,28 +304,35 @@ def _norm_kind(norm: nn.Module, shape: tuple[int, ...], where: str) -> tuple[str
         finally:
             for p, value in zip(params, saved, strict=True):
                 p.copy_(value)
+    return _compared(out, sample, float(eps), bias=bias is not None, where=where), offset, True
+
+
+def _compared(
+    out: torch.Tensor, sample: torch.Tensor, eps: float, *, bias: bool, where: str
+) -> str:
+    """The norm kind whose unit-scale output on ``sample`` is ``out``, else refused."""
     rms = sample * torch.rsqrt(sample.pow(2).mean(-1, keepdim=True) + eps)
     centred = sample - sample.mean(-1, keepdim=True)
     layer = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
-    if torch.allclose(out, rms, atol=1e-4) and bias is None:
-        return "rms", offset
+    if torch.allclose(out, rms, atol=1e-4) and not bias:
+        return "rms"
     if torch.allclose(out, layer, atol=1e-4):
-        return ("layer" if bias is not None else "layer_nobias"), offset
+        return "layer" if bias else "layer_nobias"
     raise UnsupportedFamilyError(f"{where}: a norm that is neither RMSNorm nor LayerNorm")
 
 
 #: the rotary layouts :func:`_rotary_layout` tells apart (:attr:`Family.rotary`)
-ROTARY_LAYOUTS = ("half", "interleaved", "interleaved_from_half", "half_narrow")
+ROTARY_LAYOUTS = ("half", "half_reversed", "interleaved", "interleaved_from_half", "half_narrow")
 
 
 def _rotated(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> Any:
     """``states`` rotated the way ``layout`` names, for comparison with the original's."""
     if layout == "half_narrow":  # cos/sin for one half: each half rotated by them
         cos, sin, layout = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), "half"
-    if layout == "half":
+    if layout in ("half", "half_reversed"):
         half = states.shape[-1] // 2
         turned = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-        return states * cos + turned * sin
+        return states * cos + (turned if layout == "half" else -turned) * sin
     if layout == "interleaved_from_half":
         half = cos.shape[-1] // 2
         cos = cos[..., :half].repeat_interleave(2, dim=-1)
@@ -457,7 +487,7 @@ def _norm_switch(
     decoder: Any,
     config: Any,
     layout: tuple[tuple[str, str], ...],
-    found: tuple[str, float],
+    found: tuple[str, float, bool],
     where: str,
 ) -> tuple[str, str] | None:
     """``(field, norm)`` where unsetting a ``*norm_eps`` field of the config builds norms of
@@ -479,8 +509,8 @@ def _norm_switch(
         except Exception:  # the layer needs the field: not a switch
             continue
         if len(kinds) == 1:
-            kind, offset = kinds.pop()
-            if kind != found[0] and offset == found[1]:
+            kind, offset, scale = kinds.pop()
+            if kind != found[0] and (offset, scale) == found[1:]:
                 return field_name, kind
     return None
 
@@ -674,12 +704,9 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             (config.num_attention_heads * head_dim,): "across",
         }
         weight = getattr(q_norm, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            raise UnsupportedFamilyError(
-                f"{where}: a q norm without a learned scale ({type(q_norm).__name__} has no "
-                "weight); the fused layer's norms all have one"
-            )
-        shape = tuple(weight.shape)
+        # a q norm without parameters (nanochat) normalises each head: the behavioural
+        # check proves it
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (head_dim,)
         if shape not in per_head:
             raise UnsupportedFamilyError(f"{where}: a q norm of shape {shape}")
         qk_norm = per_head[shape]
@@ -687,11 +714,13 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         _norm_kind(real.get_submodule(n), (config.hidden_size,), f"{where} {n}") for _, n in layout
     }
     if qk_norm:
-        offsets.add(_norm_kind(q_norm, tuple(q_norm.weight.shape), f"{where} self_attn.q_norm"))
+        offsets.add(_norm_kind(q_norm, shape, f"{where} self_attn.q_norm"))
     if len(offsets) != 1:
-        raise UnsupportedFamilyError(f"{where}: norms of different kinds or offsets")
-    norm_kind, norm_offset = offsets.pop()
-    norm_switch = _norm_switch(decoder, config, layout, (norm_kind, norm_offset), where)
+        raise UnsupportedFamilyError(
+            f"{where}: norms of different kinds, offsets, or with and without a weight"
+        )
+    norm_kind, norm_offset, norm_scale = offsets.pop()
+    norm_switch = _norm_switch(decoder, config, layout, (norm_kind, norm_offset, norm_scale), where)
     rotary = _rotary_layout(module, head_dim, where)
     try:
         attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config, rotary)
@@ -752,6 +781,10 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         rotary_layers=rotary_layers,
         attention_sinks=attention_sinks,
         norm_switch=norm_switch,
+        norm_scale=norm_scale,
+        # OLMo, OLMoE: q/k/v clamped where the config sets the bound (proven below with a
+        # bound that bites)
+        clip_qkv="clip_qkv" if "clip_qkv" in config.to_dict() else None,
         tiny={
             key: value
             for key, value in tiny_config_for(config_class).to_diff_dict().items()
@@ -779,6 +812,15 @@ def _verify_inferred(family: Family, where: str) -> None:
         report = verify(
             family.build(seed=0), fused.BACKEND.substitution(family), backward=True, generate=0
         )
+        if report.passed and family.clip_qkv is not None:
+            # the default config leaves the bound unset: prove the clamp where it bites
+            bound = {family.clip_qkv: CLAMP_THAT_BITES}
+            report = verify(
+                family.build(family.tiny_config(**bound), seed=0),
+                fused.BACKEND.substitution(family),
+                backward=True,
+                generate=0,
+            )
     except Exception as exc:
         raise UnsupportedFamilyError(
             f"{where}: the inferred fused layer cannot run ({exc})"
