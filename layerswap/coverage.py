@@ -249,8 +249,10 @@ def _split(
     ]
     if slot == "decoder" and family.mlp == "original":
         # a mixture-of-experts block stays the original's module inside the replacement
-        blocks = sorted({type(layer.get_submodule("mlp")).__name__ for _, layer in layers})
-        kept = f"{span}.mlp ({', '.join(blocks)}, the original's, inside the replacement)"
+        blocks = sorted(
+            {type(layer.get_submodule(family.mlp_name)).__name__ for _, layer in layers}
+        )
+        kept = f"{span}.{family.mlp_name} ({', '.join(blocks)}, the original's, inside the replacement)"
         return (f"{decoder}: attention and norms",), (kept, *own)
     if slot == "decoder":
         return (decoder,), tuple(own)

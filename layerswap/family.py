@@ -149,6 +149,9 @@ class Family:
     #: for ``mlp="original"``: the class of the original's MLP module in ``module``
     #: (``"MixtralSparseMoeBlock"``); ``None`` otherwise
     mlp_class: str | None = None
+    #: the decoder layer's attribute holding the MLP: ``"mlp"``, or for a kept
+    #: mixture-of-experts block another name (GraniteMoE's ``"block_sparse_moe"``)
+    mlp_name: str = "mlp"
     #: the original's q/k/v projections, or ``("qkv_proj",)`` where it fuses them (Phi-3)
     qkv_modules: tuple[str, ...] = SEPARATE_QKV
     #: where the decoder layer's norms sit: (place, module name) pairs, places

@@ -46,7 +46,8 @@ def features(family: Family) -> str:
         text = qk.get(family.qk_norm, "q/k norms with a weight per head")
         found.append(text + (f" (`{family.qk_norm_switch}`)" if family.qk_norm_switch else ""))
     if family.mlp == "original":
-        found.append(f"the original's `{family.mlp_class}` (mixture of experts)")
+        where = "" if family.mlp_name == "mlp" else f" as `{family.mlp_name}`"
+        found.append(f"the original's `{family.mlp_class}`{where} (mixture of experts)")
     elif family.mlp != "gated":
         found.append(f"plain MLP `{'`/`'.join(family.mlp_modules)}`")
     elif family.mlp_modules != GATED_MLP:

@@ -57,9 +57,9 @@ def test_a_checkpoint_directory_is_read_from_its_config(tmp_path: Path) -> None:
 
 
 def test_a_config_no_family_covers_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "granitemoe"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba"}))
 
-    with pytest.raises(UnknownSubstitutionError, match="'granitemoe' model, which no registered"):
+    with pytest.raises(UnknownSubstitutionError, match="'jamba' model, which no registered"):
         model_coverage(tmp_path)
 
 

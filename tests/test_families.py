@@ -116,7 +116,7 @@ def test_inference_reads_norms_without_parameters_and_the_reversed_rotation() ->
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("granitemoe", "not a dense MLP or a mixture-of-experts block"),  # block_sparse_moe
+        ("granitemoeshared", "shared_intermediate_size > 0 adds shared_mlp, which"),
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("seed_oss", "dropout the fused layer does not apply"),
         ("hunyuan_v1_dense", "no counterpart for: self_attn.key_layernorm"),
@@ -129,6 +129,26 @@ def test_a_family_the_fused_layer_cannot_express_is_refused_with_the_reason(
 ) -> None:
     with pytest.raises(UnsupportedFamilyError, match=reason):
         infer_family(model_type)
+
+
+def test_a_mixture_of_experts_block_under_its_own_name_is_kept_there() -> None:
+    """GraniteMoE's layer holds its block as ``block_sparse_moe``: the swapped layer keeps
+    it under that name, so the checkpoint's keys and the model's logits stay the same."""
+    granitemoe = get_family("granitemoe")
+    assert (granitemoe.mlp, granitemoe.mlp_name) == ("original", "block_sparse_moe")
+    model = granitemoe.build(seed=0)
+    before = set(model.state_dict())
+    ids = torch.randint(1, granitemoe.tiny_config().vocab_size, (2, 9))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    layerswap.swap(model, "granitemoe.decoder.fused")
+    assert not hasattr(model.model.layers[0], "mlp")
+    assert isinstance(model.model.layers[0].block_sparse_moe, torch.nn.Module)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+    assert {k for k in model.state_dict() if "block_sparse_moe" in k} == {
+        k for k in before if "block_sparse_moe" in k
+    }
 
 
 def test_inference_keeps_a_mixture_of_experts_block_as_the_original_has_it() -> None:
@@ -211,7 +231,8 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
         families()["olmo2"]
     )
     assert "fused" not in rows["olmo2"]["not_covered"]
-    assert "not a dense MLP or a mixture-of-experts block" in rows["granitemoe"]["reason"]
+    assert "shared_intermediate_size > 0 adds shared_mlp" in rows["granitemoeshared"]["reason"]
+    assert rows["granitemoe"]["family"] == "granitemoe"
     assert "no counterpart for: mlp.act_fn.alpha_p" in rows["apertus"]["reason"]
     # the multimodal wrappers proven on image prompts, through their language model
     for model_type, family_name in (

@@ -478,7 +478,7 @@ def original_mlp(family: Family, config: PreTrainedConfig, layer_idx: int) -> nn
     (on the meta device) that costs nothing, and otherwise one layer's attention weights
     for a moment.
     """
-    mlp = family.decoder_class()(config, layer_idx).get_submodule("mlp")
+    mlp = family.decoder_class()(config, layer_idx).get_submodule(family.mlp_name)
     if type(mlp).__module__ != family.module:
         raise UpstreamDriftError(
             f"{family.name}: the original layer's mlp is a {type(mlp).__qualname__} from "
@@ -504,10 +504,12 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         super().__init__(config, layer_idx)
         family = self.declared_family()
         self.self_attn = FusedAttention(config, layer_idx, family)
-        self.mlp = (
+        # under the original's name (GraniteMoE's block_sparse_moe), so weights keep theirs
+        self.add_module(
+            family.mlp_name,
             original_mlp(family, config, layer_idx)
             if family.mlp == "original"
-            else FusedMLP(config, family)
+            else FusedMLP(config, family),
         )
         # the norms under the original's names, wherever the family puts them
         numbers = original_numbers(family, config, layer_idx)
@@ -545,7 +547,8 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         return self._branch_out("attn_out", attended)
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mixed = self.mlp(self._norm("mlp_in", hidden_states))
+        mlp = self.get_submodule(self.declared_family().mlp_name)
+        mixed = mlp(self._norm("mlp_in", hidden_states))
         if isinstance(mixed, tuple):  # a kept mixture-of-experts block's (output, router
             mixed = mixed[0]  # scores): gpt-oss's layer, too, takes the output alone
         return self._branch_out("mlp_out", mixed)

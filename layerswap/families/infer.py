@@ -78,6 +78,7 @@ VERIFIED: tuple[str, ...] = (
     "gpt_oss",
     "granite",
     "granite_swa",
+    "granitemoe",
     "helium",
     "hy_v3",
     "jais2",
@@ -151,6 +152,9 @@ _ONE_NORM = _NORM_LAYOUTS[frozenset({"input_layernorm"})]
 # the projections a layer can have, by their names: q/k/v separate or fused (Phi-3), and
 # the MLPs, (kind, modules): gated, gated with gate/up fused (Phi-3), plain
 _QKV = (SEPARATE_QKV, ("qkv_proj",))
+#: the decoder layer's attribute holding the MLP, in the order looked for
+_MLP_NAMES = ("mlp", "block_sparse_moe")
+
 #: a ``clip_qkv`` bound small enough to clamp most of a tiny model's q, k and v
 CLAMP_THAT_BITES = 0.05
 
@@ -445,7 +449,9 @@ def _rotary_layers(decoder: Any, config: Any, where: str, rotary: str) -> str:
     )
 
 
-def _branch_inputs(layer: nn.Module, config: Any, rotary: str) -> tuple[Any, Any, Any]:
+def _branch_inputs(
+    layer: nn.Module, config: Any, rotary: str, mlp_name: str = "mlp"
+) -> tuple[Any, Any, Any]:
     """One forward pass of ``layer``: (attention input, MLP input, MLP input with the
     attention's output projection zeroed). The MLP reads the attention's output unless
     zeroing it leaves the MLP's input as it was: then the two run in parallel."""
@@ -457,7 +463,7 @@ def _branch_inputs(layer: nn.Module, config: Any, rotary: str) -> tuple[Any, Any
 
         return hook
 
-    attention, mlp = layer.get_submodule("self_attn"), layer.get_submodule("mlp")
+    attention, mlp = layer.get_submodule("self_attn"), layer.get_submodule(mlp_name)
     hooks = [
         attention.register_forward_pre_hook(recorder("attention"), with_kwargs=True),
         mlp.register_forward_pre_hook(recorder("mlp"), with_kwargs=True),
@@ -531,6 +537,22 @@ def _qk_norm_switch(build: Any, config: Any) -> str | None:
     return None
 
 
+def _modules_a_size_adds(build: Any, config: Any) -> tuple[str, list[str]] | None:
+    """``(field, modules)`` where setting a ``*_size`` field the tiny config leaves at 0
+    builds modules the declaration never saw (GraniteMoE-Shared's
+    ``shared_intermediate_size`` adds ``shared_mlp``), else ``None``."""
+    seen = {n for n, _ in build(config).named_modules()}
+    for key, value in config.to_dict().items():
+        if key.endswith("_size") and value == 0 and not isinstance(value, bool):
+            try:
+                added = sorted({n for n, _ in build(_with(config, key, 16)).named_modules()} - seen)
+            except Exception:  # a size other code ties to other settings: not a switch
+                continue
+            if added:  # the outermost ones
+                return str(key), [n for n in added if not any(n.startswith(f"{m}.") for m in added)]
+    return None
+
+
 def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
     """The :class:`~layerswap.Family` of ``model_type``, read off the installed transformers.
 
@@ -601,7 +623,11 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     where = f"{model_type} ({decoder.__name__})"
     layer: nn.Module = layers[0]
     attention: Any = getattr(layer, "self_attn", None)
-    mlp: Any = getattr(layer, "mlp", None)
+    # the MLP's attribute: "mlp", or a mixture-of-experts block's own (GraniteMoE)
+    mlp_name = next(
+        (n for n in _MLP_NAMES if isinstance(getattr(layer, n, None), nn.Module)), "mlp"
+    )
+    mlp: Any = getattr(layer, mlp_name, None)
     qkv = _first_with(attention, [(names,) for names in _QKV])
     mlp_layout = _first_with(mlp, _MLPS)
     # a block of the modeling module's own in any layer (mixture of experts, maybe after
@@ -609,7 +635,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     block = next(
         (
             m
-            for m in (getattr(lyr, "mlp", None) for lyr in layers)
+            for m in (getattr(lyr, mlp_name, None) for lyr in layers)
             if isinstance(m, nn.Module)
             and type(m).__module__ == module_name
             and not _first_with(m, _MLPS)
@@ -619,7 +645,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     if block is not None:
         mlp, mlp_layout = block, ("original", ())
     # the original MLP may differ per layer (Qwen2-MoE's dense layers): it is built per layer
-    skipped = ("mlp.",) if mlp_layout and mlp_layout[0] == "original" else ()
+    skipped = (f"{mlp_name}.",) if mlp_layout and mlp_layout[0] == "original" else ()
     shapes = {
         tuple(n for n, _ in lyr.named_modules() if not n.startswith(skipped)) for lyr in layers
     }
@@ -630,6 +656,8 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         missing.append("self_attn.o_proj")
     if not mlp_layout:
         missing.append("mlp.gate_proj, up_proj, down_proj (or up_proj, down_proj)")
+    elif mlp_name != "mlp" and mlp_layout[0] != "original":  # the fused MLP is "mlp"
+        missing.append(f"mlp (a dense MLP under {mlp_name})")
     if missing:
         raise UnsupportedFamilyError(
             f"{where}: no {', '.join(missing)} (not a dense MLP or a mixture-of-experts "
@@ -641,7 +669,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     norms = {
         n
         for n, child in layer.named_children()
-        if n not in ("self_attn", "mlp") and not _no_dropout(child)
+        if n not in ("self_attn", mlp_name) and not _no_dropout(child)
     }
     known_attention = {*qkv_modules, "o_proj", "q_norm", "k_norm", "rotary_emb"}
     activations = ("act_fn", "act", "activation_fn")
@@ -689,6 +717,12 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         with torch.device("meta"):
             return decoder(cfg, 0)
 
+    added = _modules_a_size_adds(build, config)
+    if added is not None:
+        raise UnsupportedFamilyError(
+            f"{where}: a config with {added[0]} > 0 adds {', '.join(added[1])}, which the "
+            "fused layer has no counterpart for"
+        )
     # q/k norms: always there, or where a config field switches them on (Cohere)
     qk_norm_switch = _qk_norm_switch(build, config)
     qk_config = config if qk_norm_switch is None else _with(config, qk_norm_switch, True)
@@ -723,7 +757,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     norm_switch = _norm_switch(decoder, config, layout, (norm_kind, norm_offset, norm_scale), where)
     rotary = _rotary_layout(module, head_dim, where)
     try:
-        attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config, rotary)
+        attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config, rotary, mlp_name)
     except Exception as exc:
         raise UnsupportedFamilyError(f"{where}: one layer cannot run ({_gist(exc)})") from exc
     parallel = torch.equal(mlp_in, mlp_in_unattended)
@@ -773,6 +807,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         mlp=mlp_kind,
         mlp_modules=mlp_modules,
         mlp_class=type(mlp).__name__ if original_mlp else None,
+        mlp_name=mlp_name,
         qkv_modules=qkv_modules,
         norms=layout,
         qk_norm_switch=qk_norm_switch,
