@@ -189,6 +189,10 @@ class Family:
     #: ``clamp(-bound, bound)`` where the config sets it (OLMo's, OLMoE's ``clip_qkv``);
     #: ``None``: no such field
     clip_qkv: str | None = None
+    #: the config field of the dropout the original applies in training to the attention's
+    #: and the MLP's outputs (after ``o_proj`` and ``down_proj``: Seed-OSS's
+    #: ``residual_dropout``); ``None``: no such dropout
+    residual_dropout: str | None = None
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
 
@@ -206,6 +210,11 @@ class Family:
         """The bound q, k and v are clamped to in ``config``'s layers, or ``None``."""
         bound = None if self.clip_qkv is None else getattr(config, self.clip_qkv, None)
         return None if bound is None else float(bound)
+
+    def residual_dropout_p(self, config: PreTrainedConfig) -> float:
+        """The probability of the branch-output dropout in ``config``'s layers (0: none)."""
+        field = self.residual_dropout
+        return 0.0 if field is None else float(getattr(config, field, 0.0) or 0.0)
 
     def norm_at(self, place: str) -> str | None:
         """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""

@@ -60,6 +60,8 @@ def features(family: Family) -> str:
         found.append(f"rotary on some layers only (`{family.rotary_layers}`)")
     if family.attention_sinks:
         found.append("attention sinks (`self_attn.sinks`)")
+    if family.residual_dropout is not None:
+        found.append(f"dropout `{family.residual_dropout}` after the output projections")
     if family.clip_qkv is not None:
         found.append(f"q/k/v clamped where `{family.clip_qkv}` is set")
     biases = []

@@ -374,3 +374,41 @@ def test_a_norm_without_parameters_has_its_epsilon_read_off_its_output() -> None
     assert probed_eps(OlmoLayerNorm(96), 96) == 1e-5  # written into its forward()
     assert probed_eps(NanoChatRMSNorm(eps=1e-6), 96) == 1e-6
     assert probed_eps(torch.nn.LayerNorm(32, eps=3e-5, elementwise_affine=False), 32) == 3e-5
+
+
+DROPPING = sorted(n for n, f in layerswap.families().items() if f.residual_dropout)
+
+
+def test_the_families_that_drop_after_the_output_projections_are_declared_so() -> None:
+    assert {"phi3", "seed_oss"} <= set(DROPPING)
+
+
+@pytest.mark.parametrize("name", DROPPING)
+def test_training_drops_what_the_original_drops(name: str) -> None:
+    """Seed-OSS's residual_dropout (0.1 by default), Phi-3's resid_pdrop: in training the
+    swapped model drops the same elements as the original (same places, same draws), so
+    a training step is the same step."""
+    family = layerswap.get_family(name)
+    config = family.tiny_config(**{family.residual_dropout or "": 0.3}, attention_dropout=0.0)
+    model = family.build(config, seed=0).train()
+    ids = tokens(config.vocab_size, seed=2)
+
+    def loss_and_logits(m: torch.nn.Module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(seed)
+        out = m(input_ids=ids, labels=ids)
+        return out.loss.detach(), out.logits.detach()
+
+    expected = loss_and_logits(model, seed=5)
+    assert not torch.equal(expected[1], loss_and_logits(model, seed=6)[1]), "nothing dropped"
+    layerswap.swap(model, f"{name}.decoder.fused")
+    assert model.training
+    actual = loss_and_logits(model, seed=5)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_te_and_liger_refuse_a_config_that_drops_after_the_output_projections() -> None:
+    from layerswap.backends import liger, te
+
+    assert "residual_dropout=0.1" in str(te.unsupported(layerswap.get_family("seed_oss")))
+    assert "residual_dropout=0.1" in str(liger.unsupported(layerswap.get_family("seed_oss")))
+    assert liger.unsupported(layerswap.get_family("phi3")) is None  # resid_pdrop 0 by default

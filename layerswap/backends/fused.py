@@ -265,6 +265,8 @@ class FusedAttention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(self.sizes[0] // self.head_dim))
         # OLMo, OLMoE: q, k and v clamped to [-bound, bound] where the config sets clip_qkv
         self.qkv_bound = family.qkv_bound(config)
+        # Seed-OSS: dropout on the output projection's result, in training
+        self.output_dropout = family.residual_dropout_p(config)
 
     def forward(
         self,
@@ -306,6 +308,8 @@ class FusedAttention(nn.Module):
         if sink is not None:
             sink.append(weights)
         projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+        if self.output_dropout:
+            projected = F.dropout(projected, self.output_dropout, self.training)
         return projected
 
     def _attend(
@@ -458,13 +462,19 @@ class FusedMLP(nn.Module):
         self.add_module(self.up_name, nn.Linear(hidden, width, bias=bias))
         self.add_module(self.down_name, nn.Linear(size, hidden, bias=bias))
         self.act_fn = ACT2FN[getattr(config, family.activation)]
+        # Seed-OSS: dropout on the down projection's result, in training
+        self.output_dropout = family.residual_dropout_p(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         up, down = getattr(self, self.up_name), getattr(self, self.down_name)
         if not self.gated:
-            return down(self.act_fn(up(hidden_states)))  # type: ignore[no-any-return]
-        gate, up_states = up(hidden_states).chunk(2, dim=-1)
-        return down(self.act_fn(gate) * up_states)  # type: ignore[no-any-return]
+            out: torch.Tensor = down(self.act_fn(up(hidden_states)))
+        else:
+            gate, up_states = up(hidden_states).chunk(2, dim=-1)
+            out = down(self.act_fn(gate) * up_states)
+        if self.output_dropout:
+            out = F.dropout(out, self.output_dropout, self.training)
+        return out
 
 
 def original_mlp(family: Family, config: PreTrainedConfig, layer_idx: int) -> nn.Module:

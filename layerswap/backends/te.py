@@ -612,6 +612,18 @@ def unsupported(family: Family) -> str | None:
             f"TransformerEngine's RMSNorm scales by weight or 1 + weight; this family's "
             f"norm offset is {family.norm_offset}"
         )
+    if family.residual_dropout is not None:
+        # judged on the family's default configuration; a config you bring is checked
+        # again when a layer is built (TELayerSpec.for_layer)
+        try:
+            dropout = family.residual_dropout_p(family.tiny_config())
+        except Exception:  # no tiny config here: judged per layer
+            dropout = 0.0
+        if dropout:
+            return (
+                "the te layer applies no dropout after the output projections (this "
+                f"family's default {family.residual_dropout}={dropout}; set it to 0 to use te)"
+            )
     return unexpressible(family)
 
 

@@ -196,6 +196,12 @@ class TELayerSpec:
             raise SubstitutionError(f"{family.name}: {reason}")
         rope = getattr(config, "rope_parameters", None) or {}
         numbers = original_numbers(family, config, layer_idx)
+        dropout = family.residual_dropout_p(config)
+        if dropout:
+            raise SubstitutionError(
+                f"{family.name}: the te layer applies no dropout after the output projections "
+                f"(this config's {family.residual_dropout}={dropout}; set it to 0 to use te)"
+            )
         if numbers.attn_logit_softcapping is not None:
             raise SubstitutionError(
                 f"{family.name}: TransformerEngine's attention has no logit soft-capping "

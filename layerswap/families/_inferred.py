@@ -39,6 +39,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -85,6 +86,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -131,6 +133,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -177,6 +180,7 @@ INFERRED = (
         rotary_layers="sliding",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -223,6 +227,7 @@ INFERRED = (
         rotary_layers="sliding",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -271,6 +276,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -317,6 +323,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -363,6 +370,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "pad_token_id": 0,
@@ -410,6 +418,7 @@ INFERRED = (
         rotary_layers="sliding_or_unwindowed",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -456,6 +465,7 @@ INFERRED = (
         rotary_layers="sliding_or_unwindowed",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -505,6 +515,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -553,6 +564,7 @@ INFERRED = (
         rotary_layers="sliding",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -608,6 +620,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -659,6 +672,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -710,6 +724,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -765,6 +780,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -815,6 +831,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -867,6 +884,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "num_hidden_layers": 4,
             "num_local_experts": 4,
@@ -915,6 +933,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -961,6 +980,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1007,6 +1027,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1055,6 +1076,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1101,6 +1123,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1150,6 +1173,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1201,6 +1225,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1251,6 +1276,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1299,6 +1325,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1347,6 +1374,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1393,6 +1421,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1441,6 +1470,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=False,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1487,6 +1517,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1537,6 +1568,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=False,
         clip_qkv="clip_qkv",
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1583,6 +1615,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1629,6 +1662,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1680,6 +1714,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv="clip_qkv",
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1728,6 +1763,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout="resid_pdrop",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1778,6 +1814,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1826,6 +1863,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1876,6 +1914,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1896,6 +1935,53 @@ INFERRED = (
             "head_dim": 16,
         },
         description="inferred from transformers.models.qwen3_moe.modeling_qwen3_moe",
+    ),
+    Family(
+        name="seed_oss",
+        model_type="seed_oss",
+        module="transformers.models.seed_oss.modeling_seed_oss",
+        decoder="SeedOssDecoderLayer",
+        config_class="SeedOssConfig",
+        causal_lm="SeedOssForCausalLM",
+        qkv_bias="attention_bias",
+        o_bias="attention_out_bias",
+        mlp_bias="mlp_bias",
+        qk_norm=False,
+        norm_offset=0.0,
+        norm="rms",
+        activation="hidden_act",
+        mlp="gated",
+        mlp_modules=("gate_proj", "up_proj", "down_proj"),
+        mlp_class=None,
+        mlp_name="mlp",
+        qkv_modules=("q_proj", "k_proj", "v_proj"),
+        norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
+        norm_switch=None,
+        attention_sinks=False,
+        rotary_layers="all",
+        norm_scale=True,
+        clip_qkv=None,
+        residual_dropout="residual_dropout",
+        tiny={
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-06,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "head_dim": 16,
+        },
+        description="inferred from transformers.models.seed_oss.modeling_seed_oss",
     ),
     Family(
         name="smollm3",
@@ -1925,6 +2011,7 @@ INFERRED = (
         rotary_layers="use_rope",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1971,6 +2058,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2019,6 +2107,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "intermediate_size": 256,
@@ -2069,6 +2158,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout="residual_dropout",
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2115,6 +2205,7 @@ INFERRED = (
         rotary_layers="all",
         norm_scale=True,
         clip_qkv=None,
+        residual_dropout=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,

@@ -97,6 +97,7 @@ VERIFIED: tuple[str, ...] = (
     "phimoe",
     "qwen2_moe",
     "qwen3_moe",
+    "seed_oss",
     "smollm3",
     "solar_open",
     "stablelm",
@@ -553,6 +554,75 @@ def _modules_a_size_adds(build: Any, config: Any) -> tuple[str, list[str]] | Non
     return None
 
 
+def _dropout_fields(config: Any) -> list[str]:
+    """The config's dropout probabilities besides the attention's (SDPA's ``dropout_p``)."""
+    return [
+        key
+        for key, value in config.to_dict().items()
+        if ("dropout" in key or key.endswith("pdrop"))
+        and key != "attention_dropout"
+        and isinstance(value, float)
+    ]
+
+
+def _training_output(layer: nn.Module, config: Any, seed: int = 0) -> torch.Tensor:
+    """``layer``'s output in training mode on fixed inputs, dropout drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, config.hidden_size, generator=generator)
+    width = int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    angles = torch.randn(1, 5, width, generator=generator)
+    layer.train()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = layer(
+            hidden,
+            attention_mask=None,
+            position_ids=torch.arange(5)[None],
+            position_embeddings=(angles.cos(), angles.sin()),
+        )
+    result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return result
+
+
+def _residual_dropout(decoder: Any, config: Any, where: str) -> str | None:
+    """The config field of a dropout the layer applies in training (Seed-OSS's
+    ``residual_dropout``, Phi-3's ``resid_pdrop``), found by setting each dropout field
+    with attention dropout off; ``None`` when none changes the layer's training output.
+    Its place (after the output projections) is proven in training by
+    :func:`_verify_inferred`; a second field is refused."""
+    quiet = (
+        _with(config, "attention_dropout", 0.0)
+        if "attention_dropout" in config.to_dict()
+        else config
+    )
+    fields = _dropout_fields(quiet)
+    if not fields:
+        return None
+    off = quiet
+    for field_name in fields:
+        off = _with(off, field_name, 0.0)
+    try:
+        reference = _training_output(_seeded(decoder, off, 0), off)
+    except Exception:  # the layer cannot run bare here: the behavioural check decides
+        return None
+    found = []
+    for field_name in fields:
+        try:
+            out = _training_output(_seeded(decoder, _with(off, field_name, 0.5), 0), off)
+        except Exception:
+            continue
+        if not torch.equal(out, reference):
+            found.append(field_name)
+    if len(found) > 1:
+        raise UnsupportedFamilyError(
+            f"{where}: dropout the fused layer does not apply ({', '.join(found)} each drop "
+            "in training; it applies one, after the output projections)"
+        )
+    return found[0] if found else None
+
+
 def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
     """The :class:`~layerswap.Family` of ``model_type``, read off the installed transformers.
 
@@ -579,15 +649,6 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     # the fused layer reads the 4-D masks of both; eager where the model refuses SDPA
     # (Gemma 2: soft-capped attention)
     config._attn_implementation = "sdpa" if getattr(causal_lm, "_supports_sdpa", True) else "eager"
-    dropouts = {
-        key: value
-        for key, value in config.to_dict().items()
-        if "dropout" in key and key != "attention_dropout" and isinstance(value, float) and value
-    }
-    if dropouts:  # the fused layer applies attention dropout only
-        raise UnsupportedFamilyError(
-            f"{model_type}: dropout the fused layer does not apply ({dropouts})"
-        )
     # Llama 4's attention temperature (Ministral 3): queries scaled by a function of the
     # position, read from the default rotary parameters the tiny config leaves out
     try:
@@ -717,6 +778,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         with torch.device("meta"):
             return decoder(cfg, 0)
 
+    residual_dropout = _residual_dropout(decoder, config, where)
     added = _modules_a_size_adds(build, config)
     if added is not None:
         raise UnsupportedFamilyError(
@@ -817,6 +879,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         attention_sinks=attention_sinks,
         norm_switch=norm_switch,
         norm_scale=norm_scale,
+        residual_dropout=residual_dropout,
         # OLMo, OLMoE: q/k/v clamped where the config sets the bound (proven below with a
         # bound that bites)
         clip_qkv="clip_qkv" if "clip_qkv" in config.to_dict() else None,
@@ -847,6 +910,8 @@ def _verify_inferred(family: Family, where: str) -> None:
         report = verify(
             family.build(seed=0), fused.BACKEND.substitution(family), backward=True, generate=0
         )
+        if report.passed and family.residual_dropout is not None:
+            _verify_training_dropout(family, where)
         if report.passed and family.clip_qkv is not None:
             # the default config leaves the bound unset: prove the clamp where it bites
             bound = {family.clip_qkv: CLAMP_THAT_BITES}
@@ -867,6 +932,30 @@ def _verify_inferred(family: Family, where: str) -> None:
         raise UnsupportedFamilyError(
             f"{where}: the structure fits, but the fused layer does not compute what the "
             f"original does: {report.failure_message()}"
+        )
+
+
+def _verify_training_dropout(family: Family, where: str) -> None:
+    """The fused layer drops what the original drops in training: same places, same draws
+    (one layer, attention dropout off, the residual dropout at 0.3, one seed)."""
+    from layerswap.backends import fused
+    from layerswap.layers import convert_layer
+
+    config = family.tiny_config(**{family.residual_dropout or "": 0.3})
+    if "attention_dropout" in config.to_dict():
+        config.attention_dropout = 0.0
+    config._attn_implementation = "sdpa"
+    original = _seeded(family.decoder_class(), config, 0)
+    replacement = convert_layer(
+        original, fused.BACKEND.substitution(family), config, layer_idx=0, detach=True
+    )
+    expected = _training_output(original, config, seed=7)
+    actual = _training_output(replacement, config, seed=7)
+    if not torch.allclose(actual, expected, atol=1e-5, rtol=1e-5):
+        raise UnsupportedFamilyError(
+            f"{where}: {family.residual_dropout} drops elsewhere in the original layer than "
+            "after the attention's and the MLP's output projections (training outputs "
+            f"differ by {float((actual - expected).abs().max()):.3g})"
         )
 
 
