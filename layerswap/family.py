@@ -193,6 +193,11 @@ class Family:
     #: and the MLP's outputs (after ``o_proj`` and ``down_proj``: Seed-OSS's
     #: ``residual_dropout``); ``None``: no such dropout
     residual_dropout: str | None = None
+    #: queries scaled by their position after the rotary embedding: ``"llama4"``, Llama 4's
+    #: attention temperature ``1 + beta * log(1 + floor(position / original max))`` with
+    #: ``llama_4_scaling_beta`` and ``original_max_position_embeddings`` from the config's
+    #: ``rope_parameters`` (Ministral 3); ``None``: no such scaling
+    query_scale: str | None = None
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
 
@@ -215,6 +220,21 @@ class Family:
         """The probability of the branch-output dropout in ``config``'s layers (0: none)."""
         field = self.residual_dropout
         return 0.0 if field is None else float(getattr(config, field, 0.0) or 0.0)
+
+    def query_scaling(self, config: PreTrainedConfig) -> tuple[float, float] | None:
+        """``(beta, span)`` of :attr:`query_scale` in ``config``, or ``None`` (no scaling)."""
+        if self.query_scale != "llama4":
+            return None
+        rope = getattr(config, "rope_parameters", None) or {}
+        beta = rope.get("llama_4_scaling_beta")
+        span = rope.get("original_max_position_embeddings")
+        if beta is None:
+            return None
+        if span is None:
+            span = getattr(config, "max_position_embeddings", None)
+        if span is None:
+            return None
+        return float(beta), float(span)
 
     def norm_at(self, place: str) -> str | None:
         """The name of the norm at ``place`` (``"attn_in"`` ...), or ``None``."""

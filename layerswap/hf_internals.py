@@ -392,6 +392,12 @@ class LayerCache:
     passed: Mapping[str, Any] = field(default_factory=dict)
     by_name: str = "cache"
 
+    @property
+    def position_ids(self) -> torch.Tensor | None:
+        """The call's ``position_ids`` (Ministral 3 scales its queries by position)."""
+        positions = self.passed.get("position_ids")
+        return None if positions is None else positions
+
     def update(
         self,
         key: torch.Tensor,

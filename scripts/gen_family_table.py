@@ -62,6 +62,8 @@ def features(family: Family) -> str:
         found.append("attention sinks (`self_attn.sinks`)")
     if family.residual_dropout is not None:
         found.append(f"dropout `{family.residual_dropout}` after the output projections")
+    if family.query_scale is not None:
+        found.append(f"queries scaled by position (`{family.query_scale}`)")
     if family.clip_qkv is not None:
         found.append(f"q/k/v clamped where `{family.clip_qkv}` is set")
     biases = []

@@ -119,7 +119,6 @@ def test_inference_reads_norms_without_parameters_and_the_reversed_rotation() ->
         ("granitemoeshared", "shared_intermediate_size > 0 adds shared_mlp, which"),
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("hunyuan_v1_dense", "no counterpart for: self_attn.key_layernorm"),
-        ("ministral3", r"queries scaled by their position \(Llama 4 attention temperature"),
         ("vit", "no causal LM"),
     ],
 )

@@ -412,3 +412,28 @@ def test_te_and_liger_refuse_a_config_that_drops_after_the_output_projections() 
     assert "residual_dropout=0.1" in str(te.unsupported(layerswap.get_family("seed_oss")))
     assert "residual_dropout=0.1" in str(liger.unsupported(layerswap.get_family("seed_oss")))
     assert liger.unsupported(layerswap.get_family("phi3")) is None  # resid_pdrop 0 by default
+
+
+def test_queries_scaled_by_position_match_the_original_in_prefill_and_decoding() -> None:
+    """Ministral 3 multiplies each query by 1 + beta * log(1 + floor(position / span)):
+    the tiny config's span of 4 positions makes it bite on a 12-token prompt and on every
+    decoding step after it."""
+    family = layerswap.get_family("ministral3")
+    config = family.tiny_config()
+    assert family.query_scaling(config) == (0.1, 4.0)
+    model = family.build(config, seed=0)
+    unscaled = family.build(
+        family.tiny_config(rope_parameters={**config.rope_parameters, "llama_4_scaling_beta": 0.0}),
+        seed=0,
+    )
+    ids = tokens(config.vocab_size, shape=(2, 12), seed=3)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert (expected - unscaled(input_ids=ids).logits).abs().max() > 1e-3, "no scaling"
+        generated = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    layerswap.swap(model, "ministral3.decoder.fused")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(
+            model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), generated
+        )

@@ -19,6 +19,7 @@ from transformers import AutoModelForImageTextToText, VoxtralForConditionalGener
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import layerswap
+from layerswap.model import family_of
 from layerswap.verify.multimodal import WRAPPERS, is_multimodal, multimodal_inputs
 
 # wrapper -> the family of its text decoder, and config fields its tiny form needs
@@ -39,13 +40,18 @@ VISION_SHAPE = {"num_attention_heads": 2, "image_size": 32, "patch_size": 8}
 AUDIO = {**VISION, "num_attention_heads": 2, "num_mel_bins": 16, "max_source_positions": 8}
 
 
-def tiny_wrapper(model_type: str, seed: int = 0) -> Any:
-    """The wrapper ``model_type`` with a tiny text decoder of its family and a tiny tower."""
+def tiny_wrapper(model_type: str, seed: int = 0, text_family: str | None = None) -> Any:
+    """The wrapper ``model_type`` with a tiny text decoder of its family (or of
+    ``text_family``, another its config accepts) and a tiny tower."""
     family, fields = CASES[model_type]
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
-    text = layerswap.get_family(family).tiny_config(num_hidden_layers=2).to_dict()
-    text["model_type"] = defaults.text_config.model_type
+    text = layerswap.get_family(text_family or family).tiny_config(num_hidden_layers=2).to_dict()
+    text["model_type"] = (
+        layerswap.get_family(text_family).model_type
+        if text_family
+        else defaults.text_config.model_type
+    )
     if getattr(defaults, "audio_config", None) is not None:
         audio = {**defaults.audio_config.to_dict(), **AUDIO}
         config = config_class(text_config=text, audio_config=audio, **fields)
@@ -97,6 +103,25 @@ def test_a_swapped_wrapper_equals_the_original_on_image_or_audio_prompts(model_t
     before = {n for n, _ in original.named_parameters() if any(t in n for t in tower)}
     after = {n for n, _ in swapped.named_parameters() if any(t in n for t in tower)}
     assert before == after and before  # the tower is kept
+    with torch.no_grad():
+        expected, actual = original(**batch).logits, swapped(**batch).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    generate = {"max_new_tokens": 4, "do_sample": False}
+    assert torch.equal(
+        swapped.generate(**batch, **generate), original.generate(**batch, **generate)
+    )
+
+
+def test_ministral_3_is_swapped_inside_its_mistral3_wrapper():
+    """Ministral 3 ships as ``Mistral3ForConditionalGeneration`` around a ``ministral3``
+    text decoder, whose queries are scaled by position: found through the wrapper, swapped,
+    equal on image prompts and in greedy decoding."""
+    original = tiny_wrapper("mistral3", text_family="ministral3")
+    assert original.config.text_config.model_type == "ministral3"
+    assert family_of(original).name == "ministral3"
+    batch = multimodal_inputs(original)
+    swapped = copy.deepcopy(original)
+    assert len(layerswap.swap(swapped, "ministral3.decoder.fused")) == 2
     with torch.no_grad():
         expected, actual = original(**batch).logits, swapped(**batch).logits
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -267,6 +267,8 @@ class FusedAttention(nn.Module):
         self.qkv_bound = family.qkv_bound(config)
         # Seed-OSS: dropout on the output projection's result, in training
         self.output_dropout = family.residual_dropout_p(config)
+        # Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / span))
+        self.query_scaling = family.query_scaling(config)
 
     def forward(
         self,
@@ -294,6 +296,8 @@ class FusedAttention(nn.Module):
         if self.rotates:  # NoPE layers (Cohere 2's full-attention ones) leave q and k as they are
             cos, sin = position_embeddings
             query, key = _rotate(query, cos, sin, self.rotary), _rotate(key, cos, sin, self.rotary)
+        if self.query_scaling is not None:
+            query = query * self._query_factor(cache).to(query.dtype)
         key, value = _layer.update_cache(
             cache,
             key,
@@ -311,6 +315,19 @@ class FusedAttention(nn.Module):
         if self.output_dropout:
             projected = F.dropout(projected, self.output_dropout, self.training)
         return projected
+
+    def _query_factor(self, cache: LayerCache | None) -> torch.Tensor:
+        """Llama 4's attention temperature per position, (batch, 1, seq, 1)."""
+        positions = None if cache is None else cache.position_ids
+        if positions is None:
+            raise RequirementError(
+                "this family scales its queries by position (llama_4_scaling_beta): the "
+                "layer needs the position_ids transformers passes to every decoder layer"
+            )
+        assert self.query_scaling is not None
+        beta, span = self.query_scaling
+        factor = 1 + beta * torch.log(1 + torch.floor(positions / span))
+        return factor[:, None, :, None]
 
     def _attend(
         self,

@@ -184,6 +184,11 @@ def unsupported(family: Family) -> str | None:
         )
     if not getattr(family, "norm_scale", True):
         return "Liger's RMSNorm kernel scales by a learned weight (this family's norms have none)"
+    if getattr(family, "query_scale", None) is not None:
+        return (
+            "the liger layer does not scale queries by their position (this family's "
+            f"{getattr(family, 'query_scale', None)} attention temperature)"
+        )
     if getattr(family, "clip_qkv", None) is not None:
         return (
             "the liger layer does not clamp q, k and v (this family clamps them where "

@@ -288,6 +288,11 @@ def unexpressible(family: Family) -> str | None:
         )
     if not family.norm_scale:
         return "TransformerEngine's norms have a learned weight (this family's norms have none)"
+    if family.query_scale is not None:
+        return (
+            "the te layer does not scale queries by their position (this family's "
+            f"{family.query_scale} attention temperature)"
+        )
     if family.clip_qkv is not None:
         return (
             "the te layer does not clamp q, k and v (this family clamps them where "

@@ -40,6 +40,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -87,6 +88,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -134,6 +136,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -181,6 +184,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -228,6 +232,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -277,6 +282,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -324,6 +330,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -371,6 +378,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "pad_token_id": 0,
@@ -419,6 +427,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -466,6 +475,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -516,6 +526,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -565,6 +576,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -621,6 +633,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -673,6 +686,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -725,6 +739,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -781,6 +796,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -832,6 +848,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -885,6 +902,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "num_hidden_layers": 4,
             "num_local_experts": 4,
@@ -934,6 +952,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -981,6 +1000,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1028,6 +1048,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1077,6 +1098,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1124,6 +1146,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1174,6 +1197,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1226,6 +1250,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1277,6 +1302,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1326,6 +1352,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1375,6 +1402,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1392,6 +1420,59 @@ INFERRED = (
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
         description="inferred from transformers.models.ministral.modeling_ministral",
+    ),
+    Family(
+        name="ministral3",
+        model_type="ministral3",
+        module="transformers.models.ministral3.modeling_ministral3",
+        decoder="Ministral3DecoderLayer",
+        config_class="Ministral3Config",
+        causal_lm="Ministral3ForCausalLM",
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        norm_offset=0.0,
+        norm="rms",
+        activation="hidden_act",
+        mlp="gated",
+        mlp_modules=("gate_proj", "up_proj", "down_proj"),
+        mlp_class=None,
+        mlp_name="mlp",
+        qkv_modules=("q_proj", "k_proj", "v_proj"),
+        norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
+        norm_switch=None,
+        attention_sinks=False,
+        rotary_layers="all",
+        norm_scale=True,
+        clip_qkv=None,
+        residual_dropout=None,
+        query_scale="llama4",
+        tiny={
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-06,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "llama_4_scaling_beta": 0.1,
+                "original_max_position_embeddings": 4,
+            },
+        },
+        description="inferred from transformers.models.ministral3.modeling_ministral3",
     ),
     Family(
         name="mixtral",
@@ -1422,6 +1503,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1471,6 +1553,7 @@ INFERRED = (
         norm_scale=False,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1518,6 +1601,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1569,6 +1653,7 @@ INFERRED = (
         norm_scale=False,
         clip_qkv="clip_qkv",
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1616,6 +1701,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1663,6 +1749,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1715,6 +1802,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv="clip_qkv",
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1764,6 +1852,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout="resid_pdrop",
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1815,6 +1904,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1864,6 +1954,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1915,6 +2006,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1965,6 +2057,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout="residual_dropout",
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2012,6 +2105,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2059,6 +2153,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2108,6 +2203,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "intermediate_size": 256,
@@ -2159,6 +2255,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout="residual_dropout",
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2206,6 +2303,7 @@ INFERRED = (
         norm_scale=True,
         clip_qkv=None,
         residual_dropout=None,
+        query_scale=None,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,

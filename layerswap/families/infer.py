@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -86,6 +86,7 @@ VERIFIED: tuple[str, ...] = (
     "minimax_m2",
     "minimax_m3_vl_text",
     "ministral",
+    "ministral3",
     "mixtral",
     "nanochat",
     "nemotron",
@@ -655,12 +656,13 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         default_rope = getattr(config_class(), "rope_parameters", None) or {}
     except Exception:  # a config that needs arguments: nothing to read here
         default_rope = {}
-    if isinstance(default_rope, dict) and default_rope.get("llama_4_scaling_beta") is not None:
-        raise UnsupportedFamilyError(
-            f"{model_type}: queries scaled by their position (Llama 4 attention temperature, "
-            f"rope_parameters llama_4_scaling_beta={default_rope['llama_4_scaling_beta']}); "
-            "the fused layer has no such scaling"
-        )
+    query_scale = (
+        "llama4"
+        if isinstance(default_rope, dict) and default_rope.get("llama_4_scaling_beta") is not None
+        else None
+    )
+    if query_scale is not None:  # the layer reads both fields: the tiny config keeps them
+        config.rope_parameters = _scaled_rope(config.rope_parameters, default_rope)
     with torch.device("meta"):
         try:
             model = causal_lm(config)
@@ -880,14 +882,11 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         norm_switch=norm_switch,
         norm_scale=norm_scale,
         residual_dropout=residual_dropout,
+        query_scale=query_scale,
         # OLMo, OLMoE: q/k/v clamped where the config sets the bound (proven below with a
         # bound that bites)
         clip_qkv="clip_qkv" if "clip_qkv" in config.to_dict() else None,
-        tiny={
-            key: value
-            for key, value in tiny_config_for(config_class).to_diff_dict().items()
-            if key in _TINY_KEYS
-        },
+        tiny=_tiny_of(config_class, config.rope_parameters if query_scale else None),
         description=f"inferred from {module_name}",
     )
     if verify:
@@ -933,6 +932,30 @@ def _verify_inferred(family: Family, where: str) -> None:
             f"{where}: the structure fits, but the fused layer does not compute what the "
             f"original does: {report.failure_message()}"
         )
+
+
+def _scaled_rope(tiny_rope: Any, default_rope: Mapping[str, Any]) -> dict[str, Any]:
+    """The tiny rotary parameters of a family scaling queries by position: its default
+    ``llama_4_scaling_beta`` and an original maximum of 4 positions, so that the tiny
+    inputs (8 tokens and more) are scaled, as long prompts are."""
+    return {
+        **(tiny_rope or {}),
+        "llama_4_scaling_beta": default_rope["llama_4_scaling_beta"],
+        "original_max_position_embeddings": 4,
+    }
+
+
+def _tiny_of(config_class: type, scaled_rope: Any = None) -> dict[str, Any]:
+    """The tiny config's fields a declaration records (``scaled_rope``: its rotary
+    parameters where :func:`_scaled_rope` made them)."""
+    tiny = {
+        key: value
+        for key, value in tiny_config_for(config_class).to_diff_dict().items()
+        if key in _TINY_KEYS
+    }
+    if scaled_rope is not None:
+        tiny["rope_parameters"] = dict(scaled_rope)
+    return tiny
 
 
 def _verify_training_dropout(family: Family, where: str) -> None:
