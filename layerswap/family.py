@@ -198,6 +198,12 @@ class Family:
     #: ``llama_4_scaling_beta`` and ``original_max_position_embeddings`` from the config's
     #: ``rope_parameters`` (Ministral 3); ``None``: no such scaling
     query_scale: str | None = None
+    #: the original attention's q and k norm modules (HunYuan's ``query_layernorm``,
+    #: ``key_layernorm``); the replacement keeps them under these names
+    qk_norm_modules: tuple[str, str] = ("q_norm", "k_norm")
+    #: the q/k norms apply to the rotated queries and keys (HunYuan), not before the
+    #: rotary embedding (Qwen3)
+    qk_norm_after_rotary: bool = False
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
 

@@ -62,6 +62,10 @@ def features(family: Family) -> str:
         found.append("attention sinks (`self_attn.sinks`)")
     if family.residual_dropout is not None:
         found.append(f"dropout `{family.residual_dropout}` after the output projections")
+    if family.qk_norm_modules != ("q_norm", "k_norm"):
+        found.append(f"q/k norms `{'`/`'.join(family.qk_norm_modules)}`")
+    if family.qk_norm_after_rotary:
+        found.append("q/k norms after the rotary embedding")
     if family.query_scale is not None:
         found.append(f"queries scaled by position (`{family.query_scale}`)")
     if family.clip_qkv is not None:

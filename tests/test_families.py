@@ -113,12 +113,56 @@ def test_inference_reads_norms_without_parameters_and_the_reversed_rotation() ->
     assert infer_family("llama", verify=False).norm_scale is True
 
 
+def test_inference_reads_q_k_norms_under_other_names_and_after_the_rotation() -> None:
+    """HunYuan normalises the rotated queries and keys, with a weight, under its own
+    names; Qwen3 normalises the projections before the rotation."""
+    hunyuan = infer_family("hunyuan_v1_dense", verify=False)
+    assert hunyuan.qk_norm_modules == ("query_layernorm", "key_layernorm")
+    assert hunyuan.qk_norm_after_rotary is True
+    qwen3 = infer_family("qwen3", verify=False)
+    assert (qwen3.qk_norm_modules, qwen3.qk_norm_after_rotary) == (("q_norm", "k_norm"), False)
+    assert infer_family("nanochat", verify=False).qk_norm_after_rotary is True
+
+
+def test_q_k_norms_with_a_weight_after_the_rotation_are_not_the_same_before_it() -> None:
+    """The placement matters once the norm has a weight: HunYuan declared with its norms
+    before the rotation computes something else, and the swap says so."""
+    hunyuan = get_family("hunyuan_v1_dense")
+    model = hunyuan.build(seed=0)
+    ids = tokens(hunyuan.tiny_config().vocab_size, seed=4)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    swapped = copy.deepcopy(model)
+    layerswap.swap(swapped, "hunyuan_v1_dense.decoder.fused")
+    norms = {k for k in model.state_dict() if "query_layernorm" in k or "key_layernorm" in k}
+    assert norms and norms <= set(swapped.state_dict())  # kept under the original's names
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+    # the same declaration with the norms before the rotation, one layer side by side
+    from layerswap.backends import fused
+    from layerswap.layers import convert_layer
+
+    before = dataclasses.replace(hunyuan, qk_norm_after_rotary=False)
+    layer, config = model.model.layers[0], model.config
+    wrong = convert_layer(
+        layer, fused.BACKEND.substitution(before), config, layer_idx=0, detach=True
+    )
+    hidden = torch.randn(1, 6, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(6)[None])
+    call = {"attention_mask": None, "position_ids": torch.arange(6)[None]}
+    with torch.no_grad():
+        right = layer(hidden, position_embeddings=(cos, sin), **call)
+        moved = wrong(hidden, position_embeddings=(cos, sin), **call)
+    right = right[0] if isinstance(right, tuple) else right
+    assert (moved - right).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
         ("granitemoeshared", "shared_intermediate_size > 0 adds shared_mlp, which"),
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
-        ("hunyuan_v1_dense", "no counterpart for: self_attn.key_layernorm"),
+        ("hunyuan_v1_moe", "gradients differ"),
         ("vit", "no causal LM"),
     ],
 )

@@ -243,10 +243,11 @@ class FusedAttention(nn.Module):
         self.o_proj = nn.Linear(
             self.sizes[0], config.hidden_size, bias=family.flag("o_bias", config)
         )
-        self.q_norm: nn.Module | None = None
-        self.k_norm: nn.Module | None = None
+        q_norm: nn.Module | None = None
+        k_norm: nn.Module | None = None
         # per head (Qwen3), per head with a weight each (Cohere), or over all heads (OLMo 2)
         self.qk_norm_across = family.qk_norm == "across"
+        self.qk_norm_after_rotary = family.qk_norm_after_rotary
         self.rotary = family.rotary
         if family.flag("qk_norm", config):
             heads = [size // self.head_dim for size in self.sizes[:2]]
@@ -257,8 +258,13 @@ class FusedAttention(nn.Module):
                 if family.qk_norm == "head_weights"
                 else (self.head_dim, self.head_dim)
             )
-            self.q_norm = _family_norm(q_size, config, family, numbers.norm_eps)
-            self.k_norm = _family_norm(k_size, config, family, numbers.norm_eps)
+            q_norm = _family_norm(q_size, config, family, numbers.norm_eps)
+            k_norm = _family_norm(k_size, config, family, numbers.norm_eps)
+        # under the original's names (q_norm, k_norm; HunYuan's query_layernorm, ...), so
+        # their weights keep their names
+        self.qk_norm_names = family.qk_norm_modules
+        for name, norm in zip(self.qk_norm_names, (q_norm, k_norm), strict=True):
+            self.add_module(name, norm)
         # gpt-oss: one learned logit per head, a key every query sees, whose value is zero
         self.sinks: nn.Parameter | None = None
         if family.attention_sinks:
@@ -283,12 +289,8 @@ class FusedAttention(nn.Module):
         query, key, value = _layer.split_heads(
             self.qkv_proj(hidden_states), self.sizes, self.head_dim
         )
-        if self.q_norm is not None and self.k_norm is not None:
-            if self.qk_norm_across:
-                query = self.q_norm(query.flatten(-2)).view_as(query)
-                key = self.k_norm(key.flatten(-2)).view_as(key)
-            else:
-                query, key = self.q_norm(query), self.k_norm(key)
+        if not self.qk_norm_after_rotary:
+            query, key = self._normed(query, key)
         if self.qkv_bound is not None:
             bound = self.qkv_bound
             query, key, value = (t.clamp(-bound, bound) for t in (query, key, value))
@@ -296,6 +298,8 @@ class FusedAttention(nn.Module):
         if self.rotates:  # NoPE layers (Cohere 2's full-attention ones) leave q and k as they are
             cos, sin = position_embeddings
             query, key = _rotate(query, cos, sin, self.rotary), _rotate(key, cos, sin, self.rotary)
+        if self.qk_norm_after_rotary:  # HunYuan: the rotated queries and keys
+            query, key = self._normed(query, key)
         if self.query_scaling is not None:
             query = query * self._query_factor(cache).to(query.dtype)
         key, value = _layer.update_cache(
@@ -315,6 +319,15 @@ class FusedAttention(nn.Module):
         if self.output_dropout:
             projected = F.dropout(projected, self.output_dropout, self.training)
         return projected
+
+    def _normed(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query`` and ``key`` through the q/k norms, if the layer has them."""
+        q_norm, k_norm = (getattr(self, name, None) for name in self.qk_norm_names)
+        if q_norm is None or k_norm is None:
+            return query, key
+        if self.qk_norm_across:  # over all heads: (batch, seq, heads, head_dim) only
+            return q_norm(query.flatten(-2)).view_as(query), k_norm(key.flatten(-2)).view_as(key)
+        return q_norm(query), k_norm(key)
 
     def _query_factor(self, cache: LayerCache | None) -> torch.Tensor:
         """Llama 4's attention temperature per position, (batch, 1, seq, 1)."""

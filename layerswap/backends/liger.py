@@ -184,6 +184,14 @@ def unsupported(family: Family) -> str | None:
         )
     if not getattr(family, "norm_scale", True):
         return "Liger's RMSNorm kernel scales by a learned weight (this family's norms have none)"
+    if getattr(family, "qk_norm_after_rotary", False) or getattr(
+        family, "qk_norm_modules", ("q_norm", "k_norm")
+    ) != ("q_norm", "k_norm"):
+        return (
+            "the liger layer's q/k norms are q_norm/k_norm before the rotary embedding (this "
+            f"family's: {'/'.join(getattr(family, 'qk_norm_modules', ()))}"
+            f"{', after it' if getattr(family, 'qk_norm_after_rotary', False) else ''})"
+        )
     if getattr(family, "query_scale", None) is not None:
         return (
             "the liger layer does not scale queries by their position (this family's "

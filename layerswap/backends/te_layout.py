@@ -288,6 +288,12 @@ def unexpressible(family: Family) -> str | None:
         )
     if not family.norm_scale:
         return "TransformerEngine's norms have a learned weight (this family's norms have none)"
+    if family.qk_norm_after_rotary or family.qk_norm_modules != ("q_norm", "k_norm"):
+        return (
+            "the te layer's q/k norms are q_norm/k_norm before the rotary embedding (this "
+            f"family's: {'/'.join(family.qk_norm_modules)}"
+            f"{', after it' if family.qk_norm_after_rotary else ''})"
+        )
     if family.query_scale is not None:
         return (
             "the te layer does not scale queries by their position (this family's "

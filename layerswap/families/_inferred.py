@@ -41,6 +41,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -89,6 +91,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -137,6 +141,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -185,6 +191,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -233,6 +241,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -283,6 +293,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -331,6 +343,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -379,6 +393,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "pad_token_id": 0,
@@ -428,6 +444,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -476,6 +494,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -527,6 +547,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -577,6 +599,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -634,6 +658,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -687,6 +713,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -740,6 +768,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -797,6 +827,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -849,6 +881,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -903,6 +937,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "num_hidden_layers": 4,
             "num_local_experts": 4,
@@ -953,6 +989,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1001,6 +1039,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1049,6 +1089,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1099,6 +1141,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1116,6 +1160,56 @@ INFERRED = (
             "bos_token_id": 1,
         },
         description="inferred from transformers.models.helium.modeling_helium",
+    ),
+    Family(
+        name="hunyuan_v1_dense",
+        model_type="hunyuan_v1_dense",
+        module="transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense",
+        decoder="HunYuanDenseV1DecoderLayer",
+        config_class="HunYuanDenseV1Config",
+        causal_lm="HunYuanDenseV1ForCausalLM",
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        norm_offset=0.0,
+        norm="rms",
+        activation="hidden_act",
+        mlp="gated",
+        mlp_modules=("gate_proj", "up_proj", "down_proj"),
+        mlp_class=None,
+        mlp_name="mlp",
+        qkv_modules=("q_proj", "k_proj", "v_proj"),
+        norms=(("attn_in", "input_layernorm"), ("mlp_in", "post_attention_layernorm")),
+        qk_norm_switch=None,
+        parallel=False,
+        rotary="half",
+        norm_switch=None,
+        attention_sinks=False,
+        rotary_layers="all",
+        norm_scale=True,
+        clip_qkv=None,
+        residual_dropout=None,
+        query_scale=None,
+        qk_norm_modules=("query_layernorm", "key_layernorm"),
+        qk_norm_after_rotary=True,
+        tiny={
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-06,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "head_dim": 16,
+        },
+        description="inferred from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense",
     ),
     Family(
         name="hy_v3",
@@ -1147,6 +1241,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1198,6 +1294,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1251,6 +1349,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1303,6 +1403,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1353,6 +1455,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1403,6 +1507,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1451,6 +1557,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale="llama4",
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1504,6 +1612,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1554,6 +1664,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=True,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1602,6 +1714,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1654,6 +1768,8 @@ INFERRED = (
         clip_qkv="clip_qkv",
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1702,6 +1818,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1750,6 +1868,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1803,6 +1923,8 @@ INFERRED = (
         clip_qkv="clip_qkv",
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1853,6 +1975,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout="resid_pdrop",
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1905,6 +2029,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -1955,6 +2081,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2007,6 +2135,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2058,6 +2188,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout="residual_dropout",
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2106,6 +2238,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2154,6 +2288,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2204,6 +2340,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "intermediate_size": 256,
@@ -2256,6 +2394,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout="residual_dropout",
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,
@@ -2304,6 +2444,8 @@ INFERRED = (
         clip_qkv=None,
         residual_dropout=None,
         query_scale=None,
+        qk_norm_modules=("q_norm", "k_norm"),
+        qk_norm_after_rotary=False,
         tiny={
             "vocab_size": 512,
             "hidden_size": 128,

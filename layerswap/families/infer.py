@@ -80,6 +80,7 @@ VERIFIED: tuple[str, ...] = (
     "granite_swa",
     "granitemoe",
     "helium",
+    "hunyuan_v1_dense",
     "hy_v3",
     "jais2",
     "kolibri1",
@@ -154,6 +155,9 @@ _ONE_NORM = _NORM_LAYOUTS[frozenset({"input_layernorm"})]
 # the projections a layer can have, by their names: q/k/v separate or fused (Phi-3), and
 # the MLPs, (kind, modules): gated, gated with gate/up fused (Phi-3), plain
 _QKV = (SEPARATE_QKV, ("qkv_proj",))
+#: the attention's q and k norm modules, in the order looked for (HunYuan's second)
+_QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))
+
 #: the decoder layer's attribute holding the MLP, in the order looked for
 _MLP_NAMES = ("mlp", "block_sparse_moe")
 
@@ -566,15 +570,18 @@ def _dropout_fields(config: Any) -> list[str]:
     ]
 
 
-def _training_output(layer: nn.Module, config: Any, seed: int = 0) -> torch.Tensor:
-    """``layer``'s output in training mode on fixed inputs, dropout drawn from ``seed``."""
+def _training_output(
+    layer: nn.Module, config: Any, seed: int = 0, *, training: bool = True
+) -> torch.Tensor:
+    """``layer``'s output in training mode on fixed inputs, dropout drawn from ``seed``
+    (random rotary angles: the rotation is not the identity)."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 5, config.hidden_size, generator=generator)
     width = int(
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     )
     angles = torch.randn(1, 5, width, generator=generator)
-    layer.train()
+    layer.train(training)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = layer(
@@ -585,6 +592,35 @@ def _training_output(layer: nn.Module, config: Any, seed: int = 0) -> torch.Tens
         )
     result: torch.Tensor = out[0] if isinstance(out, tuple) else out
     return result
+
+
+def _qk_norm_after_rotary(
+    layer: nn.Module, config: Any, names: tuple[str, str], q_proj: str
+) -> bool:
+    """Whether the q norm reads the rotated queries (HunYuan), not the projection's output
+    (Qwen3): a reshape of the projection keeps its values, a rotation does not."""
+    attention = layer.get_submodule("self_attn")
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        attention.get_submodule(q_proj).register_forward_hook(
+            lambda _m, _a, out: seen.setdefault("projected", out.detach().clone())
+        ),
+        attention.get_submodule(names[0]).register_forward_pre_hook(
+            lambda _m, args: seen.setdefault("normed", args[0].detach().clone())
+        ),
+    ]
+    try:
+        _training_output(layer, config, training=False)
+    except Exception:  # the behavioural check decides
+        return False
+    finally:
+        for hook in hooks:
+            hook.remove()
+    projected, normed = seen.get("projected"), seen.get("normed")
+    if projected is None or normed is None or projected.numel() != normed.numel():
+        return False
+    values = [t.flatten().sort().values for t in (projected, normed)]
+    return not torch.allclose(values[0], values[1], atol=1e-6)
 
 
 def _residual_dropout(decoder: Any, config: Any, where: str) -> str | None:
@@ -734,7 +770,12 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         for n, child in layer.named_children()
         if n not in ("self_attn", mlp_name) and not _no_dropout(child)
     }
-    known_attention = {*qkv_modules, "o_proj", "q_norm", "k_norm", "rotary_emb"}
+    known_attention = {
+        *qkv_modules,
+        "o_proj",
+        *(n for p in _QK_NORM_NAMES for n in p),
+        "rotary_emb",
+    }
     activations = ("act_fn", "act", "activation_fn")
     # gpt-oss's attention sinks: one logit per head (what they do is proven below, by the
     # behavioural check, like every other declaration)
@@ -794,8 +835,18 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     real: nn.Module = _seeded(decoder, config, 0)
     real_qk: nn.Module = real if qk_norm_switch is None else _seeded(decoder, qk_config, 0)
     qk_norm: bool | str = False
-    q_norm: Any = getattr(real_qk.get_submodule("self_attn"), "q_norm", None)
+    qk_names = next(
+        (
+            names
+            for names in _QK_NORM_NAMES
+            if isinstance(getattr(real_qk.get_submodule("self_attn"), names[0], None), nn.Module)
+        ),
+        _QK_NORM_NAMES[0],
+    )
+    q_norm: Any = getattr(real_qk.get_submodule("self_attn"), qk_names[0], None)
+    qk_after_rotary = False
     if q_norm is not None:
+        qk_after_rotary = _qk_norm_after_rotary(real_qk, qk_config, qk_names, qkv_modules[0])
         per_head: dict[tuple[int, ...], bool | str] = {
             (head_dim,): True,
             (config.num_attention_heads, head_dim): "head_weights",
@@ -883,6 +934,8 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         norm_scale=norm_scale,
         residual_dropout=residual_dropout,
         query_scale=query_scale,
+        qk_norm_modules=qk_names,
+        qk_norm_after_rotary=qk_after_rotary,
         # OLMo, OLMoE: q/k/v clamped where the config sets the bound (proven below with a
         # bound that bites)
         clip_qkv="clip_qkv" if "clip_qkv" in config.to_dict() else None,
