@@ -135,6 +135,32 @@ def test_a_layer_over_twice_the_floor_fails_and_is_named_with_the_floor() -> Non
     assert "ideal FP8 rounding: cosine" in report.summary()
 
 
+def _decoded(step_logits: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and the logits they were chosen from, [1, steps] and [1, steps, vocab]."""
+    logits = torch.tensor([step_logits])
+    return logits.argmax(-1), logits
+
+
+def test_fp8_decoding_may_part_where_ideal_fp8_parts_but_not_with_wrong_logits() -> None:
+    comparison, reference, floor, candidate = _runs(noise=0.1, floor_noise=0.1)
+    # the reference's first token is near-tied (3.00 against 2.99): ideal FP8 rounding
+    # of the same model already picks the other one, as does the candidate
+    reference.tokens, reference.token_logits = _decoded([[0, 3.00, 2.99, 0], [4, 0, 0, 0]])
+    floor.tokens, floor.token_logits = _decoded([[0, 2.98, 3.00, 0], [0, 0, 0, 4]])
+    candidate.tokens, candidate.token_logits = _decoded([[0, 2.99, 3.00, 0], [0, 0, 0, 4]])
+    fixed = comparison.report(reference, candidate, mode="full")
+    calibrated = comparison.report(reference, candidate, mode="full", floor=floor)
+    assert fixed.generation is not None and not fixed.generation.passed
+    assert fixed.generation.first_mismatch == 0  # agreement 0% < the fixed 50%
+    assert calibrated.generation is not None and calibrated.generation.passed
+    assert calibrated.passed, calibrated.summary()
+    # parting at the same token with logits far from the reference's is no rounding flip
+    candidate.tokens, candidate.token_logits = _decoded([[0, 0, 9.0, 0], [0, 0, 0, 4]])
+    wrong = comparison.report(reference, candidate, mode="full", floor=floor)
+    assert wrong.generation is not None and not wrong.generation.logits_passed
+    assert not wrong.passed
+
+
 # --- end to end -----------------------------------------------------------------------------
 
 

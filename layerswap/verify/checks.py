@@ -36,10 +36,11 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_DECODE_TOKENS", "assert_equivalent", "decode_tokens", "verify"]
 
 
-def _fp8_floor(model: nn.Module, batch: dict[str, torch.Tensor]) -> Run:
-    """``model`` (original layers) run with its decoder GEMMs on FP8-rounded operands."""
+def _fp8_floor(model: nn.Module, batch: dict[str, torch.Tensor], generate: int) -> Run:
+    """``model`` (original layers) run, and decoding ``generate`` tokens, with its decoder
+    GEMMs on FP8-rounded operands."""
     with ideal_fp8(layer for _, layer in decoder_layers(model)):
-        return forward(model, batch)
+        return forward(model, batch, generate=generate)
 
 
 def _calibrates(
@@ -162,13 +163,13 @@ def verify(
             candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
         rebuild_originals(work, sub)
         reference = forward(work, batch, backward=backward, generate=generate)
-        floor = _fp8_floor(work, batch) if calibrate else None
+        floor = _fp8_floor(work, batch, generate) if calibrate else None
         original: nn.Module = work
     else:
         # the copy runs as the reference, is swapped in place, and runs again as the
         # candidate, which therefore holds exactly the reference's weights, converted
         reference = forward(work, batch, backward=backward, generate=generate)
-        floor = _fp8_floor(work, batch) if calibrate else None
+        floor = _fp8_floor(work, batch, generate) if calibrate else None
         with comparing():  # this comparison is the proof: it reports, rather than refuses
             swap(work, sub)
         candidate = forward(work, batch, backward=backward, generate=generate, context=context)
@@ -226,7 +227,11 @@ def assert_equivalent(
     )
     if sub is not None and cand_run.gradients is not None:
         cand_run.gradients = gradients_to_original(candidate, cand_run.gradients, sub)
-    floor = _fp8_floor(reference, comparison.batch) if _calibrates(sub, dtype, tolerance) else None
+    floor = (
+        _fp8_floor(reference, comparison.batch, generate)
+        if _calibrates(sub, dtype, tolerance)
+        else None
+    )
     report = comparison.report(ref_run, cand_run, mode="models", floor=floor)
     if not report.passed:
         raise VerificationError(report.failure_message())

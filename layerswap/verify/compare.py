@@ -136,9 +136,10 @@ def compare_generation(
     """Token agreement of two greedy generations (``[batch, new_tokens]`` each), and the
     logits of every step up to the first mismatch (each computed from the same prefix).
 
-    ``floor`` is the tokens and logits the original generated in float32: the agreement
-    required is then at most the original's own with its float32 self, and the logits
-    are held to :data:`~layerswap.verify.fp8.FLOOR_FACTOR` times its errors there. A
+    ``floor`` is the tokens and logits the original generated in float32 (or under ideal
+    FP8 rounding, for an FP8 candidate): the agreement required is then at most the
+    reference's own with that run, and the logits are held to
+    :data:`~layerswap.verify.fp8.FLOOR_FACTOR` times its errors there. A
     generation that parts from the reference passes too where it parts at a near-tie:
     at the first differing step (same prefix on both sides) the reference's logit of
     its own token exceeds that of the candidate's by no more than twice the largest
@@ -350,9 +351,10 @@ class Comparison:
         ``local_gradients`` says the gradients are per layer (streaming mode). ``floor``
         is the reference run under :func:`~layerswap.verify.fp8.ideal_fp8` (``floor_kind``
         ``"ideal FP8"``): each layer and the logits are then held to :data:`FLOOR_FACTOR`
-        times its errors there. With ``floor_kind="float32"`` it is the original run in
-        float32: every tolerance (layers, logits, gradients, decoding) is widened to
-        :data:`FLOOR_FACTOR` times the reference's own rounding error, never narrowed.
+        times its errors there, and decoding to the agreement ideal FP8's own decoding
+        reaches. With ``floor_kind="float32"`` it is the original run in float32: every
+        tolerance (layers, logits, gradients, decoding) is widened to :data:`FLOOR_FACTOR`
+        times the reference's own rounding error, never narrowed.
         """
         tolerance = self.tolerance
         backward = None
@@ -376,7 +378,7 @@ class Comparison:
                 reference.token_logits,
                 candidate.token_logits,
                 floor=(floor.tokens, floor.token_logits)
-                if floor is not None and floor_kind == "float32" and floor.tokens is not None
+                if floor is not None and floor.tokens is not None
                 else None,
             )
         layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind)
