@@ -79,9 +79,11 @@ wanted te-7b-fp8 && step te-7b-fp8 100 te_7b_fp8.txt python3 scripts/gpu/verify_
 wanted te-verify && step te-verify 110 te_verify.log python3 scripts/gpu/verify_and_bench.py \
   --out /tmp/teverify --skip-bench --backends te --hidden 256 --intermediate 512 \
   --layers 2 --heads 4 --kv-heads 2 --vocab 1024
-# the 0.85 B model at 8 x 512 (host-bound for te on the H100)
-wanted te-bench && step te-bench 90 te_bench.log python3 scripts/gpu/verify_and_bench.py \
-  --out /tmp/tebench --families '' --backends te --contenders original,fused,te
+# the 0.85 B model at 8 x 512 (host-bound for te on the H100): eager and with every layer
+# captured as CUDA graphs
+wanted te-bench && step te-bench 150 te_bench.log python3 scripts/gpu/verify_and_bench.py \
+  --out /tmp/tebench --families '' --backends te --skip-verify \
+  --contenders "${TE_BENCH_CONTENDERS:-original,fused,fused-graphed,te,te-graphed}"
 wanted te-pytest && step te-pytest 70 te_pytest.log python3 -m pytest --full -m gpu -q \
   -p no:cacheprovider -n 4 tests/test_te.py tests/test_verify_fp8.py
 log "== done"

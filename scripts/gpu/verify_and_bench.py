@@ -337,6 +337,22 @@ def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Conte
                 continue
             model = swapped(*names)
             contenders.append(Contender(wanted, model, optimizer(model)))
+        elif wanted in ("te-graphed", "fused-graphed"):
+            # the decoder layers captured as CUDA graphs (forward and backward), one per
+            # layer: what removes the host's launch overhead where the GPU waits for it
+            backend = wanted.split("-")[0]
+            recipes = [None] + (["current"] if backend == "te" else [])
+            for recipe in recipes:
+                name = f"{backend} {'fp8 ' + recipe + ' ' if recipe else ''}graphed"
+                try:
+                    model = graphed_layers(original, backend, recipe, args)
+                except Exception as exc:  # a contender that cannot run is a note
+                    notes.append(f"{name} skipped: {type(exc).__name__}: {exc}")
+                    continue
+                context = (
+                    functools.partial(te.fp8_autocast, recipe) if recipe else contextlib.nullcontext
+                )
+                contenders.append(Contender(name, model, optimizer(model), context=context))
         elif wanted in ("te", "te-bf16", "te-fp8"):
             # "te": bf16 and one FP8 contender per recipe; "te-bf16" / "te-fp8" one kind only
             # (two 7B contenders with AdamW are what one H200 holds)
@@ -366,6 +382,89 @@ def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Conte
                     )
                 )
     return contenders, notes
+
+
+class GraphableLayer(torch.nn.Module):
+    """One swapped decoder layer called with tensors only, as CUDA graph capture wants."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
+
+
+class GraphedSlot(torch.nn.Module):
+    """Stands in the model's layer list for a graphed layer: causal, unpadded, no cache."""
+
+    def __init__(self, graphed: torch.nn.Module, attention_type: str) -> None:
+        super().__init__()
+        self.graphed = graphed
+        self.attention_type = attention_type
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if attention_mask is not None or position_embeddings is None:
+            raise RuntimeError("a graphed layer runs causal attention on unpadded input only")
+        out: torch.Tensor = self.graphed(hidden_states, *position_embeddings)
+        return out
+
+
+def graphed_layers(original: Any, backend: str, recipe: str | None, args: Any) -> Any:
+    """A copy of ``original`` with ``backend``'s layers, each captured as CUDA graphs.
+
+    TE's ``make_graphed_callables`` for te (FP8 when ``recipe`` is given), torch's for
+    fused: forward and backward of every layer replayed from graphs at the benchmark's
+    shape (``args.batch`` x ``args.seq``). Raises when the model passes a mask (the graphs
+    hold plain causal attention) or capture fails; one training step runs before it is
+    returned, so a graph that cannot replay fails here, not in the timed rounds.
+    """
+    if DEVICE.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    model = copy.deepcopy(original)
+    swap(model, f"llama.decoder.{backend}")
+    layers = model.model.layers
+    seen: dict[str, Any] = {}
+
+    def record(module: Any, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen["mask"] = kwargs.get("attention_mask")
+        seen["cos_sin"] = kwargs["position_embeddings"]
+
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=DEVICE)
+    handle = layers[0].register_forward_pre_hook(record, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    handle.remove()
+    if seen["mask"] is not None:
+        raise RuntimeError(f"the model passes its layers a mask ({type(seen['mask']).__name__})")
+    cos, sin = (tensor.detach().clone() for tensor in seen["cos_sin"])
+    graphables = tuple(GraphableLayer(layer) for layer in layers)
+    shape = (args.batch, args.seq, original.config.hidden_size)
+    sample_args = tuple(
+        (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True), cos, sin)
+        for _ in graphables
+    )
+    model.train()
+    if backend == "te":
+        options: dict[str, Any] = {}
+        if recipe is not None:
+            options = {"enabled": True, "recipe": te.fp8_recipe(recipe)}
+        graphed = te._te().make_graphed_callables(graphables, sample_args, **options)
+    else:
+        graphed = torch.cuda.make_graphed_callables(graphables, sample_args)
+    for index, module in enumerate(graphed):
+        layers[index] = GraphedSlot(module, getattr(layers[index], "attention_type", "full"))
+    with te.fp8_autocast(recipe) if recipe else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return model
 
 
 # dense (no sparsity) tensor-core peaks from the vendor's datasheets, TFLOP/s: the
@@ -533,7 +632,8 @@ def parse_args() -> argparse.Namespace:
         "--contenders",
         default="original,fused,fused+head,liger,liger+head,te",
         help="benchmarked: original, fused, liger, fused+head, liger+head, te (bf16 and FP8), "
-        "te-bf16, te-fp8 (one FP8 contender per --fp8-recipes)",
+        "te-bf16, te-fp8 (one FP8 contender per --fp8-recipes), te-graphed (bf16 and FP8 "
+        "current, each layer a CUDA graph), fused-graphed",
     )
     parser.add_argument("--verify-fp8-recipe", default="current")
     parser.add_argument("--skip-verify", action="store_true")
