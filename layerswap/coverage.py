@@ -104,12 +104,15 @@ def _wrapped() -> dict[str, tuple[Family, str]]:
     by_type = {family.model_type: family for family in families().values()}
     found = {}
     for model_type in sorted(WRAPPERS):
+        media = "audio" if "audio" in WRAPPERS[model_type] else "image"
+        if model_type in by_type:  # a family of its own: the wrapper is its model (Qwen2-VL)
+            found[model_type] = (by_type[model_type], media)
+            continue
         try:
             text_type = CONFIG_MAPPING[model_type]().text_config.model_type
         except Exception:  # not in this transformers
             continue
         if text_type in by_type:
-            media = "audio" if "audio" in WRAPPERS[model_type] else "image"
             found[model_type] = (by_type[text_type], media)
     return found
 

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -282,14 +283,30 @@ class Family:
         """The family's causal LM class."""
         return self._class(self.causal_lm)
 
+    @property
+    def composite(self) -> bool:
+        """Whether the family's model is a multimodal wrapper whose decoder layers read its
+        ``text_config`` (Qwen2-VL: the text decoder has no causal LM of its own, so the
+        family builds the ``*ForConditionalGeneration`` model)."""
+        return "text_config" in self.tiny
+
     def tiny_config(self, **overrides: Any) -> PreTrainedConfig:
         """A tiny config of this family (several layers, grouped-query attention).
+
+        For a :attr:`composite` family, overrides the wrapper's config does not take
+        (``num_hidden_layers``, ``vocab_size``...) go to its text config.
 
         Example::
 
             config = layerswap.families()["llama"].tiny_config(num_hidden_layers=2)
         """
-        return self.config_type()(**{**self.tiny, **overrides})
+        if not self.composite:
+            return self.config_type()(**{**self.tiny, **overrides})
+        own = inspect.signature(self.config_type()).parameters
+        text = {**self.tiny["text_config"]}
+        text.update({key: value for key, value in overrides.items() if key not in own})
+        top = {key: value for key, value in overrides.items() if key in own}
+        return self.config_type()(**{**self.tiny, **top, "text_config": text})
 
     def build(self, config: PreTrainedConfig | None = None, *, seed: int = 0) -> PreTrainedModel:
         """A causal LM with random weights from ``seed``, in eval mode.

@@ -23,12 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    import torch
 
 __all__ = [
     "CACHE_ARGUMENTS",
@@ -53,6 +52,9 @@ __all__ = [
     "output_capture_tasks",
     "read_layer_call",
     "register_tp_style",
+    "merge_rotary_sections",
+    "rotary_sections",
+    "text_config_of",
     "transformers_support",
     "weight_converter",
     "weight_renaming",
@@ -442,6 +444,44 @@ class LayerCall:
     cache: LayerCache
     #: whether this call asks for attention weights (``output_attentions=True``)
     output_attentions: bool
+
+
+def rotary_sections(config: Any) -> tuple[int, ...] | None:
+    """The M-RoPE sections of ``config`` (Qwen2-VL: how many of a head's frequency pairs
+    rotate by the temporal, height and width position), ``None`` for plain RoPE."""
+    parameters = getattr(config, "rope_parameters", None)
+    sections = parameters.get("mrope_section") if isinstance(parameters, dict) else None
+    return tuple(int(size) for size in sections) if sections else None
+
+
+def merge_rotary_sections(
+    position_embeddings: tuple[torch.Tensor, torch.Tensor], sections: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin as one position per token, where the model passes one per M-RoPE axis.
+
+    Up to transformers 5.2x, Qwen2-VL's and Qwen2.5-VL's rotary embedding returns cos/sin
+    of shape ``(3, batch, seq, head_dim)`` (temporal, height, width) and the attention
+    takes each section of the head's dims from its axis; later releases merge them in the
+    rotary embedding and pass ``(batch, seq, head_dim)``, as every other model does. The
+    same merge here gives layerswap's layers the later form on every release.
+    """
+    cos, sin = position_embeddings
+    if cos.dim() != 4 or cos.shape[0] != 3:
+        return position_embeddings
+    split = [int(size) for size in sections] * 2  # the halves of rotate-half's layout
+
+    def merge(table: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(table, split, dim=-1)
+        return torch.cat([part[index % 3] for index, part in enumerate(parts)], dim=-1)
+
+    return merge(cos), merge(sin)
+
+
+def text_config_of(config: Any) -> Any:
+    """The config a decoder layer reads: a composite (multimodal) config's text config,
+    by transformers' ``get_text_config()``, else ``config`` itself."""
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
 
 
 def layer_attention_type(config: Any, layer_idx: int) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from layerswap import hf_internals
 from layerswap.errors import UnknownSubstitutionError
 from layerswap.family import Family
 from layerswap.registry import families
@@ -184,8 +185,7 @@ def layer_config(config: PreTrainedConfig) -> PreTrainedConfig:
 
         layer_config(llava.config) is llava.config.text_config   # True
     """
-    get_text_config = getattr(config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else config
+    return hf_internals.text_config_of(config)
 
 
 def locate(root: nn.Module, name: str) -> tuple[nn.Module, str]:

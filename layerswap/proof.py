@@ -49,6 +49,7 @@ from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftE
 from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
 from layerswap.registry import backend_of, get, get_family
+from layerswap.tokens import avoid_tokens, media_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -183,10 +184,22 @@ def shrunk_config(family: Family, config: PreTrainedConfig) -> PreTrainedConfig:
     ids outside the tiny vocabulary are dropped. Example::
 
         tiny = shrunk_config(get_family("llama"), LlamaConfig.from_pretrained(path))
+
+    For a :attr:`~layerswap.family.Family.composite` family, ``config`` (the wrapper's, or
+    the text config its layers read) gives the text config, shrunk so; the rest (the
+    vision tower, its tokens) is the family's tiny config.
     """
+    if family.composite:
+        tiny_wrapper = family.tiny_config()
+        text = _shrunk_text(tiny_wrapper.get_text_config(), layer_config(config))
+        return family.config_type()(**{**family.tiny, "text_config": text.to_dict()})
+    return _shrunk_text(family.tiny_config(), config)
+
+
+def _shrunk_text(tiny_config: PreTrainedConfig, config: PreTrainedConfig) -> PreTrainedConfig:
     values = config.to_dict()
     layers = values.get("num_hidden_layers")
-    tiny = family.tiny_config().to_dict()
+    tiny = tiny_config.to_dict()
     for name in SIZE_FIELDS:
         if name in values and name in tiny:
             values[name] = tiny[name]
@@ -314,6 +327,8 @@ def _batch(config: PreTrainedConfig, device: torch.device) -> dict[str, torch.Te
     text = layer_config(config)
     vocab = int(text.vocab_size)
     ids = torch.randint(3, vocab, (2, _SEQUENCE), device=device)
+    # a wrapper's image or video token would ask for features the text prompt lacks
+    ids = avoid_tokens(ids, media_tokens(config), vocab)
     mask = torch.ones_like(ids)
     mask[1, :_PADDING] = 0
     pad = getattr(text, "pad_token_id", None)

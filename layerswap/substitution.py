@@ -356,7 +356,11 @@ class Substitution:
             ) from exc
 
     def check_upstream(self, config: PreTrainedConfig) -> None:
-        """Raise :class:`UpstreamDriftError` if the original no longer fits the converter."""
+        """Raise :class:`UpstreamDriftError` if the original no longer fits the converter.
+
+        ``config`` is the model's; a multimodal wrapper's layers read its text config.
+        """
+        config = hf_internals.text_config_of(config)
         if self.upstream is None:
             check_call_contract(self, config)
         else:

@@ -337,6 +337,7 @@ class Converter:
     def _apply(
         self, state: Tensors, config: PreTrainedConfig, *, forward: bool
     ) -> dict[str, torch.Tensor]:
+        config = hf_internals.text_config_of(config)  # a wrapper's layers read its text config
         remaining = {key: value for key, value in state.items() if not is_extra_state(key)}
         produced: dict[str, torch.Tensor] = {}
         for rule in self.rules:
@@ -393,6 +394,7 @@ class Converter:
         (``"layers.3"``), so the transforms touch that layer's keys and nothing else.
         ``from_pretrained`` applies them when loading; ``save_pretrained`` reverses them.
         """
+        config = hf_internals.text_config_of(config)
         transforms: list[Any] = []
         for rule in self.rules:
             # anchored and escaped: a rule names one exact layer-relative key

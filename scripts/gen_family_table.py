@@ -33,6 +33,12 @@ def features(family: Family) -> str:
         kind = {"rms": "RMSNorm", "layer_nobias": "LayerNorm"}.get(family.norm, kind)
         kind += " without a weight (no parameters)"
     found.append(f"{kind} scaling by `1 + weight`" if family.norm_offset == 1.0 else kind)
+    if family.composite:
+        text = family.tiny.get("text_config", {})
+        sections = (text.get("rope_parameters") or {}).get("mrope_section")
+        found.insert(
+            0, f"the text decoder of `{family.causal_lm}`" + (" (M-RoPE)" if sections else "")
+        )
     if family.norm_switch is not None:
         field, switched = family.norm_switch
         found[-1] += f" (a {norm.get(switched, switched)} where `{field}` is unset)"

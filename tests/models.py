@@ -19,8 +19,10 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from layerswap.family import Family
+from layerswap.model import layer_config
 from layerswap.registry import families as _registered
 from layerswap.registry import get_family
+from layerswap.tokens import media_tokens
 
 # every registered family: the hand-written ones and those inferred from transformers
 FAMILIES = tuple(sorted(_registered()))
@@ -87,6 +89,15 @@ def tiny_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A tiny causal LM of family ``name``: float32, eval mode, random from ``seed``."""
     spec = family(name)
     return spec.build(spec.tiny_config(**overrides), seed=seed)
+
+
+def text_vocab(source: Any) -> int:
+    """How many token ids a test may draw for ``source`` (a model or its config): the text
+    vocabulary, up to a wrapper's first media token (the tiny Qwen-VL configs put their
+    image and video tokens at its top, and a drawn one would ask for image features)."""
+    config = getattr(source, "config", source)
+    vocab = int(layer_config(config).vocab_size)
+    return min((token for token in media_tokens(config) if token < vocab), default=vocab)
 
 
 def left_padded_batch(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import FAMILIES, left_padded_batch, tiny_model, tokens
+from models import FAMILIES, left_padded_batch, text_vocab, tiny_model, tokens
 from typer.testing import CliRunner
 
 import layerswap
@@ -129,7 +129,7 @@ def test_q_k_norms_with_a_weight_after_the_rotation_are_not_the_same_before_it()
     before the rotation computes something else, and the swap says so."""
     hunyuan = get_family("hunyuan_v1_dense")
     model = hunyuan.build(seed=0)
-    ids = tokens(hunyuan.tiny_config().vocab_size, seed=4)
+    ids = tokens(text_vocab(hunyuan.tiny_config()), seed=4)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     swapped = copy.deepcopy(model)
@@ -180,7 +180,7 @@ def test_a_mixture_of_experts_block_under_its_own_name_is_kept_there() -> None:
     assert (granitemoe.mlp, granitemoe.mlp_name) == ("original", "block_sparse_moe")
     model = granitemoe.build(seed=0)
     before = set(model.state_dict())
-    ids = torch.randint(1, granitemoe.tiny_config().vocab_size, (2, 9))
+    ids = torch.randint(1, text_vocab(granitemoe.tiny_config()), (2, 9))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     layerswap.swap(model, "granitemoe.decoder.fused")
@@ -219,7 +219,7 @@ def test_the_fused_moe_layer_keeps_the_original_block_with_its_dense_layers() ->
     model = tiny_model("qwen2_moe", seed=7, num_hidden_layers=3, mlp_only_layers=[1])
     originals = [type(layer.mlp) for layer in model.model.layers]
     before = {name for name in model.state_dict() if ".mlp." in name}
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     report = layerswap.verify(model, "qwen2_moe.decoder.fused", batch, backward=True)
     assert report.passed, report.summary()
     layerswap.swap(model, "qwen2_moe.decoder.fused")
@@ -234,7 +234,7 @@ def test_the_fused_moe_layer_keeps_the_original_block_with_its_dense_layers() ->
 def test_router_logits_and_the_aux_loss_are_the_originals(hooked_first: bool) -> None:
     reference = tiny_model("mixtral", seed=8, num_hidden_layers=2)
     candidate = copy.deepcopy(reference)
-    ids = tokens(reference.config.vocab_size)
+    ids = tokens(text_vocab(reference))
     if hooked_first:  # transformers installs its recording hooks on the first such call
         candidate(ids, output_router_logits=True)
     layerswap.swap(candidate, "mixtral.decoder.fused")
@@ -293,7 +293,7 @@ def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None
     bent = {"attn_logit_softcapping": 1.0, "initializer_range": 0.2}
     model = tiny_model("gemma2", seed=4, **bent)
     assert model.config._attn_implementation == "eager"  # Gemma 2 refuses SDPA
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     report = layerswap.verify(model, "gemma2.decoder.fused", batch, backward=True)
     assert report.passed, report.summary()
     uncapped = tiny_model("gemma2", seed=4, **{**bent, "attn_logit_softcapping": None})
@@ -305,7 +305,7 @@ def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None
 def test_partial_rotary_embeddings_rotate_the_first_dims_of_each_head(factor: float) -> None:
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     model = tiny_model("phi3", seed=5, rope_parameters={**rope, "partial_rotary_factor": factor})
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     report = layerswap.verify(model, "phi3.decoder.fused", batch, backward=True, generate=4)
     assert report.passed, report.summary()
     full = tiny_model("phi3", seed=5, rope_parameters={**rope, "partial_rotary_factor": 1.0})
@@ -317,7 +317,7 @@ def test_cohere_q_k_norms_with_a_weight_per_head_are_computed_as_the_original_do
     model = tiny_model("cohere", seed=6, use_qk_norm=True)
     layer = model.model.layers[0]
     assert tuple(layer.self_attn.q_norm.weight.shape) == (8, 16)
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     report = layerswap.verify(model, "cohere.decoder.fused", batch, backward=True, generate=4)
     assert report.passed, report.summary()
     # the per-head weights count: the same model with one head's weight changed differs
@@ -401,7 +401,7 @@ def test_fused_matches_in_float32_with_gradients_and_generation(name: str) -> No
     report = layerswap.verify(
         model,
         f"{name}.decoder.fused",
-        left_padded_batch(model.config.vocab_size),
+        left_padded_batch(text_vocab(model)),
         backward=True,
         generate=4,
     )
@@ -414,7 +414,7 @@ def test_a_training_step_gives_the_same_loss(name: str) -> None:
     reference = tiny_model(name, seed=2, num_hidden_layers=2).train()
     candidate = copy.deepcopy(reference)
     layerswap.swap(candidate, f"{name}.decoder.fused")
-    ids = tokens(reference.config.vocab_size, (2, 12))
+    ids = tokens(text_vocab(reference), (2, 12))
     losses = []
     for model in (reference, candidate):
         torch.manual_seed(0)  # the same dropout draws, where a family has attention dropout
@@ -432,7 +432,7 @@ def test_a_training_step_gives_the_same_loss(name: str) -> None:
 def test_save_loads_in_plain_transformers_and_undo_is_bitwise(name: str, tmp_path: Path) -> None:
     model = tiny_model(name, seed=3)
     before = {key: value.clone() for key, value in model.state_dict().items()}
-    ids = tokens(model.config.vocab_size)
+    ids = tokens(text_vocab(model))
     handle = layerswap.swap(model, f"{name}.decoder.fused")
     with torch.no_grad():
         swapped = model(ids).logits

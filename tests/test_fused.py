@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import FAMILIES, left_padded_batch, tiny_config, tiny_model, tokens
+from models import FAMILIES, left_padded_batch, text_vocab, tiny_config, tiny_model, tokens
 
 import layerswap
 from layerswap.backends import fused
@@ -27,7 +27,7 @@ CASES = [pytest.param(name, {}, id=name) for name in FAMILIES] + [
 @pytest.mark.parametrize(("name", "overrides"), CASES)
 def test_logits_equal_original_with_left_padding(name: str, overrides: dict[str, bool]) -> None:
     model = tiny_model(name, **overrides)
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     with torch.no_grad():
         expected = model(**batch).logits
         with layerswap.swap(model, backend="fused"):
@@ -42,7 +42,7 @@ def test_logits_equal_original_with_left_padding(name: str, overrides: dict[str,
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_generate_equal_with_left_padding(name: str) -> None:
     model = tiny_model(name)
-    batch = left_padded_batch(model.config.vocab_size, lengths=(9, 5))
+    batch = left_padded_batch(text_vocab(model), lengths=(9, 5))
     settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     expected = model.generate(**batch, **settings)
     with layerswap.swap(model, backend="fused"):
@@ -55,7 +55,7 @@ def test_sliding_window_is_honoured() -> None:
     # the window (8) is shorter than the sequence: attention beyond it must be masked
     model = tiny_model("mistral")
     assert model.config.sliding_window == 8
-    ids = tokens(model.config.vocab_size, (1, 20))
+    ids = tokens(text_vocab(model), (1, 20))
     with torch.no_grad():
         expected = model(ids).logits
         unwindowed = copy.deepcopy(model)
@@ -72,7 +72,7 @@ def test_training_step_gives_equal_loss_gradients_and_weights(name: str) -> None
     reference = tiny_model(name, num_hidden_layers=2).train()
     candidate = copy.deepcopy(reference)
     handle = layerswap.swap(candidate, backend="fused")
-    ids = tokens(reference.config.vocab_size, (2, 10))
+    ids = tokens(text_vocab(reference), (2, 10))
     results = []
     for model in (reference, candidate):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -109,7 +109,7 @@ def test_gradient_checkpointing_keeps_working_after_swap() -> None:
     candidate = copy.deepcopy(reference)
     layerswap.swap(candidate, backend="fused")
     assert all(layer.gradient_checkpointing for _, layer in decoder_layers(candidate))
-    ids = tokens(reference.config.vocab_size)
+    ids = tokens(text_vocab(reference))
     losses = []
     for model in (reference, candidate):
         loss = model(ids, labels=ids).loss
@@ -124,7 +124,7 @@ def test_gradient_checkpointing_keeps_working_after_swap() -> None:
 def test_eager_attention_masks_give_equal_logits() -> None:
     # eager builds additive float masks instead of sdpa's boolean ones
     model = tiny_model("qwen3", attn_implementation="eager")
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     valid = batch["attention_mask"].bool()
     with torch.no_grad():
         expected = model(**batch).logits
@@ -135,7 +135,7 @@ def test_eager_attention_masks_give_equal_logits() -> None:
 
 def test_hidden_states_equal_original() -> None:
     model = tiny_model("qwen2")
-    ids = tokens(model.config.vocab_size)
+    ids = tokens(text_vocab(model))
     with torch.no_grad():
         expected = model(ids, output_hidden_states=True).hidden_states
         with layerswap.swap(model, backend="fused"):
@@ -151,7 +151,7 @@ def test_hidden_states_asked_first_while_swapped_still_work_after_undo() -> None
     # transformers hooks the model on the first output_hidden_states call, which here
     # happens while the original layers are out of the model
     model = tiny_model("llama")
-    ids = tokens(model.config.vocab_size)
+    ids = tokens(text_vocab(model))
     with torch.no_grad():
         with layerswap.swap(model, backend="fused"):
             swapped = model(ids, output_hidden_states=True).hidden_states
@@ -164,7 +164,7 @@ def test_hidden_states_asked_first_while_swapped_still_work_after_undo() -> None
 @pytest.mark.slow  # a fresh interpreter
 def test_a_swapped_model_pickles_and_loads_in_a_fresh_process(tmp_path: Path) -> None:
     model = tiny_model("qwen3", num_hidden_layers=1)
-    ids = tokens(model.config.vocab_size)
+    ids = tokens(text_vocab(model))
     layerswap.swap(model, backend="fused")
     with torch.no_grad():
         expected = model(ids).logits
@@ -180,7 +180,7 @@ def test_a_swapped_model_pickles_and_loads_in_a_fresh_process(tmp_path: Path) ->
 
 def test_bfloat16_stays_close() -> None:
     model = tiny_model("llama").to(torch.bfloat16)
-    ids = tokens(model.config.vocab_size)
+    ids = tokens(text_vocab(model))
     with torch.no_grad():
         expected = model(ids).logits.float()
         with layerswap.swap(model, backend="fused"):
@@ -204,7 +204,7 @@ def test_bfloat16_is_as_close_to_float32_as_the_original(name: str) -> None:
     bound is at least 0.1 (a wrong weight moves the logits by order 1).
     """
     model = tiny_model(name)
-    ids = tokens(model.config.vocab_size)
+    ids = tokens(text_vocab(model))
     with torch.no_grad():
         exact = model(ids).logits.double()
         model.to(torch.bfloat16)
@@ -250,8 +250,8 @@ def test_layer_classes_are_importable_by_name_for_pickling() -> None:
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma"])
 def test_fused_layers_match_on_the_gpu(name: str) -> None:
     model = tiny_model(name).cuda()
-    batch = {k: v.cuda() for k, v in left_padded_batch(model.config.vocab_size).items()}
-    ids = tokens(model.config.vocab_size).cuda()  # no mask: the enable_gqa path
+    batch = {k: v.cuda() for k, v in left_padded_batch(text_vocab(model)).items()}
+    ids = tokens(text_vocab(model)).cuda()  # no mask: the enable_gqa path
     settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         expected_masked, expected_plain = model(**batch).logits, model(ids).logits
@@ -313,7 +313,7 @@ def test_attention_sinks_join_the_softmax_as_gpt_oss_takes_them() -> None:
     report = verify(model, "gpt_oss.decoder.fused", generate=4)
     assert report.passed, report.summary()
 
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     valid = batch["attention_mask"].bool()
     swapped = copy.deepcopy(model)
     layerswap.swap(swapped, "gpt_oss.decoder.fused")
@@ -354,7 +354,7 @@ def test_q_k_v_are_clamped_where_the_config_sets_clip_qkv(name: str) -> None:
                 layer.self_attn.v_proj.weight.mul_(400.0)
         return model
 
-    ids = tokens(family.tiny_config().vocab_size, seed=1)
+    ids = tokens(text_vocab(family.tiny_config()), seed=1)
     model = build(8.0)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
@@ -391,7 +391,7 @@ def test_training_drops_what_the_original_drops(name: str) -> None:
     family = layerswap.get_family(name)
     config = family.tiny_config(**{family.residual_dropout or "": 0.3}, attention_dropout=0.0)
     model = family.build(config, seed=0).train()
-    ids = tokens(config.vocab_size, seed=2)
+    ids = tokens(text_vocab(config), seed=2)
 
     def loss_and_logits(m: torch.nn.Module, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(seed)
@@ -426,7 +426,7 @@ def test_queries_scaled_by_position_match_the_original_in_prefill_and_decoding()
         family.tiny_config(rope_parameters={**config.rope_parameters, "llama_4_scaling_beta": 0.0}),
         seed=0,
     )
-    ids = tokens(config.vocab_size, shape=(2, 12), seed=3)
+    ids = tokens(text_vocab(config), shape=(2, 12), seed=3)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         assert (expected - unscaled(input_ids=ids).logits).abs().max() > 1e-3, "no scaling"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import left_padded_batch, tiny_model
+from models import left_padded_batch, text_vocab, tiny_model
 from transformers import PreTrainedModel
 
 import layerswap
@@ -41,7 +41,7 @@ def _model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
 
 
 def _batch(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    batch = left_padded_batch(model.config.vocab_size, lengths=(12, 7))
+    batch = left_padded_batch(text_vocab(model), lengths=(12, 7))
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     return {**batch, "labels": labels}
 
@@ -243,7 +243,7 @@ def test_logits_to_keep_in_inference_is_the_original() -> None:
     reference = copy.deepcopy(model).eval()
     layerswap.swap(model, "llama.head.fused")
     model.eval()
-    ids = left_padded_batch(model.config.vocab_size)["input_ids"]
+    ids = left_padded_batch(text_vocab(model))["input_ids"]
     with torch.no_grad():
         assert torch.equal(
             model(ids, logits_to_keep=1).logits, reference(ids, logits_to_keep=1).logits
@@ -360,7 +360,7 @@ def test_an_lm_head_that_is_not_a_linear_is_refused_in_training() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x) * 2
 
-    head = Scaled(model.config.hidden_size, model.config.vocab_size, bias=False)
+    head = Scaled(model.config.hidden_size, text_vocab(model), bias=False)
     head.weight = model.lm_head.weight
     model.lm_head = head
     with pytest.raises(UnsupportedModelError, match="Scaled"):
@@ -463,7 +463,7 @@ def test_a_trainer_step_gives_the_original_losses(tmp_path: Path) -> None:
             seed=0,
             disable_tqdm=True,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=Rows(model.config.vocab_size))
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(text_vocab(model)))
         trainer.train()
         return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 

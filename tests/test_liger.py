@@ -27,6 +27,7 @@ import layerswap
 from layerswap.backends import head_liger, liger
 from layerswap.cli import app
 from layerswap.errors import RequirementError
+from layerswap.model import decoder_layers, layer_config
 from layerswap.registry import families, substitutions
 from layerswap.verify import default_inputs, verify
 
@@ -290,8 +291,9 @@ def test_the_layer_has_the_original_modules_and_loads_its_weights_strictly(
     name: str, overrides: dict[str, Any]
 ) -> None:
     family = families()[name]
-    config = family.tiny_config(**overrides)
-    original = family.build(config, seed=3).model.layers[1]
+    model = family.build(family.tiny_config(**overrides), seed=3)
+    config = layer_config(model.config)  # a wrapper family's layers read its text config
+    original = decoder_layers(model)[1][1]
     layer = liger.layer_class(family)(config, 1)
     shapes = {key: tuple(value.shape) for key, value in layer.state_dict().items()}
     assert shapes == {key: tuple(value.shape) for key, value in original.state_dict().items()}

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import FAMILIES, left_padded_batch, tiny_model
+from models import FAMILIES, left_padded_batch, text_vocab, tiny_model
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 import layerswap
 from layerswap.backends import fused
+from layerswap.model import decoder_layers
 
 ATOL = 1e-5
 
@@ -25,10 +26,10 @@ def _logits(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Ten
 def test_from_pretrained_inside_use_loads_an_original_checkpoint(name: str, tmp_path: Path) -> None:
     original = tiny_model(name)
     original.save_pretrained(tmp_path)  # plain transformers, original layout
-    batch = left_padded_batch(original.config.vocab_size)
+    batch = left_padded_batch(text_vocab(original))
     with layerswap.use(f"{name}.decoder.fused"):
         loaded = type(original).from_pretrained(tmp_path)
-    assert all(isinstance(layer, fused.FusedDecoderLayer) for layer in loaded.model.layers)
+    assert all(isinstance(layer, fused.FusedDecoderLayer) for _, layer in decoder_layers(loaded))
     torch.testing.assert_close(_logits(loaded, batch), _logits(original, batch), atol=ATOL, rtol=0)
 
 
@@ -36,7 +37,7 @@ def test_from_pretrained_inside_use_loads_an_original_checkpoint(name: str, tmp_
 def test_a_swapped_model_saves_the_original_layout(name: str, tmp_path: Path) -> None:
     model = tiny_model(name)
     model.save_pretrained(tmp_path / "plain")
-    batch = left_padded_batch(model.config.vocab_size)
+    batch = left_padded_batch(text_vocab(model))
     expected = _logits(model, batch)
     layerswap.swap(model, backend="fused")
     model.save_pretrained(tmp_path / "swapped")
@@ -46,7 +47,7 @@ def test_a_swapped_model_saves_the_original_layout(name: str, tmp_path: Path) ->
     assert all(torch.equal(swapped[key], plain[key]) for key in plain)
     reloaded = type(model).from_pretrained(tmp_path / "swapped")  # no layerswap involved
     original_class = layerswap.get(f"{name}.decoder.fused").original_class()
-    assert all(type(layer) is original_class for layer in reloaded.model.layers)
+    assert all(type(layer) is original_class for _, layer in decoder_layers(reloaded))
     torch.testing.assert_close(_logits(reloaded, batch), expected, atol=ATOL, rtol=0)
 
 
@@ -92,7 +93,7 @@ def test_nested_use_of_one_substitution_converts_once(tmp_path: Path) -> None:
     original.save_pretrained(tmp_path / "original")
     with layerswap.use("qwen2.decoder.fused"), layerswap.use("qwen2.decoder.fused"):
         loaded = type(original).from_pretrained(tmp_path / "original")
-    batch = left_padded_batch(original.config.vocab_size)
+    batch = left_padded_batch(text_vocab(original))
     torch.testing.assert_close(_logits(loaded, batch), _logits(original, batch), atol=ATOL, rtol=0)
     loaded.save_pretrained(tmp_path / "resaved")
     first = load_file(str(tmp_path / "original" / "model.safetensors"))

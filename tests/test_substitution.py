@@ -26,6 +26,7 @@ from layerswap.errors import (
     UpstreamDriftError,
 )
 from layerswap.family import Family
+from layerswap.model import layer_config
 from layerswap.registry import (
     get_family,
     load_entry_points,
@@ -46,11 +47,11 @@ def test_builtin_families_are_declared() -> None:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tiny_configs_have_several_layers_and_grouped_query_attention(name: str) -> None:
-    config = tiny_config(name)
+    config = layer_config(tiny_config(name))  # a wrapper family's: its text config
     assert config.num_hidden_layers >= 2
     assert config.num_key_value_heads < config.num_attention_heads
-    assert type(config).__name__ == get_family(name).config_class
-    assert tiny_config(name, num_hidden_layers=1).num_hidden_layers == 1
+    assert type(tiny_config(name)).__name__ == get_family(name).config_class
+    assert layer_config(tiny_config(name, num_hidden_layers=1)).num_hidden_layers == 1
 
 
 def test_build_is_deterministic_and_leaves_the_global_rng_alone() -> None:

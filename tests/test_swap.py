@@ -18,6 +18,7 @@ from layerswap.errors import (
     SwapWarning,
     UnknownSubstitutionError,
 )
+from layerswap.model import layer_config
 from layerswap.swap import SwapHandle, build_replacement_layer, decoder_layers, family_of
 from layerswap.weights import Converter
 
@@ -51,7 +52,7 @@ def test_undo_gives_back_the_same_layers_and_bitwise_weights(name: str) -> None:
     before = _snapshot(model)
     handle = layerswap.swap(model, backend="fused")
     assert handle.active
-    assert len(handle) == model.config.num_hidden_layers
+    assert len(handle) == layer_config(model.config).num_hidden_layers
     assert handle.substitution.name == f"{name}.decoder.fused"
     assert all(type(layer) is not LlamaDecoderLayer for _, layer in decoder_layers(model))
     handle.undo()

@@ -22,6 +22,7 @@ import layerswap
 from layerswap.backends import te
 from layerswap.backends.te_layout import TELayerSpec, te_converter
 from layerswap.errors import ConversionError, RequirementError, SubstitutionError
+from layerswap.model import decoder_layers, layer_config
 from layerswap.registry import families
 from layerswap.verify import Tolerance, default_inputs, verify
 
@@ -50,7 +51,8 @@ def _layer_state(name: str, overrides: dict[str, Any]) -> tuple[Any, Any, Any]:
     family = families()[name]
     config = family.tiny_config(**overrides)
     model = family.build(config, seed=3)
-    return family, config, model.model.layers[1]
+    # a wrapper family's layers read its text config
+    return family, layer_config(config), decoder_layers(model)[1][1]
 
 
 # --- requirements ---------------------------------------------------------------------
@@ -326,14 +328,14 @@ def test_te_layout_computes_what_the_original_layer_computes(
     name: str, overrides: dict[str, Any]
 ) -> None:
     family = families()[name]
-    config = family.tiny_config(**overrides)
-    model = family.build(config, seed=5)
-    layer = model.model.layers[1]
+    model = family.build(family.tiny_config(**overrides), seed=5)
+    config = layer_config(model.config)
+    layer = decoder_layers(model)[1][1]
     spec = TELayerSpec.for_layer(family, config, 1)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 9, config.hidden_size, generator=generator)
     position_ids = torch.arange(9).unsqueeze(0)
-    cos, sin = model.model.rotary_emb(hidden, position_ids)
+    cos, sin = model.get_decoder().rotary_emb(hidden, position_ids)
     with torch.no_grad():
         expected = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
         converted = te_converter(family).to_replacement(layer.state_dict(), config)

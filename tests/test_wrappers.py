@@ -11,6 +11,7 @@ original's, and ``layerswap.verify`` without inputs runs on them.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import pytest
@@ -74,8 +75,25 @@ def tiny_wrapper(model_type: str, seed: int = 0, text_family: str | None = None)
         return build(config).eval()
 
 
+# families whose model is the wrapper itself (the text decoder has no causal LM of its
+# own): built tiny by the family, M-RoPE positions from the image's grid
+VISION_LANGUAGE = sorted(name for name, family in layerswap.families().items() if family.composite)
+
+
+def assert_same_logits_and_generation(original: Any, swapped: Any, batch: dict[str, Any]) -> None:
+    """Logits on ``batch`` and 4 greedily generated tokens equal the original's."""
+    with torch.no_grad():
+        expected, actual = original(**batch).logits, swapped(**batch).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    generate = {"max_new_tokens": 4, "do_sample": False}
+    assert torch.equal(
+        swapped.generate(**batch, **generate), original.generate(**batch, **generate)
+    )
+
+
 def test_every_proven_wrapper_is_tested():
-    assert set(CASES) == set(WRAPPERS)
+    assert set(CASES) | set(VISION_LANGUAGE) == set(WRAPPERS)
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"} <= set(VISION_LANGUAGE)
 
 
 # the fast lane runs one image wrapper and the audio one; pytest --full runs them all
@@ -103,13 +121,7 @@ def test_a_swapped_wrapper_equals_the_original_on_image_or_audio_prompts(model_t
     before = {n for n, _ in original.named_parameters() if any(t in n for t in tower)}
     after = {n for n, _ in swapped.named_parameters() if any(t in n for t in tower)}
     assert before == after and before  # the tower is kept
-    with torch.no_grad():
-        expected, actual = original(**batch).logits, swapped(**batch).logits
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    generate = {"max_new_tokens": 4, "do_sample": False}
-    assert torch.equal(
-        swapped.generate(**batch, **generate), original.generate(**batch, **generate)
-    )
+    assert_same_logits_and_generation(original, swapped, batch)
 
 
 def test_ministral_3_is_swapped_inside_its_mistral3_wrapper():
@@ -122,13 +134,7 @@ def test_ministral_3_is_swapped_inside_its_mistral3_wrapper():
     batch = multimodal_inputs(original)
     swapped = copy.deepcopy(original)
     assert len(layerswap.swap(swapped, "ministral3.decoder.fused")) == 2
-    with torch.no_grad():
-        expected, actual = original(**batch).logits, swapped(**batch).logits
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    generate = {"max_new_tokens": 4, "do_sample": False}
-    assert torch.equal(
-        swapped.generate(**batch, **generate), original.generate(**batch, **generate)
-    )
+    assert_same_logits_and_generation(original, swapped, batch)
 
 
 @pytest.mark.parametrize(
@@ -157,3 +163,69 @@ def test_a_wrapper_built_inside_use_has_the_replacement_layers():
         model = tiny_wrapper("llava")
     layers = model.model.language_model.layers
     assert all(type(layer).__name__ == "FusedLlamaDecoderLayer" for layer in layers)
+
+
+def _rope_positions(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each token's (temporal, height, width) position, as the model computes it."""
+    rope_index = model.model.get_rope_index
+    wanted = inspect.signature(rope_index).parameters
+    extra = {key: batch[key] for key in ("mm_token_type_ids", "image_grid_thw") if key in wanted}
+    positions: torch.Tensor = rope_index(
+        batch["input_ids"], attention_mask=batch["attention_mask"], **extra
+    )[0]
+    return positions
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=() if name == "qwen2_vl" else pytest.mark.matrix)
+        for name in VISION_LANGUAGE
+    ],
+)
+def test_a_vision_language_family_swaps_inside_its_wrapper_on_image_prompts(name):
+    family = layerswap.get_family(name)
+    original = family.build(family.tiny_config(num_hidden_layers=2), seed=0)
+    assert is_multimodal(original) and family_of(original) is family
+    batch = multimodal_inputs(original)
+    positions = _rope_positions(original, batch)
+    image = batch["input_ids"] == original.config.image_token_id
+    # the image tokens' height and width positions differ: M-RoPE sections are exercised
+    assert image.any()
+    assert not torch.equal(positions[1][image], positions[2][image])
+    swapped = copy.deepcopy(original)
+    assert len(layerswap.swap(swapped, f"{name}.decoder.fused")) == 2
+    assert not any(type(m).__name__ == family.decoder for m in swapped.modules())
+    assert_same_logits_and_generation(original, swapped, batch)
+    report = layerswap.verify(original, f"{name}.decoder.fused")
+    assert report.passed, report.summary()
+
+
+def test_m_rope_cos_sin_given_per_axis_merge_as_the_rotary_embedding_merges_them():
+    """Older releases pass Qwen2-VL's layers cos/sin per axis (3 x batch x seq x dim) and
+    split the sections in the attention; the installed rotary embedding merges them
+    itself. The layers' merge of the per-axis form equals the installed merge."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+    from layerswap.hf_internals import merge_rotary_sections, rotary_sections
+
+    config = layerswap.get_family("qwen2_vl").tiny_config().text_config
+    sections = rotary_sections(config)
+    assert sections == (2, 3, 3)
+    rotary = Qwen2VLRotaryEmbedding(config)
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 64, (3, 2, 7), generator=generator)  # three distinct axes
+    hidden = torch.zeros(2, 7, config.hidden_size)
+    merged = rotary(hidden, positions)
+    per_axis = []
+    for axis in range(3):
+        same = positions[axis].expand(3, -1, -1)  # one axis's positions on all three
+        cos, sin = rotary(hidden, same)
+        per_axis.append((cos, sin))
+    cos = torch.stack([pair[0] for pair in per_axis])
+    sin = torch.stack([pair[1] for pair in per_axis])
+    ours = merge_rotary_sections((cos, sin), sections)
+    torch.testing.assert_close(ours[0], merged[0], rtol=0, atol=0)
+    torch.testing.assert_close(ours[1], merged[1], rtol=0, atol=0)
+    plain = (merged[0], merged[1])
+    assert merge_rotary_sections(plain, sections) is plain  # merged already: left alone

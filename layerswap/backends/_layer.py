@@ -134,6 +134,8 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         self.layer_idx = layer_idx
         # transformers up to 5.3 picks each layer's mask by its attention_type attribute
         self.attention_type = hf_internals.layer_attention_type(config, layer_idx)
+        # M-RoPE (Qwen2-VL): cos/sin may come per axis on older releases
+        self._rotary_sections = hf_internals.rotary_sections(config)
 
     def forward(
         self,
@@ -159,6 +161,10 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
             raise TypeError(
                 f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
                 "transformers 5 models pass to every decoder layer"
+            )
+        if self._rotary_sections is not None:
+            position_embeddings = hf_internals.merge_rotary_sections(
+                position_embeddings, self._rotary_sections
             )
         weights_asked = call.output_attentions
         if not self.records_attention_weights and _attention_weights_asked(weights_asked):

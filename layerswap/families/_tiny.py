@@ -17,3 +17,37 @@ TINY: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
+
+
+def tiny_qwen_vl(vision: dict[str, Any]) -> dict[str, Any]:
+    """The tiny config of a Qwen-VL wrapper: :data:`TINY` as its text config, ``vision`` as
+    its vision tower (patches of 4 pixels over 2 frames, merged 2 x 2 into one token).
+
+    The text rotary embedding splits a head's 8 frequency pairs into M-RoPE sections
+    (temporal, height, width: 2, 3, 3), so image tokens rotate by their position in the
+    image; the image and video tokens sit at the top of the vocabulary.
+    """
+    text = {
+        **TINY,
+        "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+        },
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    tower = {"depth": 2, "num_heads": 2, "in_channels": 3, "patch_size": 4}
+    tower.update(spatial_merge_size=2, temporal_patch_size=2, **vision)
+    top = TINY["vocab_size"] - 1
+    return {
+        "text_config": text,
+        "vision_config": tower,
+        "image_token_id": top - 3,
+        "video_token_id": top - 2,
+        "vision_start_token_id": top - 1,
+        "vision_end_token_id": top,
+        "tie_word_embeddings": False,
+    }

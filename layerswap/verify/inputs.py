@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 
 from layerswap.model import layer_config
+from layerswap.tokens import avoid_tokens, media_tokens
 from layerswap.verify.multimodal import is_multimodal, multimodal_inputs
 from layerswap.verify.placement import DeviceLike, resolve_device
 
@@ -33,12 +34,15 @@ def default_inputs(
     seed: int = 0,
     pad_token_id: int = 0,
     device: DeviceLike = None,
+    avoid: Collection[int] = (),
 ) -> dict[str, torch.Tensor]:
     """Deterministic random token ids with a left-padded attention mask.
 
     The first sequence is full; every other sequence starts with ``padding`` pad tokens
     (masked out), so the masking path of the attention is exercised as well. The same
-    seed gives the same tokens on every machine (a private CPU generator is used).
+    seed gives the same tokens on every machine (a private CPU generator is used). Ids
+    in ``avoid`` (a wrapper's image or video token) are replaced by the next id that is
+    not.
 
     Example::
 
@@ -50,6 +54,7 @@ def default_inputs(
         raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, vocab_size, (batch, seq_len), generator=generator)
+    input_ids = avoid_tokens(input_ids, avoid, vocab_size)
     attention_mask = torch.ones(batch, seq_len, dtype=torch.long)
     pad = min(padding, seq_len - 1)
     if pad > 0:
@@ -82,7 +87,10 @@ def inputs_for(model: nn.Module, **options: Any) -> dict[str, torch.Tensor]:
     :func:`default_inputs`.
     """
     config = text_config(model)
-    return default_inputs(config.vocab_size, pad_token_id=pad_token_id(config), **options)
+    avoid = media_tokens(model.config)
+    return default_inputs(
+        config.vocab_size, pad_token_id=pad_token_id(config), avoid=avoid, **options
+    )
 
 
 def prepare_inputs(

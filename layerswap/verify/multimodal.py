@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerswap.tokens import special_tokens
+
 __all__ = ["WRAPPERS", "is_multimodal", "multimodal_inputs"]
 
 #: the wrappers proven with image inputs, by ``model_type``, with what their processor
@@ -29,7 +31,10 @@ __all__ = ["WRAPPERS", "is_multimodal", "multimodal_inputs"]
 #: (pixels as batch x images x channels x height x width), ``anyres`` (batch x crops x
 #: channels x height x width: the whole image and its tiles, LLaVA-NeXT),
 #: ``token_type_ids`` (1 on image tokens); ``audio``: a clip of log-mel features instead
-#: of an image
+#: of an image; ``grid_thw`` (Qwen-VL: the image as a row of flattened patches per
+#: temporal x height x width cell, its grid in ``image_grid_thw``, and
+#: ``mm_token_type_ids``, 1 on image tokens, from which the model computes each token's
+#: M-RoPE position)
 WRAPPERS: Mapping[str, frozenset[str]] = {
     "aya_vision": frozenset(),
     "gemma3": frozenset({"token_type_ids"}),
@@ -39,6 +44,9 @@ WRAPPERS: Mapping[str, frozenset[str]] = {
     "llava_next": frozenset({"image_sizes", "anyres"}),
     "mistral3": frozenset({"image_sizes"}),
     "paligemma": frozenset({"token_type_ids"}),
+    "qwen2_5_vl": frozenset({"grid_thw"}),
+    "qwen2_vl": frozenset({"grid_thw"}),
+    "qwen3_vl": frozenset({"grid_thw"}),
     "smolvlm": frozenset({"images_axis"}),
     "voxtral": frozenset({"audio"}),
 }
@@ -70,15 +78,6 @@ def _placeholder_token(config: Any, media: str) -> int:
     raise ValueError(f"{config.model_type}: the config names no {media} token")
 
 
-def _special_tokens(config: Any) -> set[int]:
-    found = set()
-    for source in (config, getattr(config, "text_config", None)):
-        for key, value in (source.to_dict() if source is not None else {}).items():
-            if key.endswith(("_token_id", "_token_index")) and isinstance(value, int):
-                found.add(value)
-    return found
-
-
 def _anyres_crops(model: nn.Module, size: int) -> int:
     """How many crops LLaVA-NeXT's processor makes of one ``size`` x ``size`` image: the
     whole image and its tiles at the best of ``config.image_grid_pinpoints`` (the
@@ -105,6 +104,8 @@ def _media(
         clip = torch.randn(batch, int(audio.num_mel_bins), frames, generator=generator)
         return {"input_features": clip}, {}
     vision = config.vision_config
+    if "grid_thw" in kind:
+        return _patch_rows(vision, batch, generator)
     size = vision.image_size
     size = int(size[0] if isinstance(size, (list, tuple)) else size)
     channels = int(getattr(vision, "num_channels", 3))
@@ -118,6 +119,33 @@ def _media(
         crops = _anyres_crops(model, size)
         pixels = torch.randn(batch, crops, channels, size, size, generator=generator)
     return {"pixel_values": pixels}, extra
+
+
+#: the image side in pixels for the Qwen-VL wrappers (a 4 x 4 grid of the tiny configs'
+#: 4-pixel patches, merged 2 x 2 into 4 image tokens)
+_GRID_IMAGE = 16
+
+
+def _patch_rows(
+    vision: Any, batch: int, generator: torch.Generator
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One image per prompt as its processor gives it: a row of ``channels x frames x patch
+    x patch`` values per grid cell, the images' rows one after the other."""
+    patch, frames = int(vision.patch_size), int(vision.temporal_patch_size)
+    side = max(_GRID_IMAGE // patch, int(vision.spatial_merge_size))
+    width = int(vision.in_channels) * frames * patch * patch
+    pixels = torch.randn(batch * side * side, width, generator=generator)
+    return {"pixel_values": pixels}, {"image_grid_thw": torch.tensor([[1, side, side]] * batch)}
+
+
+def _first_item(
+    kind: frozenset[str], media: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The media (and extras) of the first prompt alone."""
+    if "grid_thw" in kind:
+        grid = extra["image_grid_thw"][:1]
+        return {"pixel_values": media["pixel_values"][: int(grid.prod())], "image_grid_thw": grid}
+    return {key: value[:1] for key, value in {**media, **extra}.items()}
 
 
 def multimodal_inputs(
@@ -143,12 +171,13 @@ def multimodal_inputs(
     media, extra = _media(model, kind, batch, generator)
     parameter = next(model.parameters())
     features_of: Any = getattr(model, f"get_{media_name}_features")
+    first = _first_item(kind, media, extra)
     with torch.no_grad():
         features = features_of(
             **{
-                key: value[:1].to(parameter.device, parameter.dtype) for key, value in media.items()
-            },
-            **{key: value[:1].to(parameter.device) for key, value in extra.items()},
+                key: value.to(parameter.device, parameter.dtype if key in media else None)
+                for key, value in first.items()
+            }
         )
     pooled = getattr(features, "pooler_output", None)
     pooled = features if pooled is None else pooled
@@ -159,7 +188,7 @@ def multimodal_inputs(
     pad = getattr(text_config, "pad_token_id", None)
     pad = pad if isinstance(pad, int) else 0
     allowed = torch.tensor(
-        sorted(set(range(text_config.vocab_size)) - _special_tokens(config) - {pad})
+        sorted(set(range(text_config.vocab_size)) - special_tokens(config) - {pad})
     )
     width = padding + text + count
     drawn = torch.randint(0, len(allowed), (batch, width), generator=generator)
@@ -171,9 +200,14 @@ def multimodal_inputs(
             input_ids[row, :padding] = pad
             attention_mask[row, :padding] = 0
         input_ids[row, start + 2 : start + 2 + count] = placeholder
+        if "grid_thw" in kind:  # as the processor frames an image
+            input_ids[row, start + 1] = config.vision_start_token_id
+            input_ids[row, start + 2 + count] = config.vision_end_token_id
     out = {"input_ids": input_ids, "attention_mask": attention_mask, **media}
     if "token_type_ids" in kind:
         out["token_type_ids"] = (input_ids == placeholder).long()
+    if "grid_thw" in kind:
+        out["mm_token_type_ids"] = (input_ids == placeholder).long()
     out.update(extra)
     if device is not None:
         out = {key: value.to(device) for key, value in out.items()}
