@@ -19,9 +19,10 @@ TINY: dict[str, Any] = {
 }
 
 
-def tiny_qwen_vl(vision: dict[str, Any]) -> dict[str, Any]:
-    """The tiny config of a Qwen-VL wrapper: :data:`TINY` as its text config, ``vision`` as
-    its vision tower (patches of 4 pixels over 2 frames, merged 2 x 2 into one token).
+def tiny_qwen_vl(vision: dict[str, Any], **text_fields: Any) -> dict[str, Any]:
+    """The tiny config of a Qwen-VL wrapper: :data:`TINY` (and ``text_fields``) as its text
+    config, ``vision`` as its vision tower (patches of 4 pixels over 2 frames, merged 2 x 2
+    into one token).
 
     The text rotary embedding splits a head's 8 frequency pairs into M-RoPE sections
     (temporal, height, width: 2, 3, 3), so image tokens rotate by their position in the
@@ -38,6 +39,7 @@ def tiny_qwen_vl(vision: dict[str, Any]) -> dict[str, Any]:
         "pad_token_id": 0,
         "bos_token_id": 1,
         "eos_token_id": 2,
+        **text_fields,
     }
     tower = {"depth": 2, "num_heads": 2, "in_channels": 3, "patch_size": 4}
     tower.update(spatial_merge_size=2, temporal_patch_size=2, **vision)

@@ -47,6 +47,7 @@ WRAPPERS: Mapping[str, frozenset[str]] = {
     "qwen2_5_vl": frozenset({"grid_thw"}),
     "qwen2_vl": frozenset({"grid_thw"}),
     "qwen3_vl": frozenset({"grid_thw"}),
+    "qwen3_vl_moe": frozenset({"grid_thw"}),
     "smolvlm": frozenset({"images_axis"}),
     "voxtral": frozenset({"audio"}),
 }
