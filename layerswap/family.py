@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerswap.errors import UpstreamDriftError
+from layerswap.hf_internals import transformers_version
 from layerswap.patching import unpatched
 
 if TYPE_CHECKING:
@@ -58,13 +59,6 @@ def resolve(spec: str) -> Any:
     for part in qualname.split("."):
         obj = unpatched(obj, part)
     return obj
-
-
-def transformers_version() -> str:
-    """The installed transformers version, as error messages name it."""
-    import transformers
-
-    return str(transformers.__version__)
 
 
 #: Llama's norms: one before attention, one before the MLP

@@ -36,6 +36,7 @@ __all__ = [
     "POST_INIT_TARGET",
     "WEIGHT_CONVERSIONS_ATTRIBUTE",
     "LOWEST_TRANSFORMERS",
+    "ROTARY_LAYOUT_CHANGES",
     "SWEPT_TRANSFORMERS",
     "TP_PLAN_ATTRIBUTE",
     "CaptureHook",
@@ -53,9 +54,11 @@ __all__ = [
     "read_layer_call",
     "register_tp_style",
     "merge_rotary_sections",
+    "rotary_layout",
     "rotary_sections",
     "text_config_of",
     "transformers_support",
+    "transformers_version",
     "weight_converter",
     "weight_renaming",
 ]
@@ -444,6 +447,34 @@ class LayerCall:
     cache: LayerCache
     #: whether this call asks for attention weights (``output_attentions=True``)
     output_attentions: bool
+
+
+#: the rotary layout a family's layers receive, where a release changed it: family ->
+#: (the first release of the layout the family declares, the layout before it)
+ROTARY_LAYOUT_CHANGES: Mapping[str, tuple[tuple[int, ...], str]] = {
+    # GLM-4V: up to 5.16 its rotary embedding returns cat(freqs, freqs) and the attention
+    # repeats the first half pairwise (GLM-4's layout); from 5.17 the rotary embedding
+    # hands over the pairwise cos/sin and the attention applies them as they come
+    "glm4v": ((5, 17), "interleaved_from_half"),
+}
+
+
+def rotary_layout(family: str, declared: str) -> str:
+    """The rotary layout (:attr:`~layerswap.Family.rotary`) ``family``'s layers receive on
+    the installed transformers: ``declared``, or the earlier one of
+    :data:`ROTARY_LAYOUT_CHANGES` on a release before the change."""
+    change = ROTARY_LAYOUT_CHANGES.get(family)
+    if change is None:
+        return declared
+    first, before = change
+    return declared if _release(transformers_version()) >= first else before
+
+
+def transformers_version() -> str:
+    """The installed transformers version, as error messages name it."""
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def rotary_sections(config: Any) -> tuple[int, ...] | None:

@@ -229,3 +229,21 @@ def test_m_rope_cos_sin_given_per_axis_merge_as_the_rotary_embedding_merges_them
     torch.testing.assert_close(ours[1], merged[1], rtol=0, atol=0)
     plain = (merged[0], merged[1])
     assert merge_rotary_sections(plain, sections) is plain  # merged already: left alone
+
+
+def test_glm4v_layers_read_the_rotary_layout_of_the_installed_release(monkeypatch):
+    """GLM-4V's rotary embedding hands its layers pairwise cos/sin from transformers 5.17;
+    before, GLM-4's layout (halves, repeated pairwise in the attention). The fused layer
+    built on a release reads that release's layout (proven on 5.12.1, 5.16 and 5.17)."""
+    from layerswap import hf_internals
+
+    family = layerswap.get_family("glm4v")
+    assert family.rotary == "interleaved"
+    assert hf_internals.rotary_layout("glm4v", family.rotary) == "interleaved"  # 5.24
+    assert hf_internals.rotary_layout("llama", "half") == "half"  # no change recorded
+    monkeypatch.setattr(hf_internals, "transformers_version", lambda: "5.16.1")
+    assert hf_internals.rotary_layout("glm4v", family.rotary) == "interleaved_from_half"
+    layer = layerswap.get("glm4v.decoder.fused").replacement_class()(
+        family.tiny_config().text_config, 0
+    )
+    assert layer.self_attn.rotary == "interleaved_from_half"

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from layerswap import hf_internals
 from layerswap.backend import Backend, Implementation
 from layerswap.backends import _layer
 from layerswap.backends._original import original_numbers
@@ -248,7 +249,7 @@ class FusedAttention(nn.Module):
         # per head (Qwen3), per head with a weight each (Cohere), or over all heads (OLMo 2)
         self.qk_norm_across = family.qk_norm == "across"
         self.qk_norm_after_rotary = family.qk_norm_after_rotary
-        self.rotary = family.rotary
+        self.rotary = hf_internals.rotary_layout(family.name, family.rotary)
         if family.flag("qk_norm", config):
             heads = [size // self.head_dim for size in self.sizes[:2]]
             q_size, k_size = (

@@ -19,7 +19,9 @@ TINY: dict[str, Any] = {
 }
 
 
-def tiny_qwen_vl(vision: dict[str, Any], **text_fields: Any) -> dict[str, Any]:
+def tiny_qwen_vl(
+    vision: dict[str, Any], *, frame: str = "vision", **text_fields: Any
+) -> dict[str, Any]:
     """The tiny config of a Qwen-VL wrapper: :data:`TINY` (and ``text_fields``) as its text
     config, ``vision`` as its vision tower (patches of 4 pixels over 2 frames, merged 2 x 2
     into one token).
@@ -49,7 +51,7 @@ def tiny_qwen_vl(vision: dict[str, Any], **text_fields: Any) -> dict[str, Any]:
         "vision_config": tower,
         "image_token_id": top - 3,
         "video_token_id": top - 2,
-        "vision_start_token_id": top - 1,
-        "vision_end_token_id": top,
+        f"{frame}_start_token_id": top - 1,
+        f"{frame}_end_token_id": top,
         "tie_word_embeddings": False,
     }

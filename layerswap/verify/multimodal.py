@@ -38,6 +38,7 @@ __all__ = ["WRAPPERS", "is_multimodal", "multimodal_inputs"]
 WRAPPERS: Mapping[str, frozenset[str]] = {
     "aya_vision": frozenset(),
     "gemma3": frozenset({"token_type_ids"}),
+    "glm4v": frozenset({"grid_thw"}),
     "idefics3": frozenset({"images_axis"}),
     "internvl": frozenset(),
     "llava": frozenset(),
@@ -127,6 +128,16 @@ def _media(
 _GRID_IMAGE = 16
 
 
+def _frame_token(config: Any, end: str) -> int:
+    """The token opening (``end="start"``) or closing an image: Qwen's ``vision_*``,
+    GLM-4V's ``image_*``."""
+    for field in (f"vision_{end}_token_id", f"image_{end}_token_id"):
+        value = getattr(config, field, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{config.model_type}: the config names no image {end} token")
+
+
 def _patch_rows(
     vision: Any, batch: int, generator: torch.Generator
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -202,8 +213,8 @@ def multimodal_inputs(
             attention_mask[row, :padding] = 0
         input_ids[row, start + 2 : start + 2 + count] = placeholder
         if "grid_thw" in kind:  # as the processor frames an image
-            input_ids[row, start + 1] = config.vision_start_token_id
-            input_ids[row, start + 2 + count] = config.vision_end_token_id
+            input_ids[row, start + 1] = _frame_token(config, "start")
+            input_ids[row, start + 2 + count] = _frame_token(config, "end")
     out = {"input_ids": input_ids, "attention_mask": attention_mask, **media}
     if "token_type_ids" in kind:
         out["token_type_ids"] = (input_ids == placeholder).long()
