@@ -164,6 +164,23 @@ def test_q_k_norms_with_a_weight_after_the_rotation_are_not_the_same_before_it()
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("hunyuan_v1_moe", "gradients differ"),
         ("vit", "no causal LM"),
+        # the reason names what the layer has instead of what the replacement reads
+        ("deepseek_v3", r"multi-head latent attention \(self_attn.kv_a_proj_with_mqa"),
+        ("lfm2", r"its self_attn \(Lfm2Attention\) has q_proj, k_proj, v_proj, out_proj"),
+        ("falcon_h1", r"the layer has no mlp \(it has feed_forward, mamba, self_attn"),
+        # hybrids: which layers differ, and how
+        (
+            "qwen3_next",
+            r"layers 0-2: linear_attn \(Qwen3NextGatedDeltaNet\); layer 3: self_attn "
+            r"\(Qwen3NextAttention\)\); a replacement takes the place of every decoder layer",
+        ),
+        ("mllama", r"layer 3: MllamaCrossAttentionDecoderLayer, cross_attn"),
+        ("lfm2_moe", r"layer 0: conv \(Lfm2MoeShortConv\), feed_forward \(Lfm2MoeMLP\)"),
+        # a wrapper whose causal LM is the wrapper: its language model's reason
+        ("gemma4", r"a multimodal wrapper whose language model is gemma4_text \(Gemma4Text"),
+        # configs whose defaults cannot build their own model get the fields they lack
+        ("gemma4_text", r"no counterpart for: self_attn.v_norm"),
+        ("dbrx", "no model.layers of decoder layers"),
     ],
 )
 def test_a_family_the_fused_layer_cannot_express_is_refused_with_the_reason(

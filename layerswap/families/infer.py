@@ -63,7 +63,9 @@ VERIFIED: tuple[str, ...] = (
     "cohere",
     "cohere2",
     "cohere2_moe",
+    "cohere_compass_text",
     "cwm",
+    "dots1",
     "ernie4_5",
     "ernie4_5_moe",
     "exaone4",
@@ -185,6 +187,80 @@ def _first_with(module: Any, layouts: Any) -> Any:
     )
 
 
+def _has(layer: nn.Module, name: str) -> str:
+    """``"self_attn (Cls) has a, b"`` or ``"the layer has no self_attn (it has a, b)"``:
+    what a layer's module has where the replacement looks for other modules."""
+    module = getattr(layer, name, None)
+    if not isinstance(module, nn.Module):
+        children = ", ".join(n for n, _ in layer.named_children())
+        return f"the layer has no {name} (it has {children})"
+    children = ", ".join(n for n, _ in module.named_children()) or "no submodules"
+    return f"its {name} ({type(module).__name__}) has {children}"
+
+
+def _wrapper_reason(model_type: str, config_class: Any, verify: bool) -> str | None:
+    """Why a multimodal wrapper (Gemma 4: no ``model.layers``, or a tower that cannot be
+    built here) is not covered: its language model's reason. ``None``: not a wrapper."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    text = getattr(config_class, "sub_configs", {}).get("text_config")
+    text_type = getattr(text, "model_type", None)
+    if (
+        not text_type
+        or text_type == model_type
+        or text_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    ):
+        return None
+    try:
+        infer_family(text_type, verify=verify)
+    except UnsupportedFamilyError as exc:
+        return f"{model_type}: a multimodal wrapper whose language model is {exc}"
+    return (
+        f"{model_type}: a multimodal wrapper whose language model ({text_type}) fits the fused "
+        "layer, but the wrapper is not proven on its media inputs (layerswap.verify.multimodal)"
+    )
+
+
+def _spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 4]`` -> ``"0-2, 4"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _different_layers(model_type: str, layers: Any) -> str:
+    """Why a model whose decoder layers differ is not covered, naming the differences:
+    the modules (two levels deep, with their classes) that only some layers have."""
+
+    def parts(layer: nn.Module) -> set[tuple[str, str]]:
+        found = {("", type(layer).__name__)}
+        found |= {(n, type(m).__name__) for n, m in layer.named_modules() if n and n.count(".") < 2}
+        return found
+
+    kinds = [parts(layer) for layer in layers]
+    common = set.intersection(*kinds)
+    groups: dict[tuple[tuple[str, str], ...], list[int]] = {}
+    for index, kind in enumerate(kinds):
+        own = kind - common
+        names = {n for n, _ in own}
+        # the top-most differing modules: a child of a differing module is not repeated
+        top = sorted((n, c) for n, c in own if not any(n.startswith(p + ".") for p in names if p))
+        groups.setdefault(tuple(top), []).append(index)
+    described = "; ".join(
+        f"layer{'s' if len(idx) > 1 else ''} {_spans(idx)}: "
+        + (", ".join(f"{n} ({c})" if n else c for n, c in diff) or "none of those")
+        for diff, idx in groups.items()
+    )
+    return (
+        f"{model_type}: decoder layers of different structure ({described}); a replacement "
+        "takes the place of every decoder layer alike, so layers that differ are not swapped"
+    )
+
+
 def _auto_names(model_type: str) -> tuple[str, str, str]:
     """(modeling module, causal LM class name, config class name) from the auto mappings."""
     from transformers.models.auto.configuration_auto import (
@@ -226,21 +302,74 @@ _TINY_MOE: dict[str, Any] = {
 }
 
 
+#: fields a model type's config leaves unset by default although its model cannot be built
+#: without them (transformers' own default config does not build either): the tiny
+#: values that let inference read the layers and give its real reason
+_TINY_FIXES: dict[str, dict[str, Any]] = {
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2}},
+    "gemma3n_text": {"num_kv_shared_layers": 2},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
+    "qwen4_exp_text": {
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+    },
+}
+
+_PLAIN_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def _keyed_rope(config_class: type) -> dict[str, Any] | None:
+    """The plain rotary parameters per layer type, where the config's default keys them so
+    (Gemma 4: ``{"sliding_attention": {...}, "full_attention": {...}}``); ``None``: it
+    does not."""
+    try:
+        default = config_class()
+    except Exception:  # a config that needs arguments: nothing to read
+        return None
+    rope = getattr(default, "rope_parameters", None)
+    if not isinstance(rope, Mapping):
+        return None
+    if rope and all(isinstance(v, Mapping) for v in rope.values()):
+        keys: Any = rope
+    elif not rope:  # empty: keyed by the layer types it has (Cohere Compass)
+        keys = dict.fromkeys(getattr(default, "layer_types", None) or ())
+    else:
+        return None
+    return {key: dict(_PLAIN_ROPE) for key in keys} or None
+
+
 def tiny_config_for(config_class: type, **overrides: Any) -> Any:
     """A tiny config of ``config_class``: the builtin families' sizes, nothing family-specific.
 
     Head size is given explicitly (some configs default it to a large constant), special
-    tokens fall inside the small vocabulary, and rotary embeddings use the plain default.
-    A mixture-of-experts config gets four small experts, two per token (:data:`_TINY_MOE`,
-    those of its fields its constructor names).
+    tokens fall inside the small vocabulary, and rotary embeddings use the plain default
+    (given per layer type where the config would keep it flat but its layers read it per
+    layer type). A mixture-of-experts config gets four
+    small experts, two per token (:data:`_TINY_MOE`, those of its fields its constructor
+    names); a config whose defaults cannot build its model gets :data:`_TINY_FIXES`.
     """
     sizes = {**TINY, "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
     fields = inspect.signature(config_class).parameters
     sizes.update({key: value for key, value in _TINY_MOE.items() if key in fields})
     sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    sizes["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    sizes["rope_parameters"] = dict(_PLAIN_ROPE)
+    sizes.update(_TINY_FIXES.get(getattr(config_class, "model_type", ""), {}))
     sizes.update(overrides)
-    return config_class(**sizes)
+    config = config_class(**sizes)
+    rope = getattr(config, "rope_parameters", None)
+    if "rope_parameters" not in overrides and not (
+        isinstance(rope, Mapping) and any(isinstance(v, Mapping) for v in rope.values())
+    ):
+        # a config that keeps the plain parameters flat where its layers read them per
+        # layer type: the plain parameters for each
+        keyed = _keyed_rope(config_class)
+        if keyed is not None:
+            config = config_class(**{**sizes, "rope_parameters": keyed})
+    return config
 
 
 def _flag(build: Any, config: Any, probe: Any) -> bool | str:
@@ -679,6 +808,11 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         )
     except (ImportError, AttributeError) as exc:
         raise UnsupportedFamilyError(f"{model_type}: {exc}") from exc
+    # a multimodal wrapper's causal LM is its language model alone (Gemma 4, Llama 4,
+    # Qwen3.5): built from the text config class it declares
+    own_config = getattr(causal_lm, "config_class", None)
+    if isinstance(own_config, type) and own_config is not config_class:
+        config_class = own_config
     try:
         config = tiny_config_for(config_class)
     except Exception as exc:
@@ -704,16 +838,18 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             model = causal_lm(config)
         except Exception as exc:
             raise UnsupportedFamilyError(
-                f"{model_type}: cannot build a tiny model ({_gist(exc)})"
+                _wrapper_reason(model_type, config_class, verify)
+                or f"{model_type}: cannot build a tiny model ({_gist(exc)})"
             ) from exc
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise UnsupportedFamilyError(f"{model_type}: no model.layers of decoder layers")
+        raise UnsupportedFamilyError(
+            _wrapper_reason(model_type, config_class, verify)
+            or f"{model_type}: no model.layers of decoder layers"
+        )
     kinds = {type(layer) for layer in layers}
     if len(kinds) != 1:
-        raise UnsupportedFamilyError(
-            f"{model_type}: layers of several kinds ({', '.join(sorted(k.__name__ for k in kinds))})"
-        )
+        raise UnsupportedFamilyError(_different_layers(model_type, layers))
     decoder = next(iter(kinds))
     if decoder.__module__ != module_name:
         raise UnsupportedFamilyError(
@@ -749,7 +885,15 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         tuple(n for n, _ in lyr.named_modules() if not n.startswith(skipped)) for lyr in layers
     }
     if len(shapes) != 1:  # one decoder class, some layers dense and some MoE
-        raise UnsupportedFamilyError(f"{model_type}: decoder layers of different structure")
+        raise UnsupportedFamilyError(_different_layers(model_type, layers))
+    if attention is not None and isinstance(
+        getattr(attention, "kv_a_proj_with_mqa", None), nn.Module
+    ):
+        raise UnsupportedFamilyError(
+            f"{where}: multi-head latent attention (self_attn.kv_a_proj_with_mqa, kv_b_proj: "
+            "keys and values from a compressed latent); the replacement layers compute "
+            "attention from q/k/v projections of the hidden state"
+        )
     missing = [] if qkv else ["self_attn.q_proj, k_proj, v_proj (or qkv_proj)"]
     if not isinstance(getattr(attention, "o_proj", None), nn.Linear):
         missing.append("self_attn.o_proj")
@@ -758,9 +902,13 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     elif mlp_name != "mlp" and mlp_layout[0] != "original":  # the fused MLP is "mlp"
         missing.append(f"mlp (a dense MLP under {mlp_name})")
     if missing:
+        found = [_has(layer, "self_attn")] if not qkv or "self_attn.o_proj" in missing else []
+        if not mlp_layout or (mlp_name != "mlp" and mlp_layout[0] != "original"):
+            found.append(_has(layer, mlp_name))
         raise UnsupportedFamilyError(
-            f"{where}: no {', '.join(missing)} (not a dense MLP or a mixture-of-experts "
-            "block of its own, with q/k/v/o attention)"
+            f"{where}: no {', '.join(missing)} ({'; '.join(found)}): the "
+            "replacement layers read q/k/v/o attention and a dense MLP or a mixture-of-experts "
+            "block of the model's own"
         )
     qkv_modules, (mlp_kind, mlp_modules) = qkv[0], mlp_layout
     original_mlp = mlp_kind == "original"
@@ -1006,6 +1154,7 @@ def _tiny_of(config_class: type, scaled_rope: Any = None) -> dict[str, Any]:
         for key, value in tiny_config_for(config_class).to_diff_dict().items()
         if key in _TINY_KEYS
     }
+    tiny.update(_TINY_FIXES.get(getattr(config_class, "model_type", ""), {}))
     if scaled_rope is not None:
         tiny["rope_parameters"] = dict(scaled_rope)
     return tiny
