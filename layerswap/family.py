@@ -199,6 +199,11 @@ class Family:
     #: the q/k norms apply to the rotated queries and keys (HunYuan), not before the
     #: rotary embedding (Qwen3)
     qk_norm_after_rotary: bool = False
+    #: call parameters the original decoder layer takes and never reads (Mllama's
+    #: self-attention layers are called with the cross-attention inputs every layer of
+    #: the model gets): the call contract accepts them, the behavioural proof shows the
+    #: swapped model computes the same with them given
+    ignored_arguments: tuple[str, ...] = ()
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
 

@@ -165,6 +165,8 @@ def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = Non
     if _passes_on(replacement, original):
         return  # a subclass of the original hands its call to the original's forward
     handled = handled_parameters(replacement)
+    declared = getattr(replacement, "family", None)  # a backend's per-family class
+    ignored = frozenset(getattr(declared, "ignored_arguments", ()))
     callees: list[type] = [original]
     if getattr(replacement, "replaces_attention", False):
         attention = _attention_class(original, config)
@@ -172,7 +174,11 @@ def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = Non
             callees.append(attention)
     for callee in callees:
         taken = _named_parameters(callee.forward)  # type: ignore[attr-defined]
-        unknown = [name for name in taken if name not in handled]
+        unknown = [
+            name
+            for name in taken
+            if name not in handled and not (callee is original and name in ignored)
+        ]
         if unknown:
             names = ", ".join(repr(name) for name in unknown)
             raise UpstreamDriftError(

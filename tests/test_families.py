@@ -162,7 +162,6 @@ def test_q_k_norms_with_a_weight_after_the_rotation_are_not_the_same_before_it()
     [
         ("granitemoeshared", "shared_intermediate_size > 0 adds shared_mlp, which"),
         ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
-        ("hunyuan_v1_moe", "gradients differ"),
         ("vit", "no causal LM"),
         # the reason names what the layer has instead of what the replacement reads
         ("deepseek_v3", r"multi-head latent attention \(self_attn.kv_a_proj_with_mqa"),

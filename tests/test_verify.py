@@ -479,3 +479,37 @@ def test_decoding_may_part_only_at_a_near_tie_when_judged_against_the_float32_fl
 
     refused = compare_generation(reference, apart, tolerance, ref_logits, apart_logits, floor=floor)
     assert not refused.passed and not refused.logits_passed
+
+
+def test_a_gradient_zero_at_working_precision_is_not_compared_by_its_direction() -> None:
+    """A router renormalising its top-1 weight to 1 (HunYuan MoE) gets no gradient; what
+    the two backward passes leave there is rounding in unrelated directions. Both under
+    16 float32 epsilons of the model's largest gradient pass; a small but real gradient
+    that differs does not."""
+    from layerswap.verify.compare import compare_gradients
+
+    tolerance = Tolerance.for_dtype("float32")
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(8, 8, generator=g) * 10
+    noise_a, noise_b = (torch.randn(4, 8, generator=g) * 1e-8 for _ in range(2))
+    reference = {"w": big, "router": noise_a}
+    report = compare_gradients(
+        reference, {"w": big.clone(), "router": noise_b}, 1.0, 1.0, tolerance, local=False
+    )
+    assert report.passed, report
+    # the same noise with no large gradient beside it is a gradient of its own: compared
+    alone = compare_gradients(
+        {"router": noise_a}, {"router": noise_b}, 1.0, 1.0, tolerance, local=False
+    )
+    assert not alone.passed and alone.first_divergent_parameter == "router"
+    # a real gradient 1e4 times smaller than the largest, computed wrong, is caught
+    small = torch.randn(4, 8, generator=g) * 1e-3
+    wrong = compare_gradients(
+        {"w": big, "router": small},
+        {"w": big.clone(), "router": -small},
+        1.0,
+        1.0,
+        tolerance,
+        local=False,
+    )
+    assert not wrong.passed and wrong.first_divergent_parameter == "router"

@@ -83,6 +83,7 @@ VERIFIED: tuple[str, ...] = (
     "granitemoe",
     "helium",
     "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
     "hy_v3",
     "jais2",
     "kolibri1",

@@ -206,6 +206,9 @@ def compare_gradients(
             + "; pass substitution= so its gradients can be mapped to the original layout"
         )
     reports = []
+    largest = max(
+        (float(g.detach().abs().max()) for g in reference.values() if g.numel()), default=0.0
+    )
     for name, ref_grad in reference.items():
         gradient = diff(ref_grad, candidate[name], rowwise=False)
         allowed = tolerance
@@ -220,7 +223,8 @@ def compare_gradients(
                 max_abs_error=gradient.max_abs_error,
                 max_rel_error=gradient.max_rel_error,
                 cosine=gradient.cosine,
-                passed=gradient.passes(allowed, gradient=True),
+                passed=gradient.passes(allowed, gradient=True)
+                or _rounding_noise(ref_grad, candidate[name], largest),
             )
         )
     first = next((r.name for r in reports if not r.passed), None)
@@ -240,6 +244,25 @@ def compare_gradients(
         first_divergent_parameter=first,
         local=local,
     )
+
+
+#: a gradient whose every element, in both runs, is within this many float32 epsilons of
+#: the largest gradient anywhere in the model is zero at working precision
+NOISE_EPSILONS = 16
+
+
+def _rounding_noise(reference: torch.Tensor, candidate: torch.Tensor, largest: float) -> bool:
+    """Whether both gradients are zero at working precision: no larger than
+    :data:`NOISE_EPSILONS` float32 epsilons (2e-6) of the model's largest gradient. A
+    router whose top-1 weight is renormalised to 1 (HunYuan MoE) gets no gradient in exact
+    arithmetic; what the backward pass leaves there is rounding, in both runs, and its
+    direction means nothing. Anything larger is compared as every gradient is (float32
+    epsilons also in lower precisions, whose own noise is larger: never looser there)."""
+    if not reference.numel() or not reference.dtype.is_floating_point:
+        return False
+    noise = NOISE_EPSILONS * torch.finfo(torch.float32).eps * largest
+    worst = max(float(reference.detach().abs().max()), float(candidate.detach().abs().max()))
+    return math.isfinite(worst) and worst <= noise
 
 
 #: what a floor run is: the reference under ideal FP8 rounding (the tolerance is replaced
