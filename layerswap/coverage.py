@@ -51,6 +51,9 @@ class Coverage:
     #: for a multimodal wrapper, what stays the original's (its vision tower); ``None``
     #: for a text decoder
     wrapper: str | None = None
+    #: the decoder layers of another kind that stay the original's (Mllama's
+    #: cross-attention layers); ``None``: every decoder layer is swapped
+    kept: str | None = None
 
     @property
     def covered(self) -> bool:
@@ -79,10 +82,12 @@ def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str
     for done, model_type in enumerate(model_types):
         if on_step is not None:
             on_step(done, len(model_types), model_type)
-        family = by_type.get(model_type)
+        family = by_type.get(model_type) or by_type.get(_language_model_type(model_type) or "")
         if family is not None:
             answers = {name: backend.unsupported(family) for name, backend in declared.items()}
-            report[model_type] = Coverage(model_type, family.name, None, answers)
+            report[model_type] = Coverage(
+                model_type, family.name, None, answers, kept=_kept(family)
+            )
             continue
         reason = why_not_covered(model_type)
         report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
@@ -90,8 +95,32 @@ def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str
         answers = {name: backend.unsupported(family) for name, backend in declared.items()}
         tower = "audio" if media == "audio" else "vision"
         kept = f"the {tower} tower and projector stay the original's; verified on {media} prompts"
-        report[model_type] = Coverage(model_type, family.name, None, answers, wrapper=kept)
+        report[model_type] = Coverage(
+            model_type, family.name, None, answers, wrapper=kept, kept=_kept(family)
+        )
     return report
+
+
+def _kept(family: Family) -> str | None:
+    return f"{family.kept_layers} stay the original's" if family.kept_layers else None
+
+
+def _language_model_type(model_type: str) -> str | None:
+    """The model type of the text config ``model_type``'s causal LM is built from, where
+    that causal LM is the language model alone (Mllama's ``MllamaForCausalLM`` takes the
+    ``mllama_text_model`` config); ``None`` otherwise. Reads configuration classes only."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
+    if not causal_lm.endswith("ForCausalLM"):
+        return None
+    try:
+        text = CONFIG_MAPPING[model_type].sub_configs.get("text_config")
+    except (KeyError, AttributeError):
+        return None
+    own = getattr(text, "model_type", None)
+    return own if isinstance(own, str) and own != model_type else None
 
 
 def _wrapped() -> dict[str, tuple[Family, str]]:
@@ -231,6 +260,24 @@ def _family_and_config(target: str | Path | Family) -> tuple[Family, PreTrainedC
     return family, family.config_type().from_json_file(str(config_file)), str(config_file)
 
 
+def _layer_span(names: list[str]) -> str:
+    """``model.layers.0-3``, or ``model.layers.0, 2-3`` where layers in between are kept."""
+    if not names:
+        return "-"
+    prefix = names[0].rpartition(".")[0]
+    indices = [int(n.rpartition(".")[2]) for n in names if n.rpartition(".")[2].isdigit()]
+    if len(indices) != len(names) or any(n.rpartition(".")[0] != prefix for n in names):
+        return f"{names[0]}-{names[-1].rpartition('.')[2]}"
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    return f"{prefix}.{parts}"
+
+
 def _holds_tensors(module: torch.nn.Module) -> bool:
     return bool(module._parameters) or bool(module._buffers)
 
@@ -241,15 +288,21 @@ def _split(
     """(what ``slot`` replaces, what stays the original's), as readable module names."""
     layer_names = [name for name, _ in layers]
     kinds = sorted({type(layer).__name__ for _, layer in layers})
-    span = f"{layer_names[0]}-{layer_names[-1].rpartition('.')[2]}" if layer_names else "-"
+    span = _layer_span(layer_names)
     decoder = f"{span} ({', '.join(kinds)})"
-    own = [
-        f"{name} ({type(module).__name__})"
-        for name, module in model.named_modules()
-        if name
-        and not any(name == layer or name.startswith(layer + ".") for layer in layer_names)
-        and _holds_tensors(module)
-    ]
+    own: list[str] = []
+    listed: list[str] = []
+    for name, module in model.named_modules():
+        if (
+            not name
+            or any(name == layer or name.startswith(layer + ".") for layer in layer_names)
+            or any(name.startswith(parent + ".") for parent in listed)
+            or not _holds_tensors(module)
+        ):
+            continue
+        own.append(f"{name} ({type(module).__name__})")
+        if name.rpartition(".")[2].isdigit():  # a kept layer: its modules go with it
+            listed.append(name)
     if slot == "decoder" and family.mlp == "original":
         # a mixture-of-experts block stays the original's module inside the replacement
         blocks = sorted(

@@ -204,6 +204,9 @@ class Family:
     #: the model gets): the call contract accepts them, the behavioural proof shows the
     #: swapped model computes the same with them given
     ignored_arguments: tuple[str, ...] = ()
+    #: the decoder layers of another kind the model interleaves with this family's, which a
+    #: swap leaves the original's, described (Mllama's cross-attention layers); ``""``: none
+    kept_layers: str = ""
     tiny: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
 

@@ -91,6 +91,16 @@ def tiny_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     return spec.build(spec.tiny_config(**overrides), seed=seed)
 
 
+def swapped_layer_count(source: Any) -> int:
+    """How many decoder layers a decoder swap of ``source`` (a model or its config)
+    replaces, read off the config: all of them but a hybrid's layers of another kind
+    (Mllama's ``cross_attention_layers`` stay the original's)."""
+    config = layer_config(getattr(source, "config", source))
+    return int(config.num_hidden_layers) - len(
+        getattr(config, "cross_attention_layers", None) or ()
+    )
+
+
 def text_vocab(source: Any) -> int:
     """How many token ids a test may draw for ``source`` (a model or its config): the text
     vocabulary, up to a wrapper's first media token (the tiny Qwen-VL configs put their

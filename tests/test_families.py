@@ -280,7 +280,10 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
     rows = {row["model_type"]: row for row in json.loads(result.output)}
     assert len(rows) > 100  # every causal-LM model type of the installed transformers
     for family in families().values():
-        row = rows[family.model_type]
+        # under its own model type, or the one whose causal LM it is (Mllama's text model)
+        row = rows.get(family.model_type) or next(
+            row for row in rows.values() if row["family"] == family.name
+        )
         assert row["reason"] is None and row["family"] == family.name
         assert "fused" in row["backends"]
     assert "te" in rows["llama"]["backends"] and "te" not in rows["olmo2"]["backends"]
@@ -302,6 +305,10 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
         assert row["family"] == family_name and row["reason"] is None, row
         assert "vision tower" in row["wrapper"] and "fused" in row["backends"]
     assert rows["llama"]["wrapper"] is None
+    # a model of two layer kinds: the kept kind is named
+    assert rows["mllama"]["family"] == "mllama" and "fused" in rows["mllama"]["backends"]
+    assert "cross-attention layers" in rows["mllama"]["kept"]
+    assert rows["llama"]["kept"] is None
 
 
 def test_attention_logit_soft_capping_is_computed_as_the_original_does() -> None:

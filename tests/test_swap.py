@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import FAMILIES, tiny_config, tiny_model, tokens
+from models import FAMILIES, swapped_layer_count, tiny_config, tiny_model, tokens
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
 
 import layerswap
@@ -18,7 +18,6 @@ from layerswap.errors import (
     SwapWarning,
     UnknownSubstitutionError,
 )
-from layerswap.model import layer_config
 from layerswap.swap import SwapHandle, build_replacement_layer, decoder_layers, family_of
 from layerswap.weights import Converter
 
@@ -52,7 +51,7 @@ def test_undo_gives_back_the_same_layers_and_bitwise_weights(name: str) -> None:
     before = _snapshot(model)
     handle = layerswap.swap(model, backend="fused")
     assert handle.active
-    assert len(handle) == layer_config(model.config).num_hidden_layers
+    assert len(handle) == swapped_layer_count(model)
     assert handle.substitution.name == f"{name}.decoder.fused"
     assert all(type(layer) is not LlamaDecoderLayer for _, layer in decoder_layers(model))
     handle.undo()

@@ -330,12 +330,13 @@ def test_te_layout_computes_what_the_original_layer_computes(
     family = families()[name]
     model = family.build(family.tiny_config(**overrides), seed=5)
     config = layer_config(model.config)
-    layer = decoder_layers(model)[1][1]
-    spec = TELayerSpec.for_layer(family, config, 1)
+    name, layer = decoder_layers(model)[1]
+    spec = TELayerSpec.for_layer(family, config, layer.self_attn.layer_idx)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 9, config.hidden_size, generator=generator)
     position_ids = torch.arange(9).unsqueeze(0)
-    cos, sin = model.get_decoder().rotary_emb(hidden, position_ids)
+    stack = model.get_submodule(name.rsplit(".", 2)[0])  # the module holding the layers
+    cos, sin = stack.rotary_emb(hidden, position_ids)
     with torch.no_grad():
         expected = layer(hidden, attention_mask=None, position_embeddings=(cos, sin))
         converted = te_converter(family).to_replacement(layer.state_dict(), config)

@@ -139,6 +139,7 @@ def _list_coverage(json_output: bool) -> None:
                     "backends": backends,
                     "reason": found.reason,
                     "wrapper": found.wrapper,
+                    "kept": found.kept,
                     "not_covered": {
                         backend: why for backend, why in found.backends.items() if why is not None
                     }

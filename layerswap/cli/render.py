@@ -174,6 +174,8 @@ def render_coverage(
         if row.get("wrapper"):  # a multimodal wrapper: the family of its language model
             family = f"{family} (wrapped)"
             why = "; ".join(part for part in (row["wrapper"], why) if part)
+        if row.get("kept"):  # a hybrid: its layers of another kind stay the original's
+            why = "; ".join(part for part in (row["kept"], why) if part)
         table.add_row(row["model_type"], family, ", ".join(row["backends"]) or "-", Text(why))
     console.emit(table)
     covered = sum(row["reason"] is None for row in rows)

@@ -10,7 +10,7 @@ from torch import nn
 
 from layerswap.model import layer_config
 from layerswap.tokens import avoid_tokens, media_tokens
-from layerswap.verify.multimodal import is_multimodal, multimodal_inputs
+from layerswap.verify.multimodal import cross_attention_inputs, is_multimodal, multimodal_inputs
 from layerswap.verify.placement import DeviceLike, resolve_device
 
 __all__ = [
@@ -98,8 +98,10 @@ def prepare_inputs(
 ) -> dict[str, torch.Tensor]:
     """``inputs`` as a batch with ``input_ids`` and ``attention_mask``, on ``device``."""
     if inputs is None:
-        # a multimodal wrapper: images or audio too, so that path is compared as well
+        # a multimodal wrapper: images or audio too, so that path is compared as well;
+        # a text model with cross-attention layers: states for them to attend to
         batch = multimodal_inputs(model) if is_multimodal(model) else inputs_for(model)
+        batch.update(cross_attention_inputs(model, int(batch["input_ids"].shape[0])))
     elif isinstance(inputs, torch.Tensor):
         batch = {"input_ids": inputs}
     elif isinstance(inputs, Mapping):

@@ -24,7 +24,7 @@ from torch import nn
 
 from layerswap.tokens import special_tokens
 
-__all__ = ["WRAPPERS", "is_multimodal", "multimodal_inputs"]
+__all__ = ["WRAPPERS", "cross_attention_inputs", "is_multimodal", "multimodal_inputs"]
 
 #: the wrappers proven with image inputs, by ``model_type``, with what their processor
 #: adds to the pixels: ``image_sizes`` (each image's height and width), ``images_axis``
@@ -224,3 +224,37 @@ def multimodal_inputs(
     if device is not None:
         out = {key: value.to(device) for key, value in out.items()}
     return out
+
+
+#: how many vision states the text attends to in :func:`cross_attention_inputs`
+CROSS_ATTENTION_TOKENS = 8
+
+
+def cross_attention_inputs(model: nn.Module, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random vision states for a text model with cross-attention layers (Mllama's
+    ``MllamaForCausalLM``: ``cross_attention_states``, batch x tokens x hidden), so that
+    verification runs those layers too -- on text alone the model skips them. Empty for
+    every other model.
+
+    Example::
+
+        cross_attention_inputs(mllama_text_model, batch=2)["cross_attention_states"].shape
+        # torch.Size([2, 8, 128])
+    """
+    import inspect
+
+    config = getattr(_config(model), "get_text_config", lambda: None)()
+    forward = getattr(model, "forward", None)
+    if (
+        config is None
+        or not getattr(config, "cross_attention_layers", None)
+        or forward is None
+        or "cross_attention_states" not in inspect.signature(forward).parameters
+    ):
+        return {}
+    parameter = next(model.parameters())
+    generator = torch.Generator().manual_seed(seed)
+    states = torch.randn(
+        batch, CROSS_ATTENTION_TOKENS, int(config.hidden_size), generator=generator
+    )
+    return {"cross_attention_states": states.to(parameter.device, parameter.dtype)}
