@@ -32,6 +32,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llava": ("llama", {}),
     "llava_next": ("llama", {"image_grid_pinpoints": [[32, 64], [64, 32]]}),  # 32 x 32 tiles
     "mistral3": ("mistral", {}),
+    "mllama": ("mllama", {}),
     "paligemma": ("gemma", {"projection_dim": 128}),  # the text width
     "smolvlm": ("llama", {}),
     "voxtral": ("llama", {"audio_token_id": 3}),
@@ -39,6 +40,19 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 VISION_SHAPE = {"num_attention_heads": 2, "image_size": 32, "patch_size": 8}
 AUDIO = {**VISION, "num_attention_heads": 2, "num_mel_bins": 16, "max_source_positions": 8}
+# what a tower needs beyond VISION: Mllama's two tiles of 32 x 32 pixels, one global layer
+VISION_FIELDS: dict[str, dict[str, Any]] = {
+    "mllama": {
+        "attention_heads": 2,
+        "num_global_layers": 1,
+        "intermediate_layers_indices": [0],
+        "vision_output_dim": 64,  # hidden_size x (1 + intermediate layers)
+        "max_num_tiles": 2,
+        "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]],
+    }
+}
+# Mllama: layers 0 and 2 self-attention (swapped), layer 1 cross-attention (kept)
+TEXT_LAYERS = {"mllama": 3}
 
 
 def tiny_wrapper(model_type: str, seed: int = 0, text_family: str | None = None) -> Any:
@@ -47,7 +61,10 @@ def tiny_wrapper(model_type: str, seed: int = 0, text_family: str | None = None)
     family, fields = CASES[model_type]
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
-    text = layerswap.get_family(text_family or family).tiny_config(num_hidden_layers=2).to_dict()
+    layers = TEXT_LAYERS.get(model_type, 2)
+    text = (
+        layerswap.get_family(text_family or family).tiny_config(num_hidden_layers=layers).to_dict()
+    )
     text["model_type"] = (
         layerswap.get_family(text_family).model_type
         if text_family
@@ -63,6 +80,7 @@ def tiny_wrapper(model_type: str, seed: int = 0, text_family: str | None = None)
             if key in vision:
                 vision[key] = [value, value] if isinstance(vision[key], (list, tuple)) else value
         vision.update({key: 16 for key in ("head_dim",) if key in vision})
+        vision.update(VISION_FIELDS.get(model_type, {}))
         # PaliGemma projects the vision features to projection_dim: the text width
         vision.update({key: text["hidden_size"] for key in ("projection_dim",) if key in vision})
         image_token = {
@@ -72,7 +90,19 @@ def tiny_wrapper(model_type: str, seed: int = 0, text_family: str | None = None)
         build = AutoModelForImageTextToText.from_config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return build(config).eval()
+        model = build(config).eval()
+    _open_cross_attention_gates(model)
+    return model
+
+
+def _open_cross_attention_gates(model: Any) -> None:
+    """Mllama's cross-attention layers start with their gates at zero (they add nothing):
+    opened, so the image reaches the logits."""
+    with torch.no_grad():
+        for module in model.modules():
+            for gate in ("cross_attn_attn_gate", "cross_attn_mlp_gate"):
+                if isinstance(getattr(module, gate, None), torch.nn.Parameter):
+                    getattr(module, gate).fill_(0.5)
 
 
 # families whose model is the wrapper itself (the text decoder has no causal LM of its
@@ -143,6 +173,7 @@ def test_ministral_3_is_swapped_inside_its_mistral3_wrapper():
         ("llava", "pixel_values"),
         pytest.param("gemma3", "pixel_values", marks=pytest.mark.matrix),
         ("voxtral", "input_features"),
+        pytest.param("mllama", "aspect_ratio_ids", marks=pytest.mark.matrix),
     ],
 )
 def test_verify_on_a_wrapper_runs_its_media_by_default(model_type, media):
@@ -156,6 +187,31 @@ def test_verify_on_a_wrapper_runs_its_media_by_default(model_type, media):
     hook.remove()
     assert report.passed, report.summary()
     assert any(media in keys for keys in seen)
+
+
+def test_mllama_images_reach_the_text_through_the_kept_cross_attention_layers():
+    """Llama 3.2 Vision: the prompt's image token opens the text's view of the image's
+    tiles (the cross-attention mask); the cross-attention layer between the swapped
+    self-attention layers is the original's, and the image changes the logits after it."""
+    original = tiny_wrapper("mllama")
+    batch = multimodal_inputs(original)
+    image = batch["input_ids"] == original.config.image_token_index
+    assert image.sum(dim=1).tolist() == [1, 1]  # one image token per prompt
+    mask = batch["cross_attention_mask"]
+    assert mask.shape == (2, batch["input_ids"].shape[1], 1, 2)  # per token, image, tile
+    first = int(image[1].nonzero()[0])
+    assert mask[1, :first].sum() == 0 and bool(mask[1, first:].all())  # pads and text before: 0
+    other = dict(batch, pixel_values=torch.randn_like(batch["pixel_values"]))
+    with torch.no_grad():
+        seen, unseen = original(**batch).logits, original(**other).logits
+    assert (seen[:, first + 1 :] - unseen[:, first + 1 :]).abs().max() > 1e-3
+    swapped = copy.deepcopy(original)
+    layerswap.swap(swapped, "mllama.decoder.fused")
+    kinds = [type(layer).__name__ for layer in swapped.model.language_model.layers]
+    fused, cross = "FusedMllamaDecoderLayer", "MllamaCrossAttentionDecoderLayer"
+    assert kinds == [fused, cross, fused]
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(**other).logits, unseen, rtol=1e-5, atol=1e-5)
 
 
 def test_a_wrapper_built_inside_use_has_the_replacement_layers():

@@ -100,8 +100,11 @@ def prepare_inputs(
     if inputs is None:
         # a multimodal wrapper: images or audio too, so that path is compared as well;
         # a text model with cross-attention layers: states for them to attend to
-        batch = multimodal_inputs(model) if is_multimodal(model) else inputs_for(model)
-        batch.update(cross_attention_inputs(model, int(batch["input_ids"].shape[0])))
+        if is_multimodal(model):
+            batch = multimodal_inputs(model)
+        else:
+            batch = inputs_for(model)
+            batch.update(cross_attention_inputs(model, int(batch["input_ids"].shape[0])))
     elif isinstance(inputs, torch.Tensor):
         batch = {"input_ids": inputs}
     elif isinstance(inputs, Mapping):

@@ -34,7 +34,9 @@ __all__ = ["WRAPPERS", "cross_attention_inputs", "is_multimodal", "multimodal_in
 #: of an image; ``grid_thw`` (Qwen-VL: the image as a row of flattened patches per
 #: temporal x height x width cell, its grid in ``image_grid_thw``, and
 #: ``mm_token_type_ids``, 1 on image tokens, from which the model computes each token's
-#: M-RoPE position)
+#: M-RoPE position); ``tiles`` (Mllama: the image as ``max_num_tiles`` tiles with their
+#: ``aspect_ratio_ids`` and ``aspect_ratio_mask``, one image token per image, and the
+#: ``cross_attention_mask`` by which the text from that token on attends to its tiles)
 WRAPPERS: Mapping[str, frozenset[str]] = {
     "aya_vision": frozenset(),
     "gemma3": frozenset({"token_type_ids"}),
@@ -44,6 +46,7 @@ WRAPPERS: Mapping[str, frozenset[str]] = {
     "llava": frozenset(),
     "llava_next": frozenset({"image_sizes", "anyres"}),
     "mistral3": frozenset({"image_sizes"}),
+    "mllama": frozenset({"tiles"}),
     "paligemma": frozenset({"token_type_ids"}),
     "qwen2_5_vl": frozenset({"grid_thw"}),
     "qwen2_vl": frozenset({"grid_thw"}),
@@ -64,6 +67,8 @@ def is_multimodal(model: nn.Module) -> bool:
     kind = WRAPPERS.get(getattr(config, "model_type", None) or "")
     if kind is None:
         return False
+    if "tiles" in kind:  # no feature function: the text cross-attends to the tiles
+        return getattr(config, "vision_config", None) is not None
     tower, features = (
         ("audio_config", "get_audio_features")
         if "audio" in kind
@@ -108,6 +113,8 @@ def _media(
     vision = config.vision_config
     if "grid_thw" in kind:
         return _patch_rows(vision, batch, generator)
+    if "tiles" in kind:
+        return _tiles(vision, batch, generator)
     size = vision.image_size
     size = int(size[0] if isinstance(size, (list, tuple)) else size)
     channels = int(getattr(vision, "num_channels", 3))
@@ -150,6 +157,24 @@ def _patch_rows(
     return {"pixel_values": pixels}, {"image_grid_thw": torch.tensor([[1, side, side]] * batch)}
 
 
+def _tiles(
+    vision: Any, batch: int, generator: torch.Generator
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One image per prompt as Mllama's processor gives it: ``max_num_tiles`` tiles
+    (batch x images x tiles x channels x height x width), at the aspect ratio that uses
+    them all."""
+    tiles, size = int(vision.max_num_tiles), int(vision.image_size)
+    channels = int(getattr(vision, "num_channels", 3))
+    pixels = torch.randn(batch, 1, tiles, channels, size, size, generator=generator)
+    ratios = [tuple(ratio) for ratio in vision.supported_aspect_ratios]
+    ratio = next(i for i, (h, w) in enumerate(ratios) if h * w == tiles) + 1  # 0: padding
+    extra = {
+        "aspect_ratio_ids": torch.full((batch, 1), ratio),
+        "aspect_ratio_mask": torch.ones(batch, 1, tiles, dtype=torch.long),
+    }
+    return {"pixel_values": pixels}, extra
+
+
 def _first_item(
     kind: frozenset[str], media: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -158,6 +183,31 @@ def _first_item(
         grid = extra["image_grid_thw"][:1]
         return {"pixel_values": media["pixel_values"][: int(grid.prod())], "image_grid_thw": grid}
     return {key: value[:1] for key, value in {**media, **extra}.items()}
+
+
+def _feature_count(
+    model: nn.Module,
+    kind: frozenset[str],
+    media: dict[str, torch.Tensor],
+    extra: dict[str, torch.Tensor],
+    media_name: str,
+) -> int:
+    """How many placeholder tokens one item takes: the features the model's own
+    ``get_image_features`` (``get_audio_features``) returns for it."""
+    parameter = next(model.parameters())
+    features_of: Any = getattr(model, f"get_{media_name}_features")
+    first = _first_item(kind, media, extra)
+    with torch.no_grad():
+        features = features_of(
+            **{
+                key: value.to(parameter.device, parameter.dtype if key in media else None)
+                for key, value in first.items()
+            }
+        )
+    pooled = getattr(features, "pooler_output", None)
+    pooled = features if pooled is None else pooled
+    parts = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+    return sum(part.reshape(-1, part.shape[-1]).shape[0] for part in parts)
 
 
 def multimodal_inputs(
@@ -174,27 +224,15 @@ def multimodal_inputs(
     Every row after the first starts with ``padding`` pad tokens (masked out); then two
     text tokens, the placeholder tokens, the rest of the text. The media and the text are
     drawn from ``seed`` (special tokens avoided); the placeholder count is what the
-    model's ``get_image_features`` (``get_audio_features``) returns for one item.
+    model's ``get_image_features`` (``get_audio_features``) returns for one item (one
+    image token for Mllama, whose text cross-attends to the tiles instead).
     """
     config = _config(model)
     kind = WRAPPERS[config.model_type]
     media_name = "audio" if "audio" in kind else "image"
     generator = torch.Generator().manual_seed(seed)
     media, extra = _media(model, kind, batch, generator)
-    parameter = next(model.parameters())
-    features_of: Any = getattr(model, f"get_{media_name}_features")
-    first = _first_item(kind, media, extra)
-    with torch.no_grad():
-        features = features_of(
-            **{
-                key: value.to(parameter.device, parameter.dtype if key in media else None)
-                for key, value in first.items()
-            }
-        )
-    pooled = getattr(features, "pooler_output", None)
-    pooled = features if pooled is None else pooled
-    parts = pooled if isinstance(pooled, (list, tuple)) else [pooled]
-    count = sum(part.reshape(-1, part.shape[-1]).shape[0] for part in parts)
+    count = 1 if "tiles" in kind else _feature_count(model, kind, media, extra, media_name)
     text_config = config.get_text_config()
     placeholder = _placeholder_token(config, media_name)
     pad = getattr(text_config, "pad_token_id", None)
@@ -220,6 +258,10 @@ def multimodal_inputs(
         out["token_type_ids"] = (input_ids == placeholder).long()
     if "grid_thw" in kind:
         out["mm_token_type_ids"] = (input_ids == placeholder).long()
+    if "tiles" in kind:  # the text from the image token on attends to the image's tiles
+        seen = (input_ids == placeholder).long().cumsum(dim=1).clamp(max=1) * attention_mask
+        tiles = int(media["pixel_values"].shape[2])
+        out["cross_attention_mask"] = seen[:, :, None, None].expand(-1, -1, 1, tiles).clone()
     out.update(extra)
     if device is not None:
         out = {key: value.to(device) for key, value in out.items()}
