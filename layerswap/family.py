@@ -199,6 +199,10 @@ class Family:
     #: the q/k norms apply to the rotated queries and keys (HunYuan), not before the
     #: rotary embedding (Qwen3)
     qk_norm_after_rotary: bool = False
+    #: the MLP's activation is a module with learned parameters, built as the original
+    #: MLP builds it, in the config's ``dtype`` (Apertus's xIELU; built from its name
+    #: alone it would hold them in bfloat16 and round what is loaded into it)
+    activation_dtype: bool = False
     #: call parameters the original decoder layer takes and never reads (Mllama's
     #: self-attention layers are called with the cross-attention inputs every layer of
     #: the model gets): the call contract accepts them, the behavioural proof shows the

@@ -57,6 +57,7 @@ __all__ = [
     "rotary_layout",
     "rotary_sections",
     "text_config_of",
+    "torch_dtype_of",
     "transformers_support",
     "transformers_version",
     "weight_converter",
@@ -510,9 +511,28 @@ def merge_rotary_sections(
 
 def text_config_of(config: Any) -> Any:
     """The config a decoder layer reads: a composite (multimodal) config's text config,
-    by transformers' ``get_text_config()``, else ``config`` itself."""
+    by transformers' ``get_text_config()``, else ``config`` itself.
+
+    Its ``dtype``, where a name stands there, is made the torch dtype it names, in
+    place: ``save_pretrained`` leaves ``"float32"`` in the model's own config, and a
+    layer that builds tensors in ``config.dtype`` (Apertus's xIELU) cannot be built
+    from that -- by transformers or by layerswap's checks (:func:`torch_dtype_of`).
+    """
     get_text_config = getattr(config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else config
+    text = get_text_config() if callable(get_text_config) else config
+    named = getattr(text, "dtype", None)
+    if isinstance(named, str) and torch_dtype_of(text) is not None:
+        text.dtype = torch_dtype_of(text)
+    return text
+
+
+def torch_dtype_of(config: Any) -> torch.dtype | None:
+    """``config.dtype`` as a torch dtype (``"float32"`` -> ``torch.float32``), ``None``
+    where it is unset or names none."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def layer_attention_type(config: Any, layer_idx: int) -> str:

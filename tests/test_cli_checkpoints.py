@@ -243,7 +243,7 @@ def test_an_interrupted_save_leaves_nothing_behind(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["patch", "--model", "apertus"], "apertus is a transformers model type that layerswap does not cover: "),
+        (["patch", "--model", "deepseek_v3"], "deepseek_v3 is a transformers model type that layerswap does not cover: "),
         (["patch", "--model", "./nope"], "--model takes a family name, not a path (./nope: no such file or directory)"),
         (["coverage", "./nope"], "./nope: no such file or directory"),
         (["patch", "--overwrite", "-m", "llama"], "--overwrite applies to --save"),
@@ -264,9 +264,9 @@ def test_a_refused_family_gives_coverages_reason() -> None:
     from layerswap.coverage import why_not_covered
 
     with pytest.raises(UsageProblem) as refused:
-        find_family("apertus")
-    assert str(refused.value).endswith(why_not_covered("apertus"))
-    assert "mlp.act_fn.alpha_p" in str(refused.value)
+        find_family("deepseek_v3")
+    assert str(refused.value).endswith(why_not_covered("deepseek_v3"))
+    assert "multi-head latent attention" in str(refused.value)
 
 
 def test_a_checkpoint_directory_given_to_model_is_taken_as_config(

@@ -161,7 +161,6 @@ def test_q_k_norms_with_a_weight_after_the_rotation_are_not_the_same_before_it()
     ("model_type", "reason"),
     [
         ("granitemoeshared", "shared_intermediate_size > 0 adds shared_mlp, which"),
-        ("apertus", "no counterpart for: mlp.act_fn.alpha_p"),
         ("vit", "no causal LM"),
         # the reason names what the layer has instead of what the replacement reads
         ("deepseek_v3", r"multi-head latent attention \(self_attn.kv_a_proj_with_mqa"),
@@ -187,6 +186,41 @@ def test_a_family_the_fused_layer_cannot_express_is_refused_with_the_reason(
 ) -> None:
     with pytest.raises(UnsupportedFamilyError, match=reason):
         infer_family(model_type)
+
+
+def test_an_activation_with_learned_parameters_is_built_in_the_models_dtype(
+    tmp_path: Path,
+) -> None:
+    """Apertus's xIELU holds learned parameters, which its MLP builds in ``config.dtype``;
+    built from its name alone they would be bfloat16 and round a float32 checkpoint. The
+    fused MLP builds them as the original does: loaded inside ``use()``, non-default
+    values come through exactly."""
+    apertus = get_family("apertus")
+    assert apertus.activation_dtype and apertus.mlp == "plain"
+    model = apertus.build(seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".act_fn.alpha_" in name:
+                param.fill_(0.31234567)  # not representable in bfloat16
+    ids = torch.randint(1, text_vocab(apertus.tiny_config()), (2, 9))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    with layerswap.use("apertus.decoder.fused"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    activation = loaded.model.layers[0].mlp.act_fn
+    assert type(loaded.model.layers[0]).__name__ == "FusedApertusDecoderLayer"
+    assert activation.alpha_p.dtype == torch.float32
+    assert float(activation.alpha_p) == pytest.approx(0.31234567, abs=1e-7)  # bf16: 0.3125
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
+    # the class's own default (bfloat16) is what the declaration avoids
+    from layerswap.backends.fused import FusedMLP
+
+    plain = FusedMLP(apertus.tiny_config(), dataclasses.replace(apertus, activation_dtype=False))
+    assert plain.act_fn.alpha_p.dtype == torch.bfloat16
 
 
 def test_a_mixture_of_experts_block_under_its_own_name_is_kept_there() -> None:
@@ -294,7 +328,7 @@ def test_list_all_names_every_decoder_family_and_why_not() -> None:
     assert "fused" not in rows["olmo2"]["not_covered"]
     assert "shared_intermediate_size > 0 adds shared_mlp" in rows["granitemoeshared"]["reason"]
     assert rows["granitemoe"]["family"] == "granitemoe"
-    assert "no counterpart for: mlp.act_fn.alpha_p" in rows["apertus"]["reason"]
+    assert "multi-head latent attention" in rows["deepseek_v3"]["reason"]
     # the multimodal wrappers proven on image prompts, through their language model
     for model_type, family_name in (
         ("llava", "llama"),

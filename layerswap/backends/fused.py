@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
+from transformers.activations import ACT2CLS, ACT2FN
 
 from layerswap import hf_internals
 from layerswap.backend import Backend, Implementation
@@ -492,7 +492,8 @@ class FusedMLP(nn.Module):
         width = 2 * size if self.gated else size
         self.add_module(self.up_name, nn.Linear(hidden, width, bias=bias))
         self.add_module(self.down_name, nn.Linear(size, hidden, bias=bias))
-        self.act_fn = ACT2FN[getattr(config, family.activation)]
+        name = getattr(config, family.activation)
+        self.act_fn = activation_in_dtype(name, config) if family.activation_dtype else ACT2FN[name]
         # Seed-OSS: dropout on the down projection's result, in training
         self.output_dropout = family.residual_dropout_p(config)
 
@@ -506,6 +507,17 @@ class FusedMLP(nn.Module):
         if self.output_dropout:
             out = F.dropout(out, self.output_dropout, self.training)
         return out
+
+
+def activation_in_dtype(name: str, config: PreTrainedConfig) -> nn.Module:
+    """The activation ``name`` built with the config's ``dtype``, as Apertus's MLP builds
+    xIELU (``ACT2CLS["xielu"](dtype=config.dtype)``): its learned parameters in the
+    model's precision, not the class's default."""
+    entry = ACT2CLS[name]
+    cls, options = entry if isinstance(entry, tuple) else (entry, {})
+    # None too, as Apertus passes it: torch's default dtype, not the class's bfloat16
+    built: nn.Module = cls(**options, dtype=hf_internals.torch_dtype_of(config))
+    return built
 
 
 def original_mlp(family: Family, config: PreTrainedConfig, layer_idx: int) -> nn.Module:

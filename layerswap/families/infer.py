@@ -58,6 +58,8 @@ __all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 #: model types whose inferred declaration the generated tests verify in CI; the builtin
 #: families beyond the hand-written ones
 VERIFIED: tuple[str, ...] = (
+    "apertus",
+    "apertus1p5_text",
     "arcee",
     "aria_text",
     "cohere",
@@ -197,6 +199,24 @@ def _has(layer: nn.Module, name: str) -> str:
         return f"the layer has no {name} (it has {children})"
     children = ", ".join(n for n, _ in module.named_children()) or "no submodules"
     return f"its {name} ({type(module).__name__}) has {children}"
+
+
+def _built_in_dtype(activation: nn.Module, config: Any) -> bool:
+    """Whether :func:`~layerswap.backends.fused.activation_in_dtype` builds ``activation``
+    from the config: the same class, parameters and buffers, each in the same dtype."""
+    from layerswap.backends.fused import activation_in_dtype
+
+    name = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    try:
+        built = activation_in_dtype(str(name), config)
+    except Exception:  # not an activation class taking a dtype
+        return False
+
+    def tensors(module: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        found = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        return {key: (value.dtype, tuple(value.shape)) for key, value in found.items()}
+
+    return type(built) is type(activation) and tensors(built) == tensors(activation)
 
 
 def _wrapper_reason(model_type: str, config_class: Any, verify: bool) -> str | None:
@@ -946,16 +966,18 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             if not (attention_sinks and n == "sinks")
         ]
     )
-    # xIELU (Apertus): the fused layer builds an activation from its name alone
-    extra += [
-        f"mlp.{n}.{t}"
-        for n in activations
-        if not original_mlp and isinstance(getattr(mlp, n, None), nn.Module)
-        for t, _ in (
-            *mlp.get_submodule(n).named_parameters(),
-            *mlp.get_submodule(n).named_buffers(),
-        )
-    ]
+    # an activation with learned parameters (Apertus's xIELU): the fused MLP builds it in
+    # the config's dtype under the same name, where that gives the same class and tensors
+    activation_dtype = False
+    for n in activations if not original_mlp else ():
+        held = getattr(mlp, n, None)
+        if not isinstance(held, nn.Module):
+            continue
+        tensors = [t for t, _ in (*held.named_parameters(), *held.named_buffers())]
+        if tensors and n == "act_fn" and _built_in_dtype(held, config):
+            activation_dtype = True
+        else:
+            extra += [f"mlp.{n}.{t}" for t in tensors]
     layout = _NORM_LAYOUTS.get(frozenset(norms))
     if layout is None:
         extra += sorted(norms)
@@ -1082,6 +1104,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         norm_switch=norm_switch,
         norm_scale=norm_scale,
         residual_dropout=residual_dropout,
+        activation_dtype=activation_dtype,
         query_scale=query_scale,
         qk_norm_modules=qk_names,
         qk_norm_after_rotary=qk_after_rotary,
