@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, VoxtralForConditionalGeneration
+from transformers import (
+    AutoModelForImageTextToText,
+    Qwen2AudioForConditionalGeneration,
+    VoxtralForConditionalGeneration,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import layerswap
@@ -34,6 +38,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral3": ("mistral", {}),
     "mllama": ("mllama", {}),
     "paligemma": ("gemma", {"projection_dim": 128}),  # the text width
+    "qwen2_audio": ("qwen2", {"audio_token_id": 3}),
     "smolvlm": ("llama", {}),
     "voxtral": ("llama", {"audio_token_id": 3}),
 }
@@ -50,6 +55,10 @@ VISION_FIELDS: dict[str, dict[str, Any]] = {
         "max_num_tiles": 2,
         "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]],
     }
+}
+AUDIO_CLASSES = {
+    "qwen2_audio": Qwen2AudioForConditionalGeneration,
+    "voxtral": VoxtralForConditionalGeneration,
 }
 # Mllama: layers 0 and 2 self-attention (swapped), layer 1 cross-attention (kept)
 TEXT_LAYERS = {"mllama": 3}
@@ -73,7 +82,8 @@ def tiny_wrapper(model_type: str, seed: int = 0, text_family: str | None = None)
     if getattr(defaults, "audio_config", None) is not None:
         audio = {**defaults.audio_config.to_dict(), **AUDIO}
         config = config_class(text_config=text, audio_config=audio, **fields)
-        build: Any = VoxtralForConditionalGeneration  # no Auto class maps audio-text yet
+        # no Auto class maps audio-text yet
+        build: Any = AUDIO_CLASSES[model_type]
     else:
         vision = defaults.vision_config.to_dict()
         for key, value in {**VISION, **VISION_SHAPE}.items():
@@ -174,6 +184,7 @@ def test_ministral_3_is_swapped_inside_its_mistral3_wrapper():
         pytest.param("gemma3", "pixel_values", marks=pytest.mark.matrix),
         ("voxtral", "input_features"),
         pytest.param("mllama", "aspect_ratio_ids", marks=pytest.mark.matrix),
+        pytest.param("qwen2_audio", "feature_attention_mask", marks=pytest.mark.matrix),
     ],
 )
 def test_verify_on_a_wrapper_runs_its_media_by_default(model_type, media):

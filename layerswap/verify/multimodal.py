@@ -36,7 +36,9 @@ __all__ = ["WRAPPERS", "cross_attention_inputs", "is_multimodal", "multimodal_in
 #: ``mm_token_type_ids``, 1 on image tokens, from which the model computes each token's
 #: M-RoPE position); ``tiles`` (Mllama: the image as ``max_num_tiles`` tiles with their
 #: ``aspect_ratio_ids`` and ``aspect_ratio_mask``, one image token per image, and the
-#: ``cross_attention_mask`` by which the text from that token on attends to its tiles)
+#: ``cross_attention_mask`` by which the text from that token on attends to its tiles);
+#: ``feature_mask`` (Qwen2-Audio: a ``feature_attention_mask`` over the clip's frames,
+#: and as many audio tokens as its encoder's ``_get_feat_extract_output_lengths`` gives)
 WRAPPERS: Mapping[str, frozenset[str]] = {
     "aya_vision": frozenset(),
     "gemma3": frozenset({"token_type_ids"}),
@@ -48,6 +50,7 @@ WRAPPERS: Mapping[str, frozenset[str]] = {
     "mistral3": frozenset({"image_sizes"}),
     "mllama": frozenset({"tiles"}),
     "paligemma": frozenset({"token_type_ids"}),
+    "qwen2_audio": frozenset({"audio", "feature_mask"}),
     "qwen2_5_vl": frozenset({"grid_thw"}),
     "qwen2_vl": frozenset({"grid_thw"}),
     "qwen3_vl": frozenset({"grid_thw"}),
@@ -69,6 +72,8 @@ def is_multimodal(model: nn.Module) -> bool:
         return False
     if "tiles" in kind:  # no feature function: the text cross-attends to the tiles
         return getattr(config, "vision_config", None) is not None
+    if "feature_mask" in kind:  # no feature function: the encoder says how many tokens
+        return getattr(config, "audio_config", None) is not None and _encoder(model) is not None
     tower, features = (
         ("audio_config", "get_audio_features")
         if "audio" in kind
@@ -109,6 +114,10 @@ def _media(
         audio = config.audio_config
         frames = 2 * int(audio.max_source_positions)  # the encoder's whole window
         clip = torch.randn(batch, int(audio.num_mel_bins), frames, generator=generator)
+        if "feature_mask" in kind:  # every frame of the clip is audio
+            return {"input_features": clip}, {
+                "feature_attention_mask": torch.ones(batch, frames, dtype=torch.long)
+            }
         return {"input_features": clip}, {}
     vision = config.vision_config
     if "grid_thw" in kind:
@@ -185,6 +194,26 @@ def _first_item(
     return {key: value[:1] for key, value in {**media, **extra}.items()}
 
 
+def _encoder(model: nn.Module) -> nn.Module | None:
+    """The audio encoder that says how long a clip's encoding is (Qwen2-Audio's)."""
+    return next(
+        (
+            m
+            for m in model.modules()
+            if callable(getattr(m, "_get_feat_extract_output_lengths", None))
+        ),
+        None,
+    )
+
+
+def _encoded_length(model: nn.Module, frames: int) -> int:
+    """How many audio tokens a clip of ``frames`` frames takes: its encoder's output length."""
+    encoder: Any = _encoder(model)  # is_multimodal found it
+    lengths = encoder._get_feat_extract_output_lengths(torch.tensor([frames]))
+    output = lengths[-1] if isinstance(lengths, tuple) else lengths
+    return int(output[0])
+
+
 def _feature_count(
     model: nn.Module,
     kind: frozenset[str],
@@ -232,7 +261,12 @@ def multimodal_inputs(
     media_name = "audio" if "audio" in kind else "image"
     generator = torch.Generator().manual_seed(seed)
     media, extra = _media(model, kind, batch, generator)
-    count = 1 if "tiles" in kind else _feature_count(model, kind, media, extra, media_name)
+    if "tiles" in kind:
+        count = 1
+    elif "feature_mask" in kind:
+        count = _encoded_length(model, int(media["input_features"].shape[-1]))
+    else:
+        count = _feature_count(model, kind, media, extra, media_name)
     text_config = config.get_text_config()
     placeholder = _placeholder_token(config, media_name)
     pad = getattr(text_config, "pad_token_id", None)
