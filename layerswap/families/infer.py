@@ -343,6 +343,12 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
 _PLAIN_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
+def _read_only(config_class: type, name: str) -> bool:
+    """Whether ``name`` is a property of ``config_class`` that cannot be set."""
+    found = inspect.getattr_static(config_class, name, None)
+    return isinstance(found, property) and found.fset is None
+
+
 def _keyed_rope(config_class: type) -> dict[str, Any] | None:
     """The plain rotary parameters per layer type, where the config's default keys them so
     (Gemma 4: ``{"sliding_attention": {...}, "full_attention": {...}}``); ``None``: it
@@ -374,6 +380,8 @@ def tiny_config_for(config_class: type, **overrides: Any) -> Any:
     names); a config whose defaults cannot build its model gets :data:`_TINY_FIXES`.
     """
     sizes = {**TINY, "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
+    # a size the config computes (Falcon's head_dim: a property without a setter) is not given
+    sizes = {key: value for key, value in sizes.items() if not _read_only(config_class, key)}
     fields = inspect.signature(config_class).parameters
     sizes.update({key: value for key, value in _TINY_MOE.items() if key in fields})
     sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
