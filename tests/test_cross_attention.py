@@ -81,6 +81,15 @@ def test_verify_passes_and_compares_only_the_swapped_layers() -> None:
     ]
 
 
+def test_verify_in_bfloat16_gives_the_vision_states_in_bfloat16() -> None:
+    """Verification in a lower precision than the model's: the default vision states are
+    made for the float32 model, and the text model adds them to its activations as they
+    come (float32 states against bfloat16 weights failed the reference run on a GPU)."""
+    report = layerswap.verify(_opened(), "mllama.decoder.fused", dtype=torch.bfloat16, generate=0)
+    assert report.passed, report.summary()
+    assert report.dtype == "bfloat16"
+
+
 def test_the_call_contract_accepts_only_the_arguments_declared_ignored() -> None:
     """Without ``ignored_arguments`` the cross-attention inputs every layer is called with
     are arguments the fused layer does not handle: refused before any model is touched."""

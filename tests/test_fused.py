@@ -333,6 +333,24 @@ def test_attention_sinks_join_the_softmax_as_gpt_oss_takes_them() -> None:
     assert (moved[valid] - expected.logits[valid]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "flint"])
+def test_attention_sinks_with_grouped_keys_on_the_expanding_path(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a mask on a GPU (and on a torch without SDPA's ``enable_gqa``) grouped keys
+    and values are expanded to every head before attention; with sinks they already are,
+    and expanding them again broke every padded call (flint on an H100: "size of tensor a
+    (8) must match ... (32)"). The tiny models share each key head among 4 query heads."""
+    from layerswap.backends import fused
+
+    monkeypatch.setattr(fused, "_SDPA_GQA", False)
+    family = layerswap.families()[name]
+    config = family.tiny_config()
+    assert config.num_attention_heads // config.num_key_value_heads > 1
+    report = layerswap.verify(family.build(config, seed=0), f"{name}.decoder.fused", generate=2)
+    assert report.passed, report.summary()
+
+
 CLAMPED = sorted(name for name, family in layerswap.families().items() if family.clip_qkv)
 
 

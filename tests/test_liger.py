@@ -29,7 +29,8 @@ from layerswap.cli import app
 from layerswap.errors import RequirementError
 from layerswap.model import decoder_layers, layer_config
 from layerswap.registry import families, substitutions
-from layerswap.verify import default_inputs, verify
+from layerswap.verify import verify
+from layerswap.verify.inputs import inputs_for
 
 # the families whose decoder layer Liger's kernels express; the others are refused with
 # the reason (attention logit soft-capping, an activation without a gated kernel)
@@ -335,7 +336,7 @@ DTYPE_IDS = ["float32", "bfloat16"]
 
 
 def _unpadded(model: Any, seq_len: int = 32) -> dict[str, torch.Tensor]:
-    return default_inputs(model.config.vocab_size, batch=2, seq_len=seq_len, padding=0)
+    return inputs_for(model, batch=2, seq_len=seq_len, padding=0)
 
 
 @pytest.mark.gpu

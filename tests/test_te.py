@@ -24,7 +24,8 @@ from layerswap.backends.te_layout import TELayerSpec, te_converter
 from layerswap.errors import ConversionError, RequirementError, SubstitutionError
 from layerswap.model import decoder_layers, layer_config
 from layerswap.registry import families
-from layerswap.verify import Tolerance, default_inputs, verify
+from layerswap.verify import Tolerance, verify
+from layerswap.verify.inputs import inputs_for
 
 # the families whose structure TransformerEngine's layer expresses (the others are
 # refused with the reason: norms after attention or the MLP, q/k norms across heads)
@@ -421,7 +422,7 @@ def _cuda_bf16(name: str, seed: int = 0, **overrides: Any) -> Any:
 
 
 def _unpadded(model: Any, seq_len: int = 32) -> dict[str, torch.Tensor]:
-    return default_inputs(model.config.vocab_size, batch=2, seq_len=seq_len, padding=0)
+    return inputs_for(model, batch=2, seq_len=seq_len, padding=0)
 
 
 @pytest.mark.gpu

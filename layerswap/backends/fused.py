@@ -377,7 +377,9 @@ class FusedAttention(nn.Module):
             key, value, mask = self._with_sinks(query, key, value, mask, is_causal)
             is_causal = False
         extra: dict[str, Any] = {}
-        if self.num_key_value_groups > 1:
+        # grouped keys and values are expanded once: _with_sinks has done it already
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
             # measured: on CPU enable_gqa beats expanding k/v with or without a mask; on
             # GPUs a mask with enable_gqa falls back to the slow math kernel
             # the TorchScript ONNX exporter cannot convert enable_gqa
@@ -385,8 +387,8 @@ class FusedAttention(nn.Module):
             if native and (mask is None or query.device.type == "cpu"):
                 extra["enable_gqa"] = True
             else:
-                key = key.repeat_interleave(self.num_key_value_groups, dim=1)
-                value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+                key = key.repeat_interleave(groups, dim=1)
+                value = value.repeat_interleave(groups, dim=1)
         output: torch.Tensor = F.scaled_dot_product_attention(
             query,
             key,

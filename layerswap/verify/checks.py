@@ -72,7 +72,10 @@ def _float32_floor(
     rounding on either side; such a candidate is as close as the original's own run."""
     exact = working_copy(original, device, torch.float32, trainable=backward)
     return forward(
-        exact, prepare_inputs(batch, exact, device), backward=backward, generate=generate
+        exact,
+        prepare_inputs(batch, exact, device, torch.float32),
+        backward=backward,
+        generate=generate,
     )
 
 
@@ -217,7 +220,7 @@ def assert_equivalent(
     generate = decode_tokens(reference, generate)
     comparison = Comparison.prepare(reference, sub, device, dtype, tolerance, inputs)
     ref_run = forward(reference, comparison.batch, backward=backward, generate=generate)
-    cand_batch = prepare_inputs(comparison.batch, candidate, model_placement(candidate)[0])
+    cand_batch = prepare_inputs(comparison.batch, candidate, *model_placement(candidate))
     cand_run = forward(
         candidate,
         cand_batch,

@@ -354,7 +354,7 @@ class Comparison:
     ) -> Comparison:
         """The tolerance for the substitution's precision, ``inputs`` on ``device``."""
         tol = Tolerance.coerce(tolerance, precision(substitution, dtype))
-        batch = prepare_inputs(inputs, model, device)
+        batch = prepare_inputs(inputs, model, device, dtype)
         name = substitution.name if substitution is not None else None
         return cls(name, device, dtype, tol, batch)
 

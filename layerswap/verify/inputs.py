@@ -94,9 +94,12 @@ def inputs_for(model: nn.Module, **options: Any) -> dict[str, torch.Tensor]:
 
 
 def prepare_inputs(
-    inputs: InputsLike, model: nn.Module, device: torch.device
+    inputs: InputsLike, model: nn.Module, device: torch.device, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """``inputs`` as a batch with ``input_ids`` and ``attention_mask``, on ``device``."""
+    """``inputs`` as a batch with ``input_ids`` and ``attention_mask``, on ``device``; its
+    floating-point tensors (images, audio, vision states) in ``dtype`` when given: the
+    precision the model runs in (Mllama's text model adds ``cross_attention_states`` to
+    its activations as they come)."""
     if inputs is None:
         # a multimodal wrapper: images or audio too, so that path is compared as well;
         # a text model with cross-attention layers: states for them to attend to
@@ -122,7 +125,12 @@ def prepare_inputs(
     batch["input_ids"] = ids
     if batch.get("attention_mask") is None:
         batch["attention_mask"] = torch.ones_like(ids)
-    return {
-        key: value.to(device) if isinstance(value, torch.Tensor) else value
-        for key, value in batch.items()
-    }
+    return {key: _placed(value, device, dtype) for key, value in batch.items()}
+
+
+def _placed(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if dtype is not None and value.is_floating_point():
+        return value.to(device, dtype)
+    return value.to(device)
