@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap import errors as errors
     from layerswap.backend import Backend as Backend
     from layerswap.backend import Implementation as Implementation
+    from layerswap.backend import Lazy as Lazy
     from layerswap.backend import Variant as Variant
     from layerswap.bench import BenchReport as BenchReport
     from layerswap.bench import bench as bench

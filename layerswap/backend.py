@@ -25,6 +25,7 @@ Example: a backend of your own (one module, see ``docs/substitutions.md``)::
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -47,7 +48,28 @@ if TYPE_CHECKING:
 
     from layerswap.weights import LayoutConverter
 
-__all__ = ["Backend", "Dependency", "Implementation", "Variant", "every_family"]
+__all__ = ["Backend", "Dependency", "Implementation", "Lazy", "Variant", "every_family"]
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """A function named ``"module:function"``, imported when first called.
+
+    A declaration names its layers, converters and contexts this way, so that reading it
+    (``layerswap list``, the registry) imports neither torch nor transformers nor the
+    layers; two declarations naming the same function are equal.
+
+    Example::
+
+        Implementation(replacement=Lazy("my_pkg.layers:layer_class"),
+                       converter=Lazy("my_pkg.layers:converter_for"))
+    """
+
+    target: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 def every_family(family: Family) -> str | None:

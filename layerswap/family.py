@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from layerswap.errors import UpstreamDriftError
-from layerswap.hf_internals import transformers_version
 from layerswap.patching import unpatched
+from layerswap.versions import transformers_version
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = [
@@ -325,6 +324,8 @@ class Family:
 
             model = layerswap.families()["qwen3"].build(seed=1)
         """
+        import torch
+
         config = self.tiny_config() if config is None else config
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -356,6 +357,8 @@ def probed_eps(norm: torch.nn.Module, width: int = 64) -> float:
 
         probed_eps(OlmoLayerNorm(64), 64)   # 1e-05
     """
+    import torch
+
     sample = torch.linspace(-1.0, 1.0, width, dtype=torch.float64) * 1e-3
     with torch.no_grad():
         out = norm(sample.float().unsqueeze(0)).double().squeeze(0)

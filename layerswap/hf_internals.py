@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from layerswap.versions import transformers_version
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -469,13 +471,6 @@ def rotary_layout(family: str, declared: str) -> str:
         return declared
     first, before = change
     return declared if _release(transformers_version()) >= first else before
-
-
-def transformers_version() -> str:
-    """The installed transformers version, as error messages name it."""
-    import transformers
-
-    return str(transformers.__version__)
 
 
 def rotary_sections(config: Any) -> tuple[int, ...] | None:

@@ -1,15 +1,17 @@
 """The registry: families, backends, and the substitutions derived from both.
 
 Every ``<family>.<slot>.<backend>`` substitution is derived from a registered family and
-a registered backend (:meth:`Backend.substitutions`), whichever was registered first: a
-family registered later gets every backend's substitutions, a backend registered later
-covers every family its ``supports`` check accepts. Substitutions can also be
-registered one by one. Builtin families and backends are registered on first use,
+a registered backend (:meth:`Backend.substitution`) when it is asked for, and kept until
+either changes: nothing is derived ahead. A family registered later has every backend's
+substitutions, a backend registered later covers every family its ``supports`` check
+accepts. Substitutions can also be registered one by one (they take precedence over a
+derived one of the same name). Builtin families and backends (their declarations: data,
+read without importing torch, transformers or the layers) are registered on first use,
 then the entry-point groups ``layerswap.backends`` and ``layerswap.substitutions``.
 
 Example::
 
-    layerswap.get("llama.decoder.fused")
+    layerswap.get("llama.decoder.fused")            # imports llama's modeling module only
     layerswap.substitutions(family="qwen3", backend="liger")
     layerswap.register_backend(MY_BACKEND)          # every family it supports
 """
@@ -22,10 +24,11 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from layerswap.backend import Backend
-from layerswap.backends import builtin_modules
+from layerswap.backends.declarations import builtin_modules
 from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubstitutionError
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family
@@ -35,6 +38,7 @@ from layerswap.suggestions import close_names
 __all__ = [
     "BACKEND_ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUP",
+    "Offer",
     "backend_of",
     "backends",
     "families",
@@ -42,6 +46,7 @@ __all__ = [
     "get_backend",
     "get_family",
     "load_entry_points",
+    "offers",
     "register",
     "register_backend",
     "register_family",
@@ -56,7 +61,13 @@ BACKEND_ENTRY_POINT_GROUP = "layerswap.backends"
 
 _FAMILIES: dict[str, Family] = {}
 _BACKENDS: dict[str, Backend] = {}
-_REGISTRY: dict[str, Substitution] = {}
+#: substitutions registered one by one (:func:`register`, the entry points)
+_REGISTERED: dict[str, Substitution] = {}
+#: derived names taken out by :func:`unregister`
+_REMOVED: set[str] = set()
+#: derived substitutions made so far, and the backends' answers: dropped on any change
+_MADE: dict[str, Substitution] = {}
+_ANSWERS: dict[tuple[str, str, str], str | None] = {}
 _LOCK = threading.RLock()
 _LOADED = False
 
@@ -77,28 +88,21 @@ def _ensure_loaded() -> None:
     with _LOCK:
         if _LOADED:
             return
-        builtin = _builtin_backends()
         for family in BUILTIN_FAMILIES:
             _FAMILIES.setdefault(family.name, family)
-        for backend in builtin:
+        for backend in _builtin_backends():
             _BACKENDS.setdefault(backend.name, backend)
-        for backend in builtin:
-            for family in BUILTIN_FAMILIES:
-                for sub in backend.substitutions(family):
-                    _REGISTRY.setdefault(sub.name, sub)
         # set before the entry points: they call register(), which calls back here
         _LOADED = True
-        load_entry_points()
+        _load_entry_points()
 
 
 def _builtin_backends() -> list[Backend]:
-    """The builtin declarations, imported by name as a plugin's are (a backend module may
-    use the registry: a pickled model names a per-family class its module makes on demand).
-    A module that fails to import is skipped with a warning, like a broken plugin."""
+    """The builtin declarations, imported by name as a plugin's are. A module that fails
+    to import is skipped with a warning, like a broken plugin."""
     found = []
     for module_name in builtin_modules():
         try:
-            # vars(), not getattr(): a backend module's __getattr__ may ask the registry
             backend = vars(importlib.import_module(module_name)).get("BACKEND")
         except Exception as exc:
             warnings.warn(
@@ -108,6 +112,171 @@ def _builtin_backends() -> list[Backend]:
         if isinstance(backend, Backend):
             found.append(backend)
     return found
+
+
+def _changed() -> None:
+    """Forget what was derived (a family, backend or substitution came or went)."""
+    _MADE.clear()
+    _ANSWERS.clear()
+
+
+# --- what is derived ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One substitution the registry offers, read without making it: its name, family,
+    backend (a variant's name included), slot and description, and why it cannot run
+    here (:meth:`unmet_requirement`). ``layerswap list`` shows these; making the
+    :class:`Substitution` (:func:`get`) imports its layers.
+    """
+
+    name: str
+    family: str
+    backend: str
+    slot: str
+    description: str
+    requirement: Callable[[], str | None]
+
+    def unmet_requirement(self) -> str | None:
+        """Why the substitution cannot run here, or ``None`` when it can."""
+        return self.requirement()
+
+
+def _refused(backend: Backend, family: Family, slot: str) -> str | None:
+    """The backend's reason for not expressing ``family``'s ``slot`` (asked once)."""
+    key = (backend.name, family.name, slot)
+    if key not in _ANSWERS:
+        _ANSWERS[key] = backend.unsupported(family, slot)
+    return _ANSWERS[key]
+
+
+def _derivable(name: str) -> tuple[Family, Backend, str, str | None] | None:
+    """The family, backend, slot and variant ``name`` is derived from, when the registry
+    has all of them (whether the backend supports the family is not asked here)."""
+    family_name, _, rest = name.partition(".")
+    slot, _, backend_name = rest.partition(".")
+    family = _FAMILIES.get(family_name)
+    if family is None:
+        return None
+    for backend in _BACKENDS.values():
+        if backend_name == backend.name:
+            variant = None
+        elif backend_name.startswith(backend.name + "_"):
+            variant = backend_name[len(backend.name) + 1 :]
+            if variant not in {v.name for v in backend.variants if slot in v.slots}:
+                continue
+        else:
+            continue
+        if slot in backend.slots:
+            return family, backend, slot, variant
+    return None
+
+
+def _derived_offers(family: Family, backend: Backend) -> list[Offer]:
+    offers = []
+    for slot, implementation in backend.slots.items():
+        name = f"{family.name}.{slot}.{backend.name}"
+        if _refused(backend, family, slot) is not None:
+            continue
+        offers.append(
+            Offer(
+                name,
+                family.name,
+                backend.name,
+                slot,
+                implementation.description,
+                backend.requirement,
+            )
+        )
+        for variant in backend.variants:
+            if slot not in variant.slots:
+                continue
+            offers.append(
+                Offer(
+                    f"{name}_{variant.name}",
+                    family.name,
+                    f"{backend.name}_{variant.name}",
+                    slot,
+                    variant.description or f"{implementation.description} ({variant.name})",
+                    _both(backend.requirement, variant.unmet_requirement),
+                )
+            )
+    return offers
+
+
+def _both(
+    first: Callable[[], str | None], then: Callable[[], str | None]
+) -> Callable[[], str | None]:
+    def requirement() -> str | None:
+        reason = first()
+        return reason if reason is not None else then()
+
+    return requirement
+
+
+def _made(name: str) -> Substitution | None:
+    """The derived substitution ``name`` (made once), ``None`` when none is offered."""
+    if name in _REMOVED:
+        return None
+    made = _MADE.get(name)
+    if made is not None:
+        return made
+    found = _derivable(name)
+    if found is None:
+        return None
+    family, backend, slot, variant = found
+    if _refused(backend, family, slot) is not None:
+        return None
+    made = backend.substitution(family, slot, variant=variant)
+    _MADE[name] = made
+    return made
+
+
+def _all_offers() -> dict[str, Offer]:
+    """Every substitution offered, by name: derived ones, then those registered."""
+    found = {
+        offer.name: offer
+        for family in _FAMILIES.values()
+        for backend in _BACKENDS.values()
+        for offer in _derived_offers(family, backend)
+        if offer.name not in _REMOVED
+    }
+    for sub in _REGISTERED.values():
+        found[sub.name] = Offer(
+            sub.name, sub.family, sub.backend, sub.slot, sub.description, sub.unmet_requirement
+        )
+    return found
+
+
+def offers(
+    family: str | None = None, backend: str | None = None, slot: str | None = None
+) -> list[Offer]:
+    """What :func:`substitutions` lists, without making any: no layer is imported.
+
+    Example::
+
+        [(o.name, o.unmet_requirement()) for o in layerswap.registry.offers(family="llama")]
+    """
+    _ensure_loaded()
+    with _LOCK:
+        found = _all_offers()
+    return sorted(
+        (
+            offer
+            for offer in found.values()
+            if (family is None or offer.family == family)
+            and (backend is None or offer.backend == backend)
+            and (slot is None or offer.slot == slot)
+        ),
+        key=lambda offer: offer.name,
+    )
+
+
+def _existing(name: str) -> Substitution | None:
+    """The substitution registered or derived under ``name``, if any."""
+    registered = _REGISTERED.get(name)
+    return registered if registered is not None else _made(name)
 
 
 # --- families -----------------------------------------------------------------------
@@ -133,9 +302,9 @@ def get_family(name: str | Family) -> Family:
 
 
 def register_family(family: Family, *, replace: bool = False) -> list[Substitution]:
-    """Add a family and every registered backend's substitutions for it.
+    """Add a family; every registered backend's substitutions for it are derived from now.
 
-    Returns the substitutions registered. Example::
+    Returns the substitutions it gets. Example::
 
         register_family(Family(name="ministral", model_type="ministral", ...))
         layerswap.swap(model, backend="fused")
@@ -152,7 +321,9 @@ def register_family(family: Family, *, replace: bool = False) -> list[Substituti
         _check_free(derived, replace)
         _FAMILIES[family.name] = family
         for sub in derived:
-            _REGISTRY[sub.name] = sub
+            _REGISTERED.pop(sub.name, None)
+            _REMOVED.discard(sub.name)
+        _changed()
         return derived
 
 
@@ -166,9 +337,11 @@ def unregister_family(name: str) -> Family:
     _ensure_loaded()
     with _LOCK:
         family = get_family(name)
-        for sub_name in [key for key, sub in _REGISTRY.items() if sub.family == family.name]:
-            del _REGISTRY[sub_name]
+        for sub_name in [key for key, sub in _REGISTERED.items() if sub.family == family.name]:
+            del _REGISTERED[sub_name]
+        _REMOVED.difference_update({n for n in _REMOVED if n.startswith(f"{family.name}.")})
         del _FAMILIES[family.name]
+        _changed()
         return family
 
 
@@ -216,14 +389,28 @@ def backend_of(sub: Substitution) -> Backend | None:
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> list[Substitution]:
-    """Add a backend and its substitutions for every registered family it supports.
+    """Add a backend: its substitutions for every registered family it supports are
+    derived from now (families registered later get them too).
 
-    Families registered later get this backend's substitutions too. Returns the
-    substitutions registered. Example::
+    Returns the substitutions it offers. Example::
 
         layerswap.register_backend(MY_BACKEND)
         layerswap.get("llama.decoder.mine")
     """
+    added = _add_backend_lazily(backend, replace=replace)
+    if not added:
+        return []
+    with _LOCK:
+        return [
+            sub
+            for family in _FAMILIES.values()
+            for sub in backend.substitutions(family)
+            if sub.name not in _REGISTERED
+        ]
+
+
+def _add_backend_lazily(backend: Backend, *, replace: bool) -> bool:
+    """Register ``backend`` without deriving anything; ``False`` when it already was."""
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend() takes a Backend, not {type(backend).__name__}")
     if not re.fullmatch(r"[\w\-]+", backend.name):
@@ -250,15 +437,29 @@ def register_backend(backend: Backend, *, replace: bool = False) -> list[Substit
                 f"backend {backend.name!r} would name substitutions {clash[0]!r}, which the "
                 f"{taken[clash[0]]!r} backend names already"
             )
-        derived = [sub for family in _FAMILIES.values() for sub in backend.substitutions(family)]
-        stale = [] if existing is None else _of_backend(existing)
-        _check_free([sub for sub in derived if sub.name not in stale], replace)
-        for name in stale:
-            del _REGISTRY[name]
-        _BACKENDS[backend.name] = backend
+        stale = set(existing.names()) if existing is not None else set()
+        # a registered substitution under a name the backend derives must be the same one
+        derived = [
+            sub for family in _FAMILIES.values() for sub in _registered_clashes(backend, family)
+        ]
+        _check_free([sub for sub in derived if sub.backend not in stale], replace)
+        for name in [key for key, sub in _REGISTERED.items() if sub.backend in stale]:
+            del _REGISTERED[name]
         for sub in derived:
-            _REGISTRY[sub.name] = sub
-        return derived
+            _REGISTERED.pop(sub.name, None)
+        _REMOVED.difference_update({n for n in _REMOVED if n.rpartition(".")[2] in stale})
+        _BACKENDS[backend.name] = backend
+        _changed()
+        return existing is None or existing != backend or replace
+
+
+def _registered_clashes(backend: Backend, family: Family) -> list[Substitution]:
+    """``backend``'s substitutions for ``family`` whose names are registered one by one
+    (made only for those names)."""
+    names = {f"{family.name}.{slot}.{name}" for slot in backend.slots for name in backend.names()}
+    if not names & set(_REGISTERED):
+        return []
+    return [sub for sub in backend.substitutions(family) if sub.name in _REGISTERED]
 
 
 def unregister_backend(name: str) -> Backend:
@@ -271,14 +472,13 @@ def unregister_backend(name: str) -> Backend:
     _ensure_loaded()
     with _LOCK:
         backend = get_backend(name)
-        for sub_name in _of_backend(backend):
-            del _REGISTRY[sub_name]
+        names = set(backend.names())
+        for sub_name in [key for key, sub in _REGISTERED.items() if sub.backend in names]:
+            del _REGISTERED[sub_name]
+        _REMOVED.difference_update({n for n in _REMOVED if n.rpartition(".")[2] in names})
         del _BACKENDS[backend.name]
+        _changed()
         return backend
-
-
-def _of_backend(backend: Backend) -> list[str]:
-    return [key for key, sub in _REGISTRY.items() if sub.backend in backend.names()]
 
 
 def _check_free(subs: list[Substitution], replace: bool) -> None:
@@ -286,7 +486,7 @@ def _check_free(subs: list[Substitution], replace: bool) -> None:
     if replace:
         return
     for sub in subs:
-        existing = _REGISTRY.get(sub.name)
+        existing = _REGISTERED.get(sub.name)
         if existing is not None and existing != sub:
             raise SubstitutionError(
                 f"a different substitution is already registered as {sub.name!r}; "
@@ -314,8 +514,14 @@ def register(sub: Substitution, *, replace: bool = False) -> Substitution:
         )
     _ensure_loaded()
     with _LOCK:
-        _check_free([sub], replace)
-        _REGISTRY[sub.name] = sub
+        existing = _existing(sub.name)
+        if existing is not None and existing != sub and not replace:
+            raise SubstitutionError(
+                f"a different substitution is already registered as {sub.name!r}; "
+                "pass replace=True to replace it"
+            )
+        _REGISTERED[sub.name] = sub
+        _REMOVED.discard(sub.name)
     return sub
 
 
@@ -323,18 +529,23 @@ def unregister(name: str) -> Substitution:
     """Remove a substitution from the registry and return it."""
     _ensure_loaded()
     with _LOCK:
-        if name not in _REGISTRY:
+        existing = _existing(name)
+        if existing is None:
             raise UnknownSubstitutionError(
-                f"no substitution named {name!r}{_suggest(name, _REGISTRY)}"
+                f"no substitution named {name!r}{_suggest(name, _all_offers())}"
             )
-        return _REGISTRY.pop(name)
+        _REGISTERED.pop(name, None)
+        if _derivable(name) is not None:
+            _REMOVED.add(name)
+        _MADE.pop(name, None)
+        return existing
 
 
 def get(name: str | Substitution) -> Substitution:
     """The registered substitution called ``name`` (a :class:`Substitution` is returned as is).
 
-    Unknown names raise :class:`UnknownSubstitutionError` listing the closest names.
-    Example::
+    Made when first asked for: only the family's own modeling module is imported. Unknown
+    names raise :class:`UnknownSubstitutionError` listing the closest names. Example::
 
         sub = layerswap.get("llama.decoder.fused")
     """
@@ -343,31 +554,31 @@ def get(name: str | Substitution) -> Substitution:
     if not isinstance(name, str):
         raise TypeError(f"get() takes a name or a Substitution, not {type(name).__name__}")
     _ensure_loaded()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
+    with _LOCK:
+        found = _existing(name)
+        if found is not None:
+            return found
         refused = _refusal(name)
         if refused is not None:
-            raise UnknownSubstitutionError(f"no substitution named {name!r}: {refused}") from None
+            raise UnknownSubstitutionError(f"no substitution named {name!r}: {refused}")
         raise UnknownSubstitutionError(
-            f"no substitution named {name!r}{_suggest(name, _REGISTRY)}"
-        ) from None
+            f"no substitution named {name!r}{_suggest(name, _all_offers())}"
+        )
 
 
 def _refusal(name: str) -> str | None:
-    """Why ``<family>.<slot>.<backend>`` is not registered when its family, slot and backend
+    """Why ``<family>.<slot>.<backend>`` is not offered when its family, slot and backend
     all are: the backend's own reason for refusing that family's slot."""
-    family_name, _, rest = name.partition(".")
-    slot, _, backend_name = rest.partition(".")
-    with _LOCK:
-        family = _FAMILIES.get(family_name)
-        backend = next((b for b in _BACKENDS.values() if backend_name in b.names()), None)
-    if family is None or backend is None or slot not in backend.slots:
+    if name in _REMOVED:
         return None
-    reason = backend.unsupported(family, slot)
+    found = _derivable(name)
+    if found is None:
+        return None
+    family, backend, slot, _ = found
+    reason = _refused(backend, family, slot)
     if reason is None:
         return None
-    return f"the {backend.name} backend does not express {family_name}'s {slot}: {reason}"
+    return f"the {backend.name} backend does not express {family.name}'s {slot}: {reason}"
 
 
 def substitutions(
@@ -375,23 +586,15 @@ def substitutions(
 ) -> list[Substitution]:
     """Registered substitutions, sorted by name, optionally filtered by family, backend, slot.
 
+    Each is made when listed (its layers imported); :func:`offers` lists them without.
     Example::
 
         [s.name for s in layerswap.substitutions(backend="fused", slot="head")]
     """
-    _ensure_loaded()
+    found = offers(family=family, backend=backend, slot=slot)
     with _LOCK:
-        found = list(_REGISTRY.values())
-    return sorted(
-        (
-            sub
-            for sub in found
-            if (family is None or sub.family == family)
-            and (backend is None or sub.backend == backend)
-            and (slot is None or sub.slot == slot)
-        ),
-        key=lambda sub: sub.name,
-    )
+        made = [_existing(offer.name) for offer in found]
+    return [sub for sub in made if sub is not None]
 
 
 # --- entry points -------------------------------------------------------------------
@@ -429,16 +632,22 @@ def _load_group(group: str, kind: type[T], add: Callable[[T], list[Any]]) -> lis
     return added
 
 
-def _add_backend(backend: Backend) -> list[Substitution]:
+def _add_backend(backend: Backend) -> list[Backend]:
     if _BACKENDS.get(backend.name) == backend:
         return []
-    return [*register_backend(backend)]
+    _add_backend_lazily(backend, replace=False)
+    return [backend]
 
 
 def _add_substitution(sub: Substitution) -> list[Substitution]:
-    if _REGISTRY.get(sub.name) == sub:
+    if _REGISTERED.get(sub.name) == sub:
         return []
     return [register(sub)]
+
+
+def _load_entry_points() -> tuple[list[Backend], list[Substitution]]:
+    added = _load_group(BACKEND_ENTRY_POINT_GROUP, Backend, _add_backend)
+    return added, _load_group(ENTRY_POINT_GROUP, Substitution, _add_substitution)
 
 
 def load_entry_points() -> list[Substitution]:
@@ -448,7 +657,7 @@ def load_entry_points() -> list[Substitution]:
     Called on first use of the registry; call it again after installing a plugin in
     a running process. A plugin that fails to load is skipped with a warning naming
     it, so one broken package does not take the registry down. Returns the
-    substitutions registered.
+    substitutions registered (a backend's: each family it supports).
 
     A plugin declares, e.g. in ``pyproject.toml``::
 
@@ -457,6 +666,14 @@ def load_entry_points() -> list[Substitution]:
         [project.entry-points."layerswap.substitutions"]
         mine = "my_pkg.layers:substitutions"   # a Substitution, an iterable, or a callable
     """
-    added = _load_group(BACKEND_ENTRY_POINT_GROUP, Backend, _add_backend)
-    added += _load_group(ENTRY_POINT_GROUP, Substitution, _add_substitution)
-    return added
+    _ensure_loaded()
+    added_backends, added = _load_entry_points()
+    return [
+        *(
+            sub
+            for backend in added_backends
+            for sub in substitutions(backend=None)
+            if sub.backend in backend.names()
+        ),
+        *added,
+    ]

@@ -22,22 +22,21 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-import torch
-
-from layerswap import hf_internals
 from layerswap.errors import (
     ConversionError,
     RequirementError,
     SubstitutionError,
     UpstreamDriftError,
 )
-from layerswap.family import Family, resolve, transformers_version
-from layerswap.weights import LayoutConverter, is_extra_state
+from layerswap.family import Family, resolve
+from layerswap.versions import transformers_version
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedConfig
 
     from layerswap.backend import Variant
+    from layerswap.weights import LayoutConverter
 
 __all__ = [
     "UNPROVEN_TENSOR_PARALLEL",
@@ -122,6 +121,8 @@ def _attention_class(original: type, config: PreTrainedConfig | None) -> type | 
     """The class of the original layer's ``self_attn`` (built on the meta device), if any."""
     if config is None:
         return None
+    import torch
+
     try:
         with torch.device("meta"):
             layer = original(config, 0)
@@ -145,6 +146,8 @@ def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = Non
 
         check_call_contract(layerswap.get("llama.decoder.fused"), config)
     """
+    from layerswap import hf_internals
+
     version = transformers_version()
     supported, why = hf_internals.transformers_support(version)
     if not supported:
@@ -202,6 +205,10 @@ def check_structure(sub: Substitution, config: PreTrainedConfig) -> None:
     the replacement's; then converts back. Raises :class:`UpstreamDriftError`
     naming the family, what differs and the transformers version.
     """
+    import torch
+
+    from layerswap.weights import is_extra_state
+
     check_call_contract(sub, config)
     version = transformers_version()
     original_cls = sub.original_class()
@@ -366,6 +373,8 @@ class Substitution:
 
         ``config`` is the model's; a multimodal wrapper's layers read its text config.
         """
+        from layerswap import hf_internals
+
         config = hf_internals.text_config_of(config)
         if self.upstream is None:
             check_call_contract(self, config)

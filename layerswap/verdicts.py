@@ -19,13 +19,27 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["directory", "key_for", "layerswap_digest", "read", "stored", "versions", "write"]
+from layerswap.versions import transformers_version
+
+__all__ = [
+    "directory",
+    "key_for",
+    "layerswap_digest",
+    "read",
+    "remembered",
+    "stored",
+    "versions",
+    "write",
+]
 
 
 def directory() -> Path:
@@ -122,3 +136,75 @@ def write(key: str, verdict: dict[str, Any], kind: str | None = None) -> bool:
     except OSError:
         return False
     return True
+
+
+# --- answers about the installed transformers, kept per release -----------------------
+
+_ANSWERS: dict[str, dict[str, Any]] = {}
+_ANSWERS_LOCK = threading.Lock()
+
+
+def remembered(
+    kind: str, key: str, compute: Callable[[], str | None], *, module: str | None = None
+) -> str | None:
+    """``compute()``, answered once per transformers release and layerswap source.
+
+    What a backend says about a family from transformers' source (why its head cannot
+    take a causal LM, why a tiny layer has an attention it cannot run) costs an import of
+    the modeling module; the answer is kept on disk, one table per ``kind``, so that
+    ``layerswap list`` imports no modeling module after the first time. ``module`` names
+    the transformers module the answer reads: an edited file (its size or time changed)
+    is asked again. ``key`` says what was asked (a family's declaration).
+
+    Example::
+
+        remembered("head", family_key, lambda: head_refusal(family), module=family.module)
+    """
+    stamp = _source_stamp(module) if module is not None else None
+    with _ANSWERS_LOCK:
+        table = _answers(kind)
+        entry = table.get(key)
+        if isinstance(entry, dict) and entry.get("stamp") == stamp and "answer" in entry:
+            answer = entry["answer"]
+            return answer if answer is None else str(answer)
+    answer = compute()
+    with _ANSWERS_LOCK:
+        table = _answers(kind)
+        table[key] = {"answer": answer, "stamp": stamp}
+        write(_answers_key(kind), table, kind="answers")
+    return answer
+
+
+def _answers_key(kind: str) -> str:
+    text = json.dumps([transformers_version(), layerswap_digest(), kind])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _answers(kind: str) -> dict[str, Any]:
+    """The table of ``kind``, read from disk once per process."""
+    table = _ANSWERS.get(kind)
+    if table is None:
+        table = read(_answers_key(kind), kind="answers") or {}
+        _ANSWERS[kind] = table
+    return table
+
+
+@functools.cache
+def _distribution(name: str) -> importlib.metadata.Distribution | None:
+    try:
+        return importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _source_stamp(module: str) -> str | None:
+    """The size and modification time of ``module``'s file, found without importing it."""
+    distribution = _distribution(module.partition(".")[0])
+    if distribution is None:
+        return None
+    try:
+        path = Path(str(distribution.locate_file(module.replace(".", "/") + ".py")))
+        status = path.stat()
+    except (OSError, ValueError):
+        return None
+    return f"{status.st_size}:{status.st_mtime_ns}"

@@ -7,7 +7,11 @@ they never run. Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too
 those edges count, except to the importer's own packages (they ran before it). Lazy imports of third-party packages are not edges.
 
 Prints, per module: its lines and the layerswap modules it imports; then every import
-cycle, and every import of an underscore name (or module) from another folder.
+cycle, and every import of an underscore name (or module) from another folder. A module
+may also name another by string, to be imported when called: ``Lazy("layerswap.x:f")``
+(a backend declaration's layers), ``import_module("layerswap.x")``, ``resolve(...)``.
+Those targets are counted and listed apart (they run at call time, not import time, so
+they make no import cycle), and each must exist: a missing module or function is an error.
 
     python scripts/module_graph.py            # the listing
     python scripts/module_graph.py --check    # exit 1 on a cycle or a private reach
@@ -114,6 +118,58 @@ def graph(
     return edges, private
 
 
+#: calls whose first argument names a module (and maybe a function in it) to import later
+_NAMING_CALLS = ("Lazy", "import_module", "resolve")
+
+
+def named_targets(known: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """module -> the ``"layerswap.mod[:name]"`` targets it names in :data:`_NAMING_CALLS`."""
+    known = modules() if known is None else known
+    found: dict[str, set[str]] = {name: set() for name in known}
+    for module, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            first = node.args[0]
+            if (
+                called in _NAMING_CALLS
+                and isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+                and first.value.split(".")[0] == PACKAGE
+            ):
+                found[module].add(first.value)
+    return found
+
+
+def unresolved(targets: dict[str, set[str]], known: dict[str, Path]) -> list[tuple[str, str]]:
+    """(namer, target) for each target whose module or top-level name does not exist."""
+    missing = []
+    for namer, named in targets.items():
+        for target in sorted(named):
+            module, _, name = target.partition(":")
+            if module not in known:
+                missing.append((namer, target))
+                continue
+            if name and name.split(".")[0] not in _top_level_names(known[module]):
+                missing.append((namer, target))
+    return missing
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
 def _private_module(name: str) -> bool:
     last = name.rpartition(".")[2]
     return last.startswith("_") and not last.startswith("__")
@@ -168,24 +224,35 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 on a cycle or private reach")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 on a cycle, a private reach or a named target that does not exist",
+    )
     parser.add_argument("--root", type=Path, default=ROOT, help="the package folder to read")
     args = parser.parse_args(argv)
     known = modules(args.root)
     edges, private = graph(known)
+    targets = named_targets(known)
     for module in sorted(known):
         lines = len(known[module].read_text(encoding="utf-8").splitlines())
         imported = ", ".join(sorted(edges[module])) or "-"
-        print(f"{module} ({lines} lines) -> {imported}")
+        later = ", ".join(sorted(targets[module]))
+        print(f"{module} ({lines} lines) -> {imported}" + (f"; names {later}" if later else ""))
     found = cycles(edges)
-    print(f"\n{len(known)} modules, {sum(map(len, edges.values()))} imports")
+    missing = unresolved(targets, known)
+    named = sum(map(len, targets.values()))
+    print(f"\n{len(known)} modules, {sum(map(len, edges.values()))} imports, {named} named")
     print(f"cycles: {len(found)}")
     for component in found:
         print("  " + " <-> ".join(component))
     print(f"underscore names imported from another folder: {len(private)}")
     for importer, source, name in private:
         print(f"  {importer} imports {source}.{name}")
-    return 1 if args.check and (found or private) else 0
+    print(f"named targets that do not exist: {len(missing)}")
+    for namer, target in missing:
+        print(f"  {namer} names {target}")
+    return 1 if args.check and (found or private or missing) else 0
 
 
 if __name__ == "__main__":

@@ -169,3 +169,27 @@ def test_the_import_graph_has_no_cycles_and_no_private_reaches() -> None:
     assert private == []
     # the script sees a cycle when there is one
     assert graph["cycles"]({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+
+
+def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:
+    """A declaration names its layers by string (``Lazy("layerswap.backends.fused:...")``),
+    imported when called; the graph counts those names and each must resolve, or a
+    renamed function would surface only when a user first asks for the substitution."""
+    graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
+    targets = graph["named_targets"]()
+    assert (
+        "layerswap.backends.fused:layer_class" in targets["layerswap.backends.declarations.fused"]
+    )
+    assert graph["unresolved"](targets, graph["modules"]()) == []
+    package = tmp_path / "layerswap"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def made(): ...\n")
+    (package / "b.py").write_text(
+        'Lazy("layerswap.a:made")\nLazy("layerswap.a:gone")\nimport_module("layerswap.c")\n'
+    )
+    known = graph["modules"](package)
+    assert graph["unresolved"](graph["named_targets"](known), known) == [
+        ("layerswap.b", "layerswap.a:gone"),
+        ("layerswap.b", "layerswap.c"),
+    ]

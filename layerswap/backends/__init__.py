@@ -1,11 +1,13 @@
-"""The builtin backends, one module each with its declaration (``BACKEND``).
+"""The builtin backends: each declared in :mod:`layerswap.backends.declarations` (data,
+read without importing torch or transformers), its layers in a module here.
 
-A backend module declares a :class:`~layerswap.backend.Backend` named ``BACKEND``: its
-implementation per slot, converter, requirement, the families it supports and its
-variants. The registry imports this package's public modules (:func:`builtin_modules`)
-by name when first used and registers each ``BACKEND`` it finds, exactly as it loads a third-party backend from the
-``layerswap.backends`` entry-point group; importing a backend module must not need its
-optional dependencies (those are its ``requirement``).
+A backend's declaration (a :class:`~layerswap.backend.Backend` named ``BACKEND``) names
+its implementation per slot, converter, requirement, the families it supports and its
+variants; the registry imports the declarations by name when first used and registers
+each ``BACKEND`` it finds, exactly as it loads a third-party backend from the
+``layerswap.backends`` entry-point group. The layer modules (``fused``, ``liger``, ``te``,
+``head_fused``, ``head_liger``) are imported when a substitution is made; importing one
+does not need its optional dependencies (those are its ``requirement``).
 
 Every builtin backend's decoder layer derives from ``_layer.DecoderLayer``, which holds the
 transformers decoder-layer contract (forward signature, residual structure, cache update,
@@ -15,16 +17,6 @@ from ``head.CausalLMHead``.
 
 from __future__ import annotations
 
-import pkgutil
+from layerswap.backends.declarations import builtin_modules
 
 __all__ = ["builtin_modules"]
-
-
-def builtin_modules() -> tuple[str, ...]:
-    """The public modules of this package, by name: those holding a ``BACKEND`` are the
-    builtin backends (adding one is adding its module, no list to edit)."""
-    return tuple(
-        f"{__name__}.{module.name}"
-        for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)
-        if not module.name.startswith("_")
-    )

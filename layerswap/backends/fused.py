@@ -33,12 +33,12 @@ from torch import nn
 from transformers.activations import ACT2CLS, ACT2FN
 
 from layerswap import hf_internals
-from layerswap.backend import Backend, Implementation
 from layerswap.backends import _layer
 from layerswap.backends._original import original_numbers
-from layerswap.backends.head_fused import HEAD
+from layerswap.backends.declarations.fused import BACKEND
 from layerswap.errors import RequirementError, UpstreamDriftError
-from layerswap.family import Family, transformers_version
+from layerswap.family import Family
+from layerswap.versions import transformers_version
 from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, qkv_sizes
 
 if TYPE_CHECKING:
@@ -616,26 +616,6 @@ def layer_class(family: Family) -> type[FusedDecoderLayer]:
     (``layerswap.backends.fused:FusedLlamaDecoderLayer``), so pickled models load.
     """
     return _layer.family_layer_class(FusedDecoderLayer, family)
-
-
-#: the ``fused`` backend: its decoder layer for every family, and its head
-BACKEND = Backend(
-    name="fused",
-    description="pure PyTorch, CPU and GPU: fused projections, F.rms_norm, SDPA",
-    slots={
-        "decoder": Implementation(
-            replacement=layer_class,
-            converter=converter_for,
-            description=(
-                "pure PyTorch, CPU and GPU: fused QKV and gate/up projections, F.rms_norm, "
-                "scaled_dot_product_attention with GQA"
-            ),
-        ),
-        "head": HEAD,
-    },
-    # tests/test_parallel.py: tensor parallel and FSDP loading equal the original
-    tensor_parallel=None,
-)
 
 
 def __getattr__(name: str) -> Any:

@@ -52,11 +52,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerswap.backend import Implementation
+from layerswap.backends.declarations.head_slot import head_refusal, head_slot
 from layerswap.errors import ParallelismError, UnsupportedModelError, UpstreamDriftError
-from layerswap.family import Family, transformers_version
+from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform
 from layerswap.registry import families
 from layerswap.substitution import Substitution, UpstreamCheck
+from layerswap.versions import transformers_version
 from layerswap.weights import Converter
 
 if TYPE_CHECKING:
@@ -440,28 +442,13 @@ def head_implementation(
         Backend(name="mine", slots={"head": head_implementation(MyHead, description="...")})
     """
     module = sys.modules[base.__module__].__name__
-    prefix = base.backend.capitalize()
-
-    def replacement(family: Family) -> str:
-        return f"{module}:{prefix}{family.causal_lm}"
-
-    return Implementation(
-        replacement=replacement,
-        converter=_no_conversion,
-        description=description,
-        supports=head_refusal,
-        upstream=upstream,
-        context=fused_loss_in_eval,
-    )
+    return head_slot(module, base.backend.capitalize(), description=description, upstream=upstream)
 
 
-def head_refusal(family: Family) -> str | None:
-    """Why the head substitution cannot take ``family``'s causal LM, ``None`` when it can.
-
-    The reason :func:`head_contract` gives for a forward it does not reproduce (the
-    mixture-of-experts causal LMs add the router's load-balancing loss to the loss), so
-    the registry does not offer a ``<family>.head.*`` substitution that would refuse.
-    """
+def read_head_refusal(family: Family) -> str | None:
+    """Why the head substitution cannot take ``family``'s causal LM, read from its source
+    now (:func:`~layerswap.backends.declarations.head_slot.head_refusal` keeps the answer per
+    transformers release)."""
     try:
         head_contract(family.causal_lm_class())
     except UpstreamDriftError as exc:
@@ -469,5 +456,6 @@ def head_refusal(family: Family) -> str | None:
     return None
 
 
-def _no_conversion(family: Family) -> Converter:
+def no_conversion(family: Family) -> Converter:
+    """A head converts no weights."""
     return Converter()

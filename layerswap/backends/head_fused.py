@@ -26,12 +26,8 @@ from typing import Any, ClassVar
 import torch
 
 from layerswap.backend import Implementation
-from layerswap.backends.head import (
-    CausalLMHead,
-    head_class,
-    head_class_named,
-    head_implementation,
-)
+from layerswap.backends.declarations.fused import BACKEND
+from layerswap.backends.head import CausalLMHead, head_class, head_class_named
 from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform, linear_cross_entropy
 
@@ -69,14 +65,8 @@ def fused_head_class(family: Family) -> type[torch.nn.Module]:
     return head_class(FusedHead, family)
 
 
-#: the ``fused`` backend's ``head`` slot (:data:`layerswap.backends.fused.BACKEND`)
-HEAD: Implementation = head_implementation(
-    FusedHead,
-    description=(
-        "pure PyTorch, CPU and GPU: in training, linear + cross-entropy chunk by chunk "
-        "(never the full logits; logits None)"
-    ),
-)
+#: the ``fused`` backend's ``head`` slot, as declared (:mod:`layerswap.backends.declarations.fused`)
+HEAD: Implementation = BACKEND.slots["head"]
 
 
 def __getattr__(name: str) -> Any:

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from layerswap.backend import Implementation
+from layerswap.backends.declarations.liger import BACKEND
 from layerswap.backends.head import (
     CausalLMHead,
     check_head,
     head_class,
     head_class_named,
     head_contract,
-    head_implementation,
 )
 from layerswap.backends.liger_runtime import kernels, require_cuda
 from layerswap.errors import RequirementError
@@ -50,7 +50,7 @@ from layerswap.substitution import Substitution
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["HEAD", "LigerHead", "liger_head_class", "unreproducible"]
+__all__ = ["HEAD", "LigerHead", "check_liger_head", "liger_head_class", "unreproducible"]
 
 
 def unreproducible(steps: Sequence[tuple[str, Any]]) -> str | None:
@@ -115,7 +115,7 @@ def liger_head_class(family: Family) -> type[torch.nn.Module]:
     return head_class(LigerHead, family)
 
 
-def _check_liger_head(sub: Substitution, config: PreTrainedConfig) -> None:
+def check_liger_head(sub: Substitution, config: PreTrainedConfig) -> None:
     """The head still has the structure layerswap reads, in a form Liger's loss reproduces."""
     check_head(sub, config)
     reason = unreproducible(head_contract(sub.original_class()).steps)
@@ -123,15 +123,8 @@ def _check_liger_head(sub: Substitution, config: PreTrainedConfig) -> None:
         raise RequirementError(f"{sub.name} cannot reproduce this head: {reason}")
 
 
-#: the ``liger`` backend's ``head`` slot (:data:`layerswap.backends.liger.BACKEND`)
-HEAD: Implementation = head_implementation(
-    LigerHead,
-    description=(
-        "Liger-Kernel, GPU only: in training, Liger's fused linear cross-entropy "
-        "(never the full logits; logits None)"
-    ),
-    upstream=_check_liger_head,
-)
+#: the ``liger`` backend's ``head`` slot, as declared (:mod:`layerswap.backends.declarations.liger`)
+HEAD: Implementation = BACKEND.slots["head"]
 
 
 def __getattr__(name: str) -> Any:

@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerswap.backend import Backend, Dependency, Implementation
 from layerswap.backends import _layer
 from layerswap.backends._original import OriginalNumbers, original_numbers
-from layerswap.backends.head_liger import HEAD
+from layerswap.backends.declarations.liger import (
+    BACKEND,
+    mlp_names,
+    qkv_names,
+    unsupported,
+)
 from layerswap.backends.liger_runtime import (
     NO_CUDA,
     NOT_INSTALLED,
@@ -72,8 +75,10 @@ __all__ = [
     "LigerDecoderLayer",
     "LigerMLP",
     "LigerRMSNorm",
+    "converter_for",
     "kernels",
     "layer_class",
+    "tiny_config_problem",
     "unmet_requirement",
     "unsupported",
 ]
@@ -125,99 +130,16 @@ def _config_problem(
     return None
 
 
-@functools.cache
-def unsupported(family: Family) -> str | None:
-    """Why the ``liger`` layer cannot express ``family``, or ``None``.
-
-    Every norm placement, q/k norms per head or across heads, the norm offset, biases,
-    GQA, sliding windows (through the mask) and residual multipliers map onto the layer.
-    Judged on the family's default configuration (its tiny config); a config you bring is
-    checked again when a layer is built.
-
-    Example::
-
-        liger.unsupported(layerswap.families()["gemma2"])   # "... soft-capping ..."
-    """
-    if getattr(family, "attention_sinks", False):
-        return "the liger layer's attention has no attention sinks (this family's self_attn.sinks)"
-    switch = getattr(family, "norm_switch", None)
-    if switch is not None:
-        return (
-            "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm "
-            f"where {switch[0]} is unset)"
-        )
-    if getattr(family, "norm", "rms") != "rms":
-        return "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)"
-    if getattr(family, "parallel", False):
-        return "the liger layer runs attention, then the MLP (this family runs them in parallel)"
-    if getattr(family, "rotary", "half") != "half":
-        return (
-            "Liger's RoPE kernel rotates halves of each head by the angle (this family's "
-            f"rotary layout is {getattr(family, 'rotary', None)})"
-        )
-    if family.rotary_layers != "all":
-        return (
-            "the liger layer applies Liger's RoPE kernel on every layer (this family skips it "
-            f"on some: {family.rotary_layers})"
-        )
-    if getattr(family, "qk_norm", False) == "head_weights":
-        return "the liger layer's q/k norms have one weight for all heads (this family's: one per head)"
-    if getattr(family, "qk_norm_switch", None) is not None:
-        return (
-            "the liger layer's q/k norms are fixed per family (this family's follow "
-            f"{getattr(family, 'qk_norm_switch', None)})"
-        )
-    if getattr(family, "mlp", "gated") == "original":
-        return (
-            "Liger's SwiGLU/GeGLU kernels compute dense gated MLPs; this family keeps the "
-            f"original's {getattr(family, 'mlp_class', None)}, a mixture-of-experts block"
-        )
-    if getattr(family, "mlp", "gated") != "gated":
-        return (
-            "Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is "
-            f"{getattr(family, 'mlp', None)!r}"
-        )
-    if len(_qkv_names(family)) not in (1, 3) or len(_mlp_names(family)) not in (2, 3):
-        return (
-            f"the liger layer keeps q/k/v and the MLP as one or three projections "
-            f"(this family: {_qkv_names(family)}, {_mlp_names(family)})"
-        )
-    if not getattr(family, "norm_scale", True):
-        return "Liger's RMSNorm kernel scales by a learned weight (this family's norms have none)"
-    if getattr(family, "qk_norm_after_rotary", False) or getattr(
-        family, "qk_norm_modules", ("q_norm", "k_norm")
-    ) != ("q_norm", "k_norm"):
-        return (
-            "the liger layer's q/k norms are q_norm/k_norm before the rotary embedding (this "
-            f"family's: {'/'.join(getattr(family, 'qk_norm_modules', ()))}"
-            f"{', after it' if getattr(family, 'qk_norm_after_rotary', False) else ''})"
-        )
-    if getattr(family, "query_scale", None) is not None:
-        return (
-            "the liger layer does not scale queries by their position (this family's "
-            f"{getattr(family, 'query_scale', None)} attention temperature)"
-        )
-    if getattr(family, "clip_qkv", None) is not None:
-        return (
-            "the liger layer does not clamp q, k and v (this family clamps them where "
-            f"{getattr(family, 'clip_qkv', None)} is set)"
-        )
+def tiny_config_problem(family: Family) -> str | None:
+    """Why Liger's layer cannot compute ``family``'s layer with its tiny config (built
+    here: its activation, soft-capping, dropout), ``None`` when it can or when the tiny
+    layer cannot be built (then judged per layer)."""
     try:
         config = family.tiny_config()
         numbers = original_numbers(family, config, 0)
     except Exception:  # a family whose tiny layer cannot be built here: judged per layer
         return None
     return _config_problem(family, config, numbers)
-
-
-def _qkv_names(family: Family) -> tuple[str, ...]:
-    """The original's q/k/v projections: three, or one where it fuses them (Phi-3)."""
-    return tuple(getattr(family, "qkv_modules", ("q_proj", "k_proj", "v_proj")))
-
-
-def _mlp_names(family: Family) -> tuple[str, ...]:
-    """The original's MLP projections: gate, up, down, or gate_up, down (Phi-3)."""
-    return tuple(getattr(family, "mlp_modules", ("gate_proj", "up_proj", "down_proj")))
 
 
 # --- the layer ------------------------------------------------------------------------------
@@ -280,7 +202,7 @@ class LigerAttention(nn.Module):
         self.is_causal = not getattr(config, "use_bidirectional_attention", False)
         qkv_bias = family.flag("qkv_bias", config)
         # under the original's names: q_proj, k_proj, v_proj, or one qkv_proj ([q | k | v])
-        self.qkv_names = _qkv_names(family)
+        self.qkv_names = qkv_names(family)
         self.sizes = (q_size, kv_size, kv_size)
         widths = (sum(self.sizes),) if len(self.qkv_names) == 1 else self.sizes
         for name, width in zip(self.qkv_names, widths, strict=True):
@@ -390,7 +312,7 @@ class LigerMLP(nn.Module):
         self.kernel = kernel
         # under the original's names: gate_proj, up_proj, down_proj, or gate_up_proj
         # (gate first) and down_proj
-        self.names = _mlp_names(family)
+        self.names = mlp_names(family)
         hidden, inner = config.hidden_size, config.intermediate_size
         widths = (inner, inner) if len(self.names) == 3 else (2 * inner,)
         for name, width in zip(self.names[:-1], widths, strict=True):
@@ -486,41 +408,9 @@ def layer_class(family: Family) -> type[LigerDecoderLayer]:
     return _layer.family_layer_class(LigerDecoderLayer, family)
 
 
-def _converter(family: Family) -> Converter:
+def converter_for(family: Family) -> Converter:
+    """The liger layer's converter: none needed (the original's weights, unrenamed)."""
     return CONVERTER
-
-
-#: the ``liger`` backend: its decoder layer (where :func:`unsupported` finds nothing) and head
-BACKEND = Backend(
-    name="liger",
-    description="Liger-Kernel's Triton kernels inside layerswap's decoder layer and head",
-    slots={
-        "decoder": Implementation(
-            replacement=layer_class,
-            converter=_converter,
-            supports=unsupported,
-            description=(
-                "Liger-Kernel's Triton kernels, GPU only: RMSNorm, SwiGLU/GeGLU and RoPE in "
-                "the original's modules and weights, scaled_dot_product_attention with GQA"
-            ),
-        ),
-        "head": HEAD,
-    },
-    requirement=unmet_requirement,
-    devices=("cuda",),
-    tensor_parallel=(
-        "the liger layers split their packed projections per rank as the fused ones do, "
-        "but have not run sharded on a GPU yet"
-    ),
-    dependencies=(
-        Dependency(
-            label="Liger-Kernel",
-            module="liger_kernel",
-            distribution="liger-kernel",
-            install="pip install 'layerswap[liger]' on a CUDA machine",
-        ),
-    ),
-)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """What the ``liger`` backend needs at run time: liger-kernel, a GPU, and its kernels.
 
-Shared by the decoder layer (:mod:`layerswap.backends.liger`) and the head
+Shared by the decoder layer, the declaration (:mod:`layerswap.backends.declarations.liger`) (:mod:`layerswap.backends.liger`) and the head
 (:mod:`layerswap.backends.head_liger`). Nothing here imports Liger-Kernel until asked.
 """
 
@@ -10,10 +10,12 @@ import functools
 import importlib
 import importlib.util
 from types import ModuleType
-
-import torch
+from typing import TYPE_CHECKING
 
 from layerswap.errors import RequirementError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NOT_INSTALLED", "NO_CUDA", "kernels", "require_cuda", "unmet_requirement"]
 
@@ -46,6 +48,8 @@ def unmet_requirement() -> str | None:
     """
     if not _installed():
         return NOT_INSTALLED
+    import torch
+
     if not torch.cuda.is_available():
         return NO_CUDA
     try:

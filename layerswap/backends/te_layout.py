@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from layerswap.backends._original import original_numbers
+from layerswap.backends.declarations.te import unexpressible
 from layerswap.errors import SubstitutionError
-from layerswap.family import GATED_MLP, PRE_NORMS, SEPARATE_QKV
 from layerswap.weights import (
     Concat,
     Converter,
@@ -232,88 +232,6 @@ class TELayerSpec:
         )
 
 
-def unexpressible(family: Family) -> str | None:
-    """Why TransformerEngine's layer cannot express ``family``'s structure, or ``None``.
-
-    TE fuses one norm into the q/k/v GEMM and one into the MLP's first GEMM, so only
-    Llama's placement (a norm before attention and one before the MLP) maps; its q/k
-    norms are per head, with one weight for all heads; its layer runs attention, then
-    the MLP, and rotates halves of each head.
-    """
-    if getattr(family, "attention_sinks", False):
-        return (
-            "TransformerEngine's attention has no attention sinks (this family's self_attn.sinks)"
-        )
-    if family.norm_switch is not None:
-        return (
-            "the te layer maps RMSNorm only (this family's norm is a LayerNorm where "
-            f"{family.norm_switch[0]} is unset)"
-        )
-    if family.parallel:
-        return "the te layer runs attention, then the MLP (this family runs them in parallel)"
-    if family.rotary != "half":
-        return (
-            "the te layer applies the rotate-half rotary embedding (this family's rotary "
-            f"layout is {family.rotary})"
-        )
-    if family.rotary_layers != "all":
-        return (
-            "the te layer applies the rotary embedding on every layer (this family skips it "
-            f"on some: {family.rotary_layers})"
-        )
-    if family.norms != PRE_NORMS:
-        places = ", ".join(place for place, _ in family.norms)
-        return f"TransformerEngine's layer has norms before attention and the MLP only (this family: {places})"
-    if family.qk_norm == "across":
-        return "TransformerEngine's q/k norm is per head; this family normalises across heads"
-    if family.qk_norm == "head_weights":
-        return "TransformerEngine's q/k norm has one weight for all heads; this family's has one per head"
-    if family.qk_norm_switch is not None:
-        return f"the te layer's q/k norms are fixed per family (this family's follow {family.qk_norm_switch})"
-    if family.norm != "rms":
-        return f"the te layer maps RMSNorm only (this family's norm is {_NORM_NAMES[family.norm]})"
-    if family.mlp == "original":
-        return (
-            f"the te layer maps gated MLPs only (this family keeps the original's "
-            f"{family.mlp_class}, a mixture-of-experts block)"
-        )
-    if family.mlp != "gated":
-        # TE's LayerNormMLP has ungated activations, but the te layer and converter map
-        # the gated MLP only
-        return f"the te layer maps gated MLPs only (this family's MLP is {family.mlp})"
-    if (family.qkv_modules, family.mlp_modules) != (SEPARATE_QKV, GATED_MLP):
-        return (
-            "the te converter maps separate q/k/v and gate/up projections (this family's "
-            f"original has {', '.join((*family.qkv_modules, *family.mlp_modules))})"
-        )
-    if not family.norm_scale:
-        return "TransformerEngine's norms have a learned weight (this family's norms have none)"
-    if family.qk_norm_after_rotary or family.qk_norm_modules != ("q_norm", "k_norm"):
-        return (
-            "the te layer's q/k norms are q_norm/k_norm before the rotary embedding (this "
-            f"family's: {'/'.join(family.qk_norm_modules)}"
-            f"{', after it' if family.qk_norm_after_rotary else ''})"
-        )
-    if family.query_scale is not None:
-        return (
-            "the te layer does not scale queries by their position (this family's "
-            f"{family.query_scale} attention temperature)"
-        )
-    if family.clip_qkv is not None:
-        return (
-            "the te layer does not clamp q, k and v (this family clamps them where "
-            f"{family.clip_qkv} is set)"
-        )
-    return None
-
-
-_NORM_NAMES = {
-    "rms": "an RMSNorm",
-    "layer": "a LayerNorm",
-    "layer_nobias": "a LayerNorm without a bias",
-}
-
-
 def _sliding_window(config: PreTrainedConfig, layer_idx: int) -> int | None:
     """The layer's sliding window, the way the modeling code decides it."""
     window = getattr(config, "sliding_window", None)
@@ -324,3 +242,19 @@ def _sliding_window(config: PreTrainedConfig, layer_idx: int) -> int | None:
         # qwen2/qwen3: per-layer; mistral has no layer_types and slides everywhere
         return int(window) if layer_types[layer_idx] == "sliding_attention" else None
     return int(window)
+
+
+def tiny_config_dropout(family: Family) -> str | None:
+    """Why the te layer cannot take ``family``'s default configuration (its tiny config,
+    built here): dropout after the output projections; ``None`` when it can or no tiny
+    config is built here (then judged per layer, :meth:`TELayerSpec.for_layer`)."""
+    try:
+        dropout = family.residual_dropout_p(family.tiny_config())
+    except Exception:  # no tiny config here: judged per layer
+        return None
+    if not dropout:
+        return None
+    return (
+        "the te layer applies no dropout after the output projections (this "
+        f"family's default {family.residual_dropout}={dropout}; set it to 0 to use te)"
+    )

@@ -97,12 +97,12 @@ def list_command(
         _list_coverage(json_output)
         return
     with exit_codes():
-        from layerswap.registry import substitutions
+        from layerswap.registry import offers
 
         if family is not None:
             family = find_family(family).name
         rows: list[dict[str, Any]] = []
-        for sub in substitutions(family=family, backend=backend):
+        for sub in offers(family=family, backend=backend):
             reason = sub.unmet_requirement()
             rows.append(
                 {
@@ -205,15 +205,16 @@ def patch(
     """Build a model, swap its decoder layers, verify against the original, report."""
     with exit_codes(), Progress(not json_output) as progress:
         from layerswap.cli.saving import save_target
-        from layerswap.proof import comparing
-        from layerswap.swap import swap
-        from layerswap.verify import verify as run_verification
-        from layerswap.verify.inputs import inputs_for
 
         if overwrite and save is None:
             raise UsageProblem("--overwrite applies to --save: pass --save DIR")
         target = save_target(save, overwrite) if save is not None else None
         setup = build(choice, progress)
+        from layerswap.proof import comparing
+        from layerswap.swap import swap
+        from layerswap.verify import verify as run_verification
+        from layerswap.verify.inputs import inputs_for
+
         report = None
         if verify:
             progress.step("verifying against the original")
@@ -316,10 +317,10 @@ def verify_command(
 ) -> None:
     """Verify a substitution against the original model, layer by layer."""
     with exit_codes(), Progress(not json_output) as progress:
+        setup = build(choice, progress)
         from layerswap.verify import verify as run_verification
         from layerswap.verify.inputs import inputs_for
 
-        setup = build(choice, progress)
         progress.step("verifying against the original")
         try:
             report = run_verification(

@@ -104,9 +104,7 @@ def _refuse_path(name: str, option: str) -> None:
 
 def _refuse_model_type(model_type: str) -> None:
     """A transformers model type no family covers: why, as coverage says it."""
-    from transformers import CONFIG_MAPPING
-
-    if model_type not in CONFIG_MAPPING:
+    if model_type not in _model_types():
         return
     from layerswap.coverage import why_not_covered
 
@@ -114,6 +112,26 @@ def _refuse_model_type(model_type: str) -> None:
         f"{model_type} is a transformers model type that layerswap does not cover: "
         f"{why_not_covered(model_type)}"
     )
+
+
+def _model_types() -> set[str]:
+    """The installed transformers' model types, read once per release (importing its
+    config mapping takes seconds; a typo is answered without it)."""
+    from layerswap import verdicts
+
+    names = verdicts.remembered(
+        "model-types",
+        "config-mapping",
+        _read_model_types,
+        module="transformers.models.auto.configuration_auto",
+    )
+    return set((names or "").split())
+
+
+def _read_model_types() -> str:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return " ".join(sorted(CONFIG_MAPPING_NAMES))
 
 
 def _choose_substitution(choice: ModelChoice) -> tuple[Family, Substitution]:
@@ -243,9 +261,10 @@ def build(choice: ModelChoice, progress: Progress) -> Setup:
     if choice.model is not None and choice.config == "tiny" and Path(choice.model).is_dir():
         # a checkpoint directory given to --model is what --config takes
         choice = dataclasses.replace(choice, model=None, config=choice.model)
+    # the family first: a typo is answered before torch and transformers are imported
+    family, sub = _choose_substitution(choice)
     target_device, target_dtype = _placement(choice.device, choice.dtype)
     _quiet_transformers()
-    family, sub = _choose_substitution(choice)
     reason = sub.unmet_requirement()
     if reason is not None:
         raise UsageProblem(f"{sub.name} cannot run here: {reason}")

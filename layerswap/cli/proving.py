@@ -31,9 +31,9 @@ def _shipped(module: str) -> bool:
 
 def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     """The check of one family: its static contract, then the behaviour proof."""
-    from layerswap.family import transformers_version
     from layerswap.proof import prove
     from layerswap.registry import get, get_backend, get_family
+    from layerswap.versions import transformers_version
 
     name = f"{family}.decoder.{backend}"
     refused = get_backend(backend).unsupported(get_family(family))

@@ -1,0 +1,121 @@
+"""The registry reads declarations, not layers: what users feel as a CLI that answers at
+once, and a ``get`` that imports only the family it is asked for."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import layerswap
+from layerswap import verdicts
+from layerswap.registry import offers
+
+
+def _run(code: str, cache: Path) -> dict[str, object]:
+    """``code`` in a fresh interpreter (answers kept under ``cache``); the JSON it prints."""
+    env = {**os.environ, "LAYERSWAP_CACHE": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+LISTING = """
+    import json, sys
+    from layerswap.registry import offers
+    rows = [(offer.name, offer.unmet_requirement()) for offer in offers()]
+    modeling = [m for m in sys.modules if ".modeling_" in m]
+    print(json.dumps({"rows": len(rows), "torch": "torch" in sys.modules,
+                      "transformers": "transformers" in sys.modules, "modeling": modeling}))
+"""
+
+
+def test_listing_imports_no_torch_transformers_or_layer_once_answered(tmp_path: Path) -> None:
+    """The first listing on a transformers release reads each causal LM's source (the head
+    slot's refusals) and keeps the answers; from then on ``layerswap list`` reads only
+    declarations."""
+    first = _run(LISTING, tmp_path)
+    assert first["rows"] == len(layerswap.substitutions())
+    again = _run(LISTING, tmp_path)
+    assert again == {"rows": first["rows"], "torch": False, "transformers": False, "modeling": []}
+
+
+def test_get_imports_no_other_familys_modeling_module(tmp_path: Path) -> None:
+    """Making ``qwen3.decoder.fused`` reads qwen3's declaration and the fused backend's;
+    no other family's modeling module is imported (transformers' own auto mapping aside)."""
+    found = _run(
+        """
+        import json, sys, layerswap
+        layerswap.get("qwen3.decoder.fused")
+        print(json.dumps({"modeling": sorted(m for m in sys.modules
+                          if m.startswith("transformers.models.") and ".modeling_" in m
+                          and not m.startswith("transformers.models.auto."))}))
+        """,
+        tmp_path,
+    )
+    assert set(found["modeling"]) <= {"transformers.models.qwen3.modeling_qwen3"}
+
+
+def test_an_unknown_family_is_answered_without_torch(tmp_path: Path) -> None:
+    """A typo on the command line: the error, with close names, before torch is imported."""
+    env = {**os.environ, "LAYERSWAP_CACHE": str(tmp_path)}
+    code = (
+        "import sys\nfrom layerswap.cli import main\n"
+        "try:\n    main(['patch', '--model', 'lama'])\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert "did you mean llama" in done.stderr
+    assert done.stdout.split() == ["2", "False", "False"]
+
+
+def test_offers_are_what_substitutions_makes() -> None:
+    made = {sub.name: sub for sub in layerswap.substitutions()}
+    listed = {offer.name: offer for offer in offers()}
+    assert set(listed) == set(made)
+    for name, offer in listed.items():
+        sub = made[name]
+        assert (offer.family, offer.backend, offer.slot, offer.description) == (
+            sub.family,
+            sub.backend,
+            sub.slot,
+            sub.description,
+        )
+        assert offer.unmet_requirement() == sub.unmet_requirement()
+
+
+def test_an_answer_is_kept_per_release_and_asked_again_when_its_source_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LAYERSWAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(verdicts, "_ANSWERS", {})
+    stamp = {"now": "100:1"}
+    monkeypatch.setattr(verdicts, "_source_stamp", lambda module: stamp["now"])
+    asked: list[int] = []
+
+    def compute() -> str:
+        asked.append(1)
+        return f"answer {len(asked)}"
+
+    module = "transformers.models.llama.modeling_llama"
+    assert verdicts.remembered("test", "llama", compute, module=module) == "answer 1"
+    monkeypatch.setattr(verdicts, "_ANSWERS", {})  # a new process: read from disk
+    assert verdicts.remembered("test", "llama", compute, module=module) == "answer 1"
+    assert len(asked) == 1
+    stamp["now"] = "101:2"  # the modeling file was edited
+    assert verdicts.remembered("test", "llama", compute, module=module) == "answer 2"
+    assert list(tmp_path.joinpath("answers").glob("*.json"))
