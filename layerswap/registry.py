@@ -18,12 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import importlib.metadata
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,6 +56,7 @@ __all__ = [
     "unregister",
     "unregister_backend",
     "unregister_family",
+    "visible",
 ]
 
 ENTRY_POINT_GROUP = "layerswap.substitutions"
@@ -66,10 +69,14 @@ _REGISTERED: dict[str, Substitution] = {}
 #: derived names taken out by :func:`unregister`
 _REMOVED: set[str] = set()
 #: derived substitutions made so far, and the backends' answers: dropped on any change
-_MADE: dict[str, Substitution] = {}
-_ANSWERS: dict[tuple[str, str, str], str | None] = {}
+_MADE: dict[str, tuple[Family, Backend, Substitution]] = {}
+_ANSWERS: dict[tuple[str, str, str], tuple[Family, Backend, str | None]] = {}
 _LOCK = threading.RLock()
 _LOADED = False
+#: families seen by this thread (and its tasks) only: :func:`visible`
+_VISIBLE: contextvars.ContextVar[dict[str, Family] | None] = contextvars.ContextVar(
+    "layerswap_visible_families", default=None
+)
 
 T = TypeVar("T")
 
@@ -146,9 +153,12 @@ class Offer:
 def _refused(backend: Backend, family: Family, slot: str) -> str | None:
     """The backend's reason for not expressing ``family``'s ``slot`` (asked once)."""
     key = (backend.name, family.name, slot)
-    if key not in _ANSWERS:
-        _ANSWERS[key] = backend.unsupported(family, slot)
-    return _ANSWERS[key]
+    known = _ANSWERS.get(key)
+    if known is not None and known[0] is family and known[1] is backend:
+        return known[2]
+    answer = backend.unsupported(family, slot)
+    _ANSWERS[key] = (family, backend, answer)
+    return answer
 
 
 def _derivable(name: str) -> tuple[Family, Backend, str, str | None] | None:
@@ -156,7 +166,7 @@ def _derivable(name: str) -> tuple[Family, Backend, str, str | None] | None:
     has all of them (whether the backend supports the family is not asked here)."""
     family_name, _, rest = name.partition(".")
     slot, _, backend_name = rest.partition(".")
-    family = _FAMILIES.get(family_name)
+    family = _family(family_name)
     if family is None:
         return None
     for backend in _BACKENDS.values():
@@ -219,25 +229,25 @@ def _made(name: str) -> Substitution | None:
     """The derived substitution ``name`` (made once), ``None`` when none is offered."""
     if name in _REMOVED:
         return None
-    made = _MADE.get(name)
-    if made is not None:
-        return made
     found = _derivable(name)
     if found is None:
         return None
     family, backend, slot, variant = found
+    made = _MADE.get(name)
+    if made is not None and made[0] is family and made[1] is backend:
+        return made[2]
     if _refused(backend, family, slot) is not None:
         return None
-    made = backend.substitution(family, slot, variant=variant)
-    _MADE[name] = made
-    return made
+    sub = backend.substitution(family, slot, variant=variant)
+    _MADE[name] = (family, backend, sub)
+    return sub
 
 
 def _all_offers() -> dict[str, Offer]:
     """Every substitution offered, by name: derived ones, then those registered."""
     found = {
         offer.name: offer
-        for family in _FAMILIES.values()
+        for family in families().values()
         for backend in _BACKENDS.values()
         for offer in _derived_offers(family, backend)
         if offer.name not in _REMOVED
@@ -282,10 +292,15 @@ def _existing(name: str) -> Substitution | None:
 # --- families -----------------------------------------------------------------------
 
 
+def _family(name: str) -> Family | None:
+    visible = _VISIBLE.get() or {}
+    return visible[name] if name in visible else _FAMILIES.get(name)
+
+
 def families() -> dict[str, Family]:
     """All known families by name (builtin ones and those added by :func:`register_family`)."""
     _ensure_loaded()
-    return dict(_FAMILIES)
+    return {**_FAMILIES, **(_VISIBLE.get() or {})}
 
 
 def get_family(name: str | Family) -> Family:
@@ -293,12 +308,31 @@ def get_family(name: str | Family) -> Family:
     if isinstance(name, Family):
         return name
     _ensure_loaded()
-    try:
-        return _FAMILIES[name]
-    except KeyError:
+    found = _family(name)
+    if found is None:
         raise UnknownSubstitutionError(
-            f"no model family named {name!r}{_suggest(name, _FAMILIES)}"
-        ) from None
+            f"no model family named {name!r}{_suggest(name, families())}"
+        )
+    return found
+
+
+@contextlib.contextmanager
+def visible(family: Family) -> Iterator[Family]:
+    """Inside the block, ``family`` is known to this thread (and the tasks it starts) as if
+    registered; no other thread sees it, and nothing is left behind. Inference proves a
+    family it infers this way before anyone may register it.
+
+    Example::
+
+        with layerswap.registry.visible(candidate):
+            report = layerswap.verify(candidate.build(), backend.substitution(candidate))
+    """
+    _ensure_loaded()
+    token = _VISIBLE.set({**(_VISIBLE.get() or {}), family.name: family})
+    try:
+        yield family
+    finally:
+        _VISIBLE.reset(token)
 
 
 def register_family(family: Family, *, replace: bool = False) -> list[Substitution]:

@@ -119,3 +119,34 @@ def test_an_answer_is_kept_per_release_and_asked_again_when_its_source_changes(
     stamp["now"] = "101:2"  # the modeling file was edited
     assert verdicts.remembered("test", "llama", compute, module=module) == "answer 2"
     assert list(tmp_path.joinpath("answers").glob("*.json"))
+
+
+def test_a_visible_family_is_seen_by_its_own_thread_alone() -> None:
+    """How inference proves a family it inferred: known while proven, to that thread only,
+    never registered (two threads inferring at once cannot see each other's)."""
+    import dataclasses
+    import threading
+
+    from layerswap.errors import UnknownSubstitutionError
+    from layerswap.registry import families, get_family, visible
+
+    family = dataclasses.replace(get_family("llama"), name="llama_seen_here")
+    elsewhere: dict[str, bool] = {}
+    with visible(family):
+        assert get_family("llama_seen_here") is family
+        assert [o.name for o in offers(family="llama_seen_here", slot="decoder")] == [
+            "llama_seen_here.decoder.fused",
+            "llama_seen_here.decoder.liger",
+            "llama_seen_here.decoder.te",
+            "llama_seen_here.decoder.te_fp8",
+        ]
+        assert layerswap.get("llama_seen_here.decoder.fused").family == "llama_seen_here"
+        thread = threading.Thread(
+            target=lambda: elsewhere.update(known="llama_seen_here" in families())
+        )
+        thread.start()
+        thread.join()
+    assert elsewhere == {"known": False}
+    assert "llama_seen_here" not in families()
+    with pytest.raises(UnknownSubstitutionError):
+        layerswap.get("llama_seen_here.decoder.fused")

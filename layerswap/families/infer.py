@@ -1130,41 +1130,39 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
 def _verify_inferred(family: Family, where: str) -> None:
     """Refuse ``family`` unless its fused layer matches the original on a tiny model."""
     from layerswap.backends import fused
-    from layerswap.registry import families, register_family, unregister_family
+    from layerswap.registry import visible
     from layerswap.verify import verify
 
-    known = family.name in families()
     try:
-        if not known:
-            register_family(family)
-        # the structure and the forward and backward passes; decoding is proven at first
-        # use (layerswap.proof), once per versions, not here for every model type
-        report = verify(
-            family.build(seed=0), fused.BACKEND.substitution(family), backward=True, generate=0
-        )
-        if report.passed and family.residual_dropout is not None:
-            _verify_training_dropout(family, where)
-        if report.passed and family.clip_qkv is not None:
-            # the default config leaves the bound unset: prove the clamp where it bites
-            bound = {family.clip_qkv: CLAMP_THAT_BITES}
-            report = verify(
-                family.build(family.tiny_config(**bound), seed=0),
-                fused.BACKEND.substitution(family),
-                backward=True,
-                generate=0,
-            )
+        # known to this thread alone while it is proven: nothing is registered
+        with visible(family):
+            report = _verified(family, where, fused.BACKEND.substitution(family), verify)
     except Exception as exc:
         raise UnsupportedFamilyError(
             f"{where}: the inferred fused layer cannot run ({exc})"
         ) from exc
-    finally:
-        if not known:
-            unregister_family(family.name)
     if not report.passed:
         raise UnsupportedFamilyError(
             f"{where}: the structure fits, but the fused layer does not compute what the "
             f"original does: {report.failure_message()}"
         )
+
+
+def _verified(family: Family, where: str, sub: Any, verify: Any) -> Any:
+    """The report on ``family``'s fused layer: forward and backward, dropout and clamps
+    where the family has them."""
+    # the structure and the forward and backward passes; decoding is proven at first
+    # use (layerswap.proof), once per versions, not here for every model type
+    report = verify(family.build(seed=0), sub, backward=True, generate=0)
+    if report.passed and family.residual_dropout is not None:
+        _verify_training_dropout(family, where)
+    if report.passed and family.clip_qkv is not None:
+        # the default config leaves the bound unset: prove the clamp where it bites
+        bound = {family.clip_qkv: CLAMP_THAT_BITES}
+        report = verify(
+            family.build(family.tiny_config(**bound), seed=0), sub, backward=True, generate=0
+        )
+    return report
 
 
 def _scaled_rope(tiny_rope: Any, default_rope: Mapping[str, Any]) -> dict[str, Any]:
