@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import UnsupportedFamilyError
+from layerswap.families._inferred import INFERRED
 from layerswap.families._tiny import TINY
 from layerswap.family import (
     GATED_MLP,
@@ -55,62 +56,10 @@ from layerswap.family import (
 
 __all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 
-#: model types whose inferred declaration the generated tests verify in CI; the builtin
-#: families beyond the hand-written ones
-VERIFIED: tuple[str, ...] = (
-    "apertus",
-    "apertus1p5_text",
-    "arcee",
-    "aria_text",
-    "cohere",
-    "cohere2",
-    "cohere2_moe",
-    "cohere_compass_text",
-    "cwm",
-    "dots1",
-    "ernie4_5",
-    "ernie4_5_moe",
-    "exaone4",
-    "exaone_moe",
-    "flex_olmo",
-    "flint",
-    "gemma2",
-    "gemma3_text",
-    "glm",
-    "glm4",
-    "glm4_moe",
-    "gpt_oss",
-    "granite",
-    "granite_swa",
-    "granitemoe",
-    "helium",
-    "hunyuan_v1_dense",
-    "hunyuan_v1_moe",
-    "hy_v3",
-    "jais2",
-    "kolibri1",
-    "minimax_m2",
-    "minimax_m3_vl_text",
-    "ministral",
-    "ministral3",
-    "mixtral",
-    "nanochat",
-    "nemotron",
-    "olmo",
-    "olmo2",
-    "olmo3",
-    "olmoe",
-    "phi3",
-    "phimoe",
-    "qwen2_moe",
-    "qwen3_moe",
-    "seed_oss",
-    "smollm3",
-    "solar_open",
-    "stablelm",
-    "starcoder2",
-    "vaultgemma",
-)
+#: model types whose inferred declaration the generated tests verify in CI: the builtin
+#: families beyond the hand-written ones, read off their one list,
+#: ``layerswap/families/_inferred.py`` (``python scripts/gen_families.py --add TYPE``)
+VERIFIED: tuple[str, ...] = tuple(family.model_type for family in INFERRED)
 
 # the layouts of norms a decoder layer can have, by the names transformers gives them
 _NORM_LAYOUTS: dict[frozenset[str], tuple[tuple[str, str], ...]] = {
