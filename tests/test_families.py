@@ -30,6 +30,7 @@ from layerswap.registry import families, get_family
 # --- inference -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # infers every builtin model type
 def test_the_inferred_declarations_are_what_inference_gives_with_this_transformers() -> None:
     inferred = [infer_family(model_type, verify=False) for model_type in VERIFIED]
     assert list(INFERRED) == inferred, "stale: run python scripts/gen_families.py"

@@ -40,6 +40,7 @@ LISTING = """
 """
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_listing_imports_no_torch_transformers_or_layer_once_answered(tmp_path: Path) -> None:
     """The first listing on a transformers release reads each causal LM's source (the head
     slot's refusals) and keeps the answers; from then on ``layerswap list`` reads only
@@ -50,6 +51,7 @@ def test_listing_imports_no_torch_transformers_or_layer_once_answered(tmp_path: 
     assert again == {"rows": first["rows"], "torch": False, "transformers": False, "modeling": []}
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_get_imports_no_other_familys_modeling_module(tmp_path: Path) -> None:
     """Making ``qwen3.decoder.fused`` reads qwen3's declaration and the fused backend's;
     no other family's modeling module is imported (transformers' own auto mapping aside)."""
@@ -66,6 +68,7 @@ def test_get_imports_no_other_familys_modeling_module(tmp_path: Path) -> None:
     assert set(found["modeling"]) <= {"transformers.models.qwen3.modeling_qwen3"}
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_an_unknown_family_is_answered_without_torch(tmp_path: Path) -> None:
     """A typo on the command line: the error, with close names, before torch is imported."""
     env = {**os.environ, "LAYERSWAP_CACHE": str(tmp_path)}
