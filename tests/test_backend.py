@@ -193,3 +193,34 @@ def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:
         ("layerswap.b", "layerswap.a:gone"),
         ("layerswap.b", "layerswap.c"),
     ]
+
+
+def test_two_threads_making_a_familys_classes_get_the_same_ones() -> None:
+    """Per-family classes are made once (backends.per_family): two threads swapping the
+    same new family at once get one layer class and one head class, as a pickle names."""
+    import threading
+
+    from layerswap.backends._layer import family_layer_class
+    from layerswap.backends.head import head_class
+    from layerswap.backends.head_fused import FusedHead
+
+    family = dataclasses.replace(layerswap.get_family("llama"), name="llama_threads")
+    start = threading.Barrier(8)
+    made: list[tuple[type, type]] = []
+
+    def make() -> None:
+        start.wait()
+        made.append(
+            (family_layer_class(fused.FusedDecoderLayer, family), head_class(FusedHead, family))
+        )
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 8 and len(set(made)) == 1
+    layer, head = made[0]
+    assert layer.__qualname__ == "FusedLlamaThreadsDecoderLayer"
+    assert fused.FusedLlamaThreadsDecoderLayer is layer  # set in its module, for pickles
+    assert head.__qualname__ == "FusedLlamaForCausalLM" and head.__name__ == "LlamaForCausalLM"

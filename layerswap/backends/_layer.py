@@ -44,19 +44,18 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from layerswap import hf_internals
+from layerswap.backends.per_family import class_named, family_class
 from layerswap.errors import RequirementError, SwapWarning
 from layerswap.family import Family
-from layerswap.registry import families
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -370,8 +369,6 @@ def update_cache(
 
 # --- per-family classes and substitutions ---------------------------------------------
 
-_FAMILY_CLASSES: dict[tuple[type[DecoderLayer], Family], type[DecoderLayer]] = {}
-
 
 def _class_name(base: type[DecoderLayer], family: Family) -> str:
     camel = "".join(part[:1].upper() + part[1:] for part in re.split(r"[^0-9A-Za-z]+", family.name))
@@ -389,10 +386,10 @@ def family_layer_class(base: type[LayerT], family: Family) -> type[LayerT]:
 
         family_layer_class(FusedDecoderLayer, layerswap.families()["llama"])
     """
-    cls = _FAMILY_CLASSES.get((base, family))
-    if cls is None:
-        name = _class_name(base, family)
-        cls = type(
+    name = _class_name(base, family)
+
+    def make() -> type[LayerT]:
+        return type(
             name,
             (base,),
             {
@@ -402,9 +399,8 @@ def family_layer_class(base: type[LayerT], family: Family) -> type[LayerT]:
                 "__doc__": f"{base.summary} replacing {family.decoder} ({family.name}).",
             },
         )
-        _FAMILY_CLASSES[base, family] = cls
-        vars(sys.modules[base.__module__]).setdefault(name, cls)
-    return cast("type[LayerT]", cls)
+
+    return family_class(base, family, make, export=name)
 
 
 def family_layer_class_named(base: type[LayerT], name: str) -> type[LayerT]:
@@ -413,11 +409,9 @@ def family_layer_class_named(base: type[LayerT], name: str) -> type[LayerT]:
     A pickled model names its layer class; in a fresh process it is made on demand.
     :class:`AttributeError` when no family's class has that name.
     """
-    if name.startswith("__"):
-        # `from <module> import x` asks for __path__ first, maybe while the registry is
-        # loading this very module: no registry lookup for dunder names
-        raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
-    for family in families().values():
-        if _class_name(base, family) == name:
-            return family_layer_class(base, family)
-    raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
+    return class_named(
+        base,
+        name,
+        lambda family: _class_name(base, family),
+        lambda family: family_layer_class(base, family),
+    )

@@ -53,10 +53,10 @@ from torch import nn
 
 from layerswap.backend import Implementation
 from layerswap.backends.declarations.head_slot import head_refusal, head_slot
+from layerswap.backends.per_family import class_named, family_class
 from layerswap.errors import ParallelismError, UnsupportedModelError, UpstreamDriftError
 from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform
-from layerswap.registry import families
 from layerswap.substitution import Substitution, UpstreamCheck
 from layerswap.versions import transformers_version
 from layerswap.weights import Converter
@@ -367,10 +367,6 @@ def _var_keyword(signature: inspect.Signature, bound: inspect.BoundArguments) ->
     )
 
 
-_CLASSES: dict[tuple[type, str], type] = {}
-_CLASSES_LOCK = threading.Lock()
-
-
 def head_class(base: type[CausalLMHead], family: Family) -> type[nn.Module]:
     """``base`` mixed into ``family``'s causal LM class (made once, then cached).
 
@@ -380,20 +376,16 @@ def head_class(base: type[CausalLMHead], family: Family) -> type[nn.Module]:
     model loads.
     """
     original = family.causal_lm_class()
-    key = (base, family.name)
-    with _CLASSES_LOCK:
-        made = _CLASSES.get(key)
-        if made is not None and made._layerswap_original is original:  # type: ignore[attr-defined]
-            return made
-        qualname = f"{base.backend.capitalize()}{original.__name__}"
+    qualname = f"{base.backend.capitalize()}{original.__name__}"
 
+    def make() -> type[nn.Module]:
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             return CausalLMHead._layerswap_forward(self, *args, **kwargs)
 
         forward.__signature__ = inspect.signature(original.forward)  # type: ignore[attr-defined]
         forward.__doc__ = original.forward.__doc__
         forward.__qualname__ = f"{qualname}.forward"
-        made = type(
+        return type(
             original.__name__,
             (base, original),
             {
@@ -405,21 +397,25 @@ def head_class(base: type[CausalLMHead], family: Family) -> type[nn.Module]:
                 "_layerswap_contract": head_contract(original),
             },
         )
-        _CLASSES[key] = made
-        return made
+
+    # a class made for a causal LM that was since replaced (a patched module) is made again
+    return family_class(
+        base,
+        family,
+        make,
+        current=lambda made: getattr(made, "_layerswap_original", None) is original,
+    )
 
 
 def head_class_named(base: type[CausalLMHead], qualname: str) -> type[nn.Module]:
     """The head class called ``qualname`` (``FusedLlamaForCausalLM``), for unpickling."""
-    if qualname.startswith("__"):
-        # `from <module> import x` asks for __path__ first, maybe while the registry is
-        # loading this very module: no registry lookup for dunder names
-        raise AttributeError(f"module {base.__module__!r} has no attribute {qualname!r}")
     prefix = base.backend.capitalize()
-    for family in families().values():
-        if qualname == f"{prefix}{family.causal_lm}":
-            return head_class(base, family)
-    raise AttributeError(f"module {base.__module__!r} has no attribute {qualname!r}")
+    return class_named(
+        base,
+        qualname,
+        lambda family: f"{prefix}{family.causal_lm}",
+        lambda family: head_class(base, family),
+    )
 
 
 def check_head(sub: Substitution, config: PreTrainedConfig) -> None:
