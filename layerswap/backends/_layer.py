@@ -107,6 +107,9 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
     #: whether the layer records attention weights when ``output_attentions=True`` asks
     #: (through :func:`attention_weights_sink`); a layer that cannot warns instead
     records_attention_weights: ClassVar[bool] = False
+    #: what each branch is scaled by before the residual sum (Granite's
+    #: ``residual_multiplier``; 1 elsewhere)
+    residual_multiplier: float = 1.0
 
     @classmethod
     def declared_family(cls) -> Family:
@@ -197,12 +200,48 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         (:class:`~layerswap.hf_internals.LayerCache`; its ``cache`` is ``None`` when there
         is none). ``output_attentions`` is the call's own ``output_attentions=True`` (the
         config's and the model's request are found by :func:`attention_weights_sink`).
+
+        By default: the norms the family puts around attention (:meth:`_norm`, under the
+        original's names) around ``self.self_attn(normed, position_embeddings, mask,
+        cache)``, which also gets ``output_attentions`` where the layer
+        :attr:`records_attention_weights`. A backend whose attention holds its input norm
+        (TransformerEngine's ``LayerNormLinear``) writes its own.
         """
-        raise NotImplementedError
+        asked = {"output_attentions": output_attentions} if self.records_attention_weights else {}
+        attended: torch.Tensor = self.self_attn(
+            self._norm("attn_in", hidden_states),
+            position_embeddings,
+            attention_mask,
+            cache,
+            **asked,
+        )
+        return self._branch_out("attn_out", attended)
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The MLP branch, its norm included, without the residual."""
-        raise NotImplementedError
+        """The MLP branch, its norm included, without the residual.
+
+        By default: the family's MLP module (under the original's name, ``mlp`` or
+        GraniteMoE's ``block_sparse_moe``) between the norms the family puts around it. A
+        kept mixture-of-experts block may return (output, router scores): the output is
+        taken, as the original layer takes it.
+        """
+        mlp = self.get_submodule(self.declared_family().mlp_name)
+        mixed = mlp(self._norm("mlp_in", hidden_states))
+        if isinstance(mixed, tuple):
+            mixed = mixed[0]
+        return self._branch_out("mlp_out", mixed)
+
+    def _norm(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The family's norm at ``place`` (``attn_in``, ``attn_out``, ``mlp_in``,
+        ``mlp_out``), a submodule under the original's name, or nothing there."""
+        name = self.declared_family().norm_at(place)
+        return hidden_states if name is None else self.get_submodule(name)(hidden_states)
+
+    def _branch_out(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A branch's output before the residual sum: the norm at ``place``, then
+        ``residual_multiplier`` (Granite scales each branch)."""
+        out = self._norm(place, hidden_states)
+        return out * self.residual_multiplier if self.residual_multiplier != 1.0 else out
 
     def _call_context(self, hidden_states: torch.Tensor) -> AbstractContextManager[Any]:
         """The context one call runs in, after checking its input (none by default)."""

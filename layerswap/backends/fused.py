@@ -574,40 +574,6 @@ class FusedDecoderLayer(_layer.DecoderLayer):
             )
         self.residual_multiplier = numbers.residual_multiplier
 
-    def _norm(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
-        name = self.declared_family().norm_at(place)
-        return hidden_states if name is None else self.get_submodule(name)(hidden_states)
-
-    def _branch_out(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = self._norm(place, hidden_states)
-        # Granite scales each branch before the residual sum
-        return out * self.residual_multiplier if self.residual_multiplier != 1.0 else out
-
-    def _attention(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: LayerCache,
-        *,
-        output_attentions: bool = False,
-    ) -> torch.Tensor:
-        attended: torch.Tensor = self.self_attn(
-            self._norm("attn_in", hidden_states),
-            position_embeddings,
-            attention_mask,
-            cache,
-            output_attentions=output_attentions,
-        )
-        return self._branch_out("attn_out", attended)
-
-    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mlp = self.get_submodule(self.declared_family().mlp_name)
-        mixed = mlp(self._norm("mlp_in", hidden_states))
-        if isinstance(mixed, tuple):  # a kept mixture-of-experts block's (output, router
-            mixed = mixed[0]  # scores): gpt-oss's layer, too, takes the output alone
-        return self._branch_out("mlp_out", mixed)
-
 
 def layer_class(family: Family) -> type[FusedDecoderLayer]:
     """The fused decoder layer class for ``family`` (made once, then cached).

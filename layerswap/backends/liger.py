@@ -353,7 +353,7 @@ class LigerDecoderLayer(_layer.DecoderLayer):
                 f"{family.name}.decoder.liger cannot build this layer: {problem}"
             )
         self.self_attn = LigerAttention(config, layer_idx, family, numbers)
-        self.mlp = LigerMLP(config, family)
+        self.add_module(family.mlp_name, LigerMLP(config, family))
         # the norms under the original's names, wherever the family puts them; a norm
         # before attention or the MLP feeds projections only, so its backward may work in
         # place (Liger's default); one after joins the residual stream, so it may not
@@ -367,36 +367,6 @@ class LigerDecoderLayer(_layer.DecoderLayer):
     def _call_context(self, hidden_states: torch.Tensor) -> AbstractContextManager[Any]:
         require_cuda(hidden_states, self)
         return contextlib.nullcontext()
-
-    def _norm(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
-        name = self.declared_family().norm_at(place)
-        return hidden_states if name is None else self.get_submodule(name)(hidden_states)
-
-    def _branch_out(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = self._norm(place, hidden_states)
-        # Granite scales each branch before the residual sum
-        return out * self.residual_multiplier if self.residual_multiplier != 1.0 else out
-
-    def _attention(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: LayerCache,
-        *,
-        output_attentions: bool = False,  # SDPA computes no weights: the skeleton warns
-    ) -> torch.Tensor:
-        attended: torch.Tensor = self.self_attn(
-            self._norm("attn_in", hidden_states),
-            position_embeddings,
-            attention_mask,
-            cache,
-        )
-        return self._branch_out("attn_out", attended)
-
-    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mixed: torch.Tensor = self.mlp(self._norm("mlp_in", hidden_states))
-        return self._branch_out("mlp_out", mixed)
 
 
 def layer_class(family: Family) -> type[LigerDecoderLayer]:
