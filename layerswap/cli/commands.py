@@ -96,11 +96,14 @@ def list_command(
     if all_families:
         _list_coverage(json_output)
         return
-    with exit_codes():
+    with exit_codes(), Progress(not json_output) as progress:
         from layerswap.registry import offers
 
         if family is not None:
             family = find_family(family).name
+        # instant once answered; the first list on a transformers release reads each
+        # family's causal LM and builds the tiny layers liger and te judge
+        progress.step("reading the backends' answers for this transformers release")
         rows: list[dict[str, Any]] = []
         for sub in offers(family=family, backend=backend):
             reason = sub.unmet_requirement()
