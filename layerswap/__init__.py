@@ -63,6 +63,9 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap.registry import register_backend as register_backend
     from layerswap.registry import register_family as register_family
     from layerswap.registry import substitutions as substitutions
+    from layerswap.slots import Slot as Slot
+    from layerswap.slots import get_slot as get_slot
+    from layerswap.slots import register_slot as register_slot
     from layerswap.substitution import Substitution as Substitution
     from layerswap.swap import swap as swap
     from layerswap.use import replace_decoder as replace_decoder

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import SubstitutionError, UnsupportedFamilyError
 from layerswap.family import Family
+from layerswap.slots import slot_names
 from layerswap.substitution import (
-    SLOTS,
     UNPROVEN_TENSOR_PARALLEL,
     Substitution,
     UpstreamCheck,
@@ -177,10 +177,11 @@ class Backend:
     tensor_parallel: str | None = UNPROVEN_TENSOR_PARALLEL
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.slots) - set(SLOTS))
+        known = slot_names()
+        unknown = sorted(set(self.slots) - set(known))
         if unknown:
             raise SubstitutionError(
-                f"backend {self.name!r} declares unknown slots {unknown}; slots are {SLOTS}"
+                f"backend {self.name!r} declares unknown slots {unknown}; slots are {known}"
             )
         for variant in self.variants:
             missing = sorted(set(variant.slots) - set(self.slots))

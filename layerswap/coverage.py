@@ -29,7 +29,7 @@ from layerswap.families.infer import decoder_model_types, infer_family
 from layerswap.family import Family
 from layerswap.model import decoder_layers
 from layerswap.registry import backends, families, get_family, substitutions
-from layerswap.substitution import SLOTS
+from layerswap.slots import ModelParts, get_slot, slot_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -226,10 +226,10 @@ def model_coverage(target: str | Path | Family) -> ModelCoverage:
     family, config, source = _family_and_config(target)
     with torch.device("meta"):
         model = family.causal_lm_class()(config)
-    layers = decoder_layers(model)
+    parts = _parts(model, family)
     rows = []
     for backend in backends().values():
-        for slot in SLOTS:
+        for slot in slot_names():
             if slot not in backend.slots:
                 continue
             name = f"{family.name}.{slot}.{backend.name}"
@@ -237,7 +237,7 @@ def model_coverage(target: str | Path | Family) -> ModelCoverage:
             registered = {s.name: s for s in substitutions(family=family.name, slot=slot)}
             sub = registered.get(name)
             unmet = None if sub is None else sub.unmet_requirement()
-            replaces, keeps = _split(model, layers, slot, family) if reason is None else ((), ())
+            replaces, keeps = get_slot(slot).coverage(parts) if reason is None else ((), ())
             rows.append(SlotCoverage(name, backend.name, slot, reason, unmet, replaces, keeps))
     return ModelCoverage(family.name, source, tuple(rows))
 
@@ -282,15 +282,12 @@ def _holds_tensors(module: torch.nn.Module) -> bool:
     return bool(module._parameters) or bool(module._buffers)
 
 
-def _split(
-    model: torch.nn.Module, layers: list[tuple[str, torch.nn.Module]], slot: str, family: Family
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(what ``slot`` replaces, what stays the original's), as readable module names."""
+def _parts(model: torch.nn.Module, family: Family) -> ModelParts:
+    """``model``'s decoder layers and the modules outside them that hold tensors."""
+    layers = decoder_layers(model)
     layer_names = [name for name, _ in layers]
     kinds = sorted({type(layer).__name__ for _, layer in layers})
-    span = _layer_span(layer_names)
-    decoder = f"{span} ({', '.join(kinds)})"
-    own: list[str] = []
+    outside: list[str] = []
     listed: list[str] = []
     for name, module in model.named_modules():
         if (
@@ -300,17 +297,8 @@ def _split(
             or not _holds_tensors(module)
         ):
             continue
-        own.append(f"{name} ({type(module).__name__})")
+        outside.append(f"{name} ({type(module).__name__})")
         if name.rpartition(".")[2].isdigit():  # a kept layer: its modules go with it
             listed.append(name)
-    if slot == "decoder" and family.mlp == "original":
-        # a mixture-of-experts block stays the original's module inside the replacement
-        blocks = sorted(
-            {type(layer.get_submodule(family.mlp_name)).__name__ for _, layer in layers}
-        )
-        kept = f"{span}.{family.mlp_name} ({', '.join(blocks)}, the original's, inside the replacement)"
-        return (f"{decoder}: attention and norms",), (kept, *own)
-    if slot == "decoder":
-        return (decoder,), tuple(own)
-    head = f"the causal LM's loss and lm_head in training ({type(model).__name__})"
-    return (head,), (decoder, *own)
+    text = f"{_layer_span(layer_names)} ({', '.join(kinds)})"
+    return ModelParts(model, family, layers, text, tuple(outside))

@@ -1,8 +1,8 @@
 """What a swap hands back: what was swapped, and the way back.
 
 :class:`SwapHandle` is what every slot's swap returns: the decoder slot's
-(:class:`layerswap.swap.LayerSwapHandle`, layer by layer) and the head slot's
-(:class:`layerswap.heads.HeadSwapHandle`, a class swap). Each says what it swapped and
+(:class:`layerswap.slots.decoder.LayerSwapHandle`, layer by layer) and the head slot's
+(:class:`layerswap.slots.head.HeadSwapHandle`, a class swap). Each says what it swapped and
 how to undo it; being a context manager, undoing on exit, is shared here.
 """
 

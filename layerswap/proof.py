@@ -49,6 +49,7 @@ from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftE
 from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
 from layerswap.registry import backend_of, get, get_family
+from layerswap.slots import get_slot
 from layerswap.tokens import avoid_tokens, media_tokens
 
 if TYPE_CHECKING:
@@ -575,7 +576,7 @@ def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
 
         ensure_proven(layerswap.get("llama.decoder.fused"), model.config)
     """
-    if sub.slot != "decoder" or sub.upstream is None or _PROVING.get():
+    if not get_slot(sub.slot).proven_at_first_use or sub.upstream is None or _PROVING.get():
         return  # replace_decoder's classes take no converted weights: nothing to compare
     verdict = prove(sub, config)
     if verdict.passed:

@@ -29,6 +29,7 @@ from layerswap.errors import (
     UpstreamDriftError,
 )
 from layerswap.family import Family, resolve
+from layerswap.slots import get_slot
 from layerswap.versions import transformers_version
 
 if TYPE_CHECKING:
@@ -40,10 +41,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "UNPROVEN_TENSOR_PARALLEL",
-    "SLOTS",
     "Substitution",
     "UpstreamCheck",
     "check_call_contract",
+    "check_layer_call",
     "check_signature",
     "check_structure",
     "handled_parameters",
@@ -57,9 +58,6 @@ UNPROVEN_TENSOR_PARALLEL = (
     "not declare them so)"
 )
 
-#: what a substitution can replace: every decoder layer, or the causal LM's head and loss
-SLOTS = ("decoder", "head")
-
 UpstreamCheck: TypeAlias = "Callable[[Substitution, PreTrainedConfig], None]"
 
 
@@ -71,11 +69,7 @@ def original_of(family: Family, slot: str) -> str:
         original_of(layerswap.get_family("llama"), "head")
         # "transformers.models.llama.modeling_llama:LlamaForCausalLM"
     """
-    if slot == "decoder":
-        return f"{family.module}:{family.decoder}"
-    if slot == "head":
-        return f"{family.module}:{family.causal_lm}"
-    raise SubstitutionError(f"unknown slot {slot!r}; slots are {', '.join(SLOTS)}")
+    return get_slot(slot).original(family)
 
 
 def runs_anywhere(*args: Any, **options: Any) -> str | None:
@@ -152,8 +146,13 @@ def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = Non
     supported, why = hf_internals.transformers_support(version)
     if not supported:
         raise UpstreamDriftError(f"{sub.name}: transformers {version} is {why}")
-    if sub.slot != "decoder":
-        return
+    get_slot(sub.slot).check_call(sub, config)
+
+
+def check_layer_call(sub: Substitution, config: PreTrainedConfig | None = None) -> None:
+    """The decoder slot's part of :func:`check_call_contract`: the layer's (and its
+    attention's) call parameters, each handled by the replacement."""
+    version = transformers_version()
     original = sub.original_class()
     taken = _named_parameters(original.forward)
     if "position_embeddings" not in taken:
@@ -287,7 +286,7 @@ class Substitution:
     upstream: UpstreamCheck | None = check_structure
     description: str = ""
     #: what it replaces: ``"decoder"`` (every decoder layer) or ``"head"`` (the causal LM's
-    #: head and loss, a class swap of the model: :mod:`layerswap.heads`)
+    #: head and loss, a class swap of the model: :mod:`layerswap.slots.head`)
     slot: str = "decoder"
     #: what the slot's forward runs in during verification (the head's fused loss in
     #: eval mode), ``None``: nothing

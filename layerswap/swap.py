@@ -1,13 +1,10 @@
-"""Swapping the decoder layers of a model that already exists, and undoing it.
+"""Swapping a part of a model that already exists, and undoing it.
 
-Layers are converted one at a time (:func:`layerswap.layers.convert_layer`). Tensors
-that only change name (or not at all) move into the replacement as the very same
-``Parameter`` objects; tensors that are concatenated are computed, and the original
-parameters they came from are emptied (``param.data = <empty>``) right after their
-layer is swapped. Peak extra memory is therefore about one layer. The original layer
-objects are kept, so ``undo()`` puts them back (identity) and converts the weights back
-into their very same ``Parameter`` objects, bitwise (concatenation and splitting are
-exact).
+:func:`swap` finds the model's family and the substitution, and hands the model to the
+substitution's slot (:mod:`layerswap.slots`): the decoder slot swaps every decoder
+layer, converting its weights (:mod:`layerswap.slots.decoder`), the head slot the causal
+LM's head (:mod:`layerswap.slots.head`). Each returns a :class:`SwapHandle` that says what
+was swapped and undoes it.
 
 Example::
 
@@ -22,43 +19,18 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
-from layerswap import hf_internals
-from layerswap.errors import ParallelismError, SubstitutionError, SwapWarning
+from layerswap.errors import SubstitutionError, SwapWarning
 from layerswap.family import Family
 from layerswap.handle import SwapHandle
-from layerswap.heads import swap_head, unswap_head
-from layerswap.layers import (
-    build_replacement_layer,
-    convert_back,
-    convert_layer,
-    layer_index,
-    normal_tensors,
-)
-from layerswap.loading import conversion_transforms, model_attributes
-from layerswap.model import (
-    decoder_layers,
-    family_of,
-    layer_config,
-    locate,
-    pretrained_ancestors,
-    pretrained_owner,
-    substitution_of,
-    unwrap,
-)
-from layerswap.peft_targets import guard as guard_peft_targets
-from layerswap.proof import ensure_proven
+from layerswap.layers import build_replacement_layer
+from layerswap.model import decoder_layers, family_of, substitution_of, unwrap
 from layerswap.registry import get
+from layerswap.slots import get_slot
+from layerswap.slots.decoder import LayerSwapHandle
 from layerswap.substitution import Substitution
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
 
 __all__ = [
     "LayerSwapHandle",
@@ -71,99 +43,7 @@ __all__ = [
     "swap",
 ]
 
-_MISSING: Any = object()
-# forward hooks on an original layer (transformers' hidden-state capture among them)
-# keep firing on its replacement
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
 
-
-# --- per-layer work ---------------------------------------------------------------------
-
-
-@dataclass
-class _LayerRecord:
-    name: str
-    parent: nn.Module
-    key: str
-    original: nn.Module
-    replacement: nn.Module | None  # None once undone (its storage is released)
-    replacement_cls: type[nn.Module]
-    owner: nn.Module | None  # the PreTrainedModel whose forward records hidden states
-    name_in_owner: str
-    capture_installed: bool  # whether transformers had hooked the owner at swap time
-
-
-def _carry_state(original: nn.Module, replacement: nn.Module) -> None:
-    """What the model set on ``original`` besides its weights: hooks, checkpointing, offload."""
-    for attribute in _HOOK_DICTS:
-        hooks = getattr(original, attribute, None)
-        if hooks:
-            setattr(replacement, attribute, OrderedDict(hooks))
-    for attribute in ("gradient_checkpointing", "_gradient_checkpointing_func"):
-        if attribute in original.__dict__:
-            setattr(replacement, attribute, original.__dict__[attribute])
-    accelerate_hook = getattr(original, "_hf_hook", None)
-    if accelerate_hook is not None:
-        from accelerate.hooks import add_hook_to_module  # type: ignore[import-not-found]
-
-        add_hook_to_module(replacement, accelerate_hook)
-
-
-def _release(done: nn.Module, keeper: nn.Module) -> None:
-    """Empty the tensors of ``done`` that ``keeper`` does not hold itself.
-
-    The ``Parameter`` objects stay (``undo`` fills them again); their storage goes, so
-    a swap or an undo never holds much more than one extra layer.
-    """
-    kept = {id(tensor) for tensor in keeper.state_dict(keep_vars=True).values()}
-    for tensor in done.state_dict(keep_vars=True).values():
-        if id(tensor) not in kept:
-            tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
-
-
-@normal_tensors
-def _swap_layer(
-    root: nn.Module,
-    name: str,
-    layer: nn.Module,
-    position: int,
-    sub: Substitution,
-    config: PreTrainedConfig,
-) -> _LayerRecord:
-    parent, key = locate(root, name)
-    replacement = convert_layer(
-        layer,
-        sub,
-        config,
-        layer_idx=layer_index(layer, position),
-        where=f"layer {name!r}",
-        wrap_errors=True,
-    )
-    _carry_state(layer, replacement)
-    name_in_owner, owner = pretrained_owner(root, name)
-    installed = hf_internals.output_capture_installed(owner)
-    if owner is not None and not installed:
-        hf_internals.capture_like_original(replacement, owner, type(layer))
-    elif owner is not None:
-        # the layer's own hooks came with _carry_state; its modules of the original's
-        # classes (an MoE block's router, for output_router_logits) get theirs here
-        for child_name, child in replacement.named_children():
-            hf_internals.capture_subtree(child, f"{name_in_owner}.{child_name}", owner)
-    parent._modules[key] = replacement
-    _release(layer, replacement)
-    return _LayerRecord(
-        name, parent, key, layer, replacement, type(replacement), owner, name_in_owner, installed
-    )
-
-
-@torch.no_grad()
-@normal_tensors
 def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int:
     """Put original layers, holding the converted weights, where ``substitution``'s layers are.
 
@@ -179,145 +59,7 @@ def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int
     """
     sub = _choose(substitution, None, family_of(model))
     target = unwrap(model, parallel=False)
-    if sub.slot == "head":
-        return int(unswap_head(target))
-    rebuilt = 0
-    for position, (name, layer) in enumerate(decoder_layers(target)):
-        owner = substitution_of(layer)
-        if owner is None:
-            continue
-        if owner.name != sub.name:
-            raise SubstitutionError(
-                f"layer {name!r} was swapped by {owner.name}, not by {sub.name}"
-            )
-        original = convert_back(layer, sub, target.config, layer_idx=layer_index(layer, position))
-        parent, key = locate(target, name)
-        parent._modules[key] = original
-        rebuilt += 1
-    return rebuilt
-
-
-@normal_tensors
-def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedConfig) -> None:
-    replacement = record.replacement
-    assert replacement is not None, "restored twice"
-    convert_back(replacement, sub, config, into=record.original, where=f"layer {record.name!r}")
-    record.parent._modules[record.key] = record.original
-    hooked_meanwhile = not record.capture_installed and hf_internals.output_capture_installed(
-        record.owner
-    )
-    if hooked_meanwhile and record.owner is not None:
-        # transformers hooked the model while this layer was out: hook it now
-        hf_internals.capture_subtree(record.original, record.name_in_owner, record.owner)
-    _release(replacement, record.original)
-    record.replacement = None
-
-
-# --- model-level bookkeeping -----------------------------------------------------------
-
-
-@dataclass
-class _ModelState:
-    """Instance attributes set on the models above swapped layers, to put back on undo."""
-
-    saved: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
-
-    def set(self, module: nn.Module, attribute: str, value: Any) -> None:
-        self.saved.append((module, attribute, module.__dict__.get(attribute, _MISSING)))
-        setattr(module, attribute, value)
-
-    def restore(self) -> None:
-        for module, attribute, previous in reversed(self.saved):
-            if previous is _MISSING:
-                module.__dict__.pop(attribute, None)
-            else:
-                setattr(module, attribute, previous)
-        self.saved.clear()
-
-
-def _register_model_state(
-    state: _ModelState,
-    root: nn.Module,
-    layer_names: list[str],
-    sub: Substitution,
-    replacement_cls: type[nn.Module],
-) -> None:
-    for _, model in pretrained_ancestors(root, layer_names):
-        transforms = conversion_transforms(model, sub)
-        for attribute, value in model_attributes(model, sub, replacement_cls, transforms).items():
-            state.set(model, attribute, value)
-
-
-# --- the public entry point --------------------------------------------------------------
-
-
-class LayerSwapHandle(SwapHandle):
-    """A decoder-slot swap in effect: the swapped layers, and the way back.
-
-    ``undo()`` puts the original layer objects back and converts the weights back
-    into their own ``Parameter`` objects (bitwise); a second ``undo()`` does
-    nothing. As a context manager the swap is undone on exit, on any exception too.
-
-    Example::
-
-        with layerswap.swap(model, backend="fused") as handle:
-            print(handle.report())
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        substitution: Substitution,
-        records: list[_LayerRecord],
-        model_state: _ModelState,
-        config: PreTrainedConfig,
-    ) -> None:
-        self.model = model
-        self.substitution = substitution
-        self._records = records
-        self._model_state = model_state
-        self._config = config
-        self._active = True
-
-    @property
-    def swapped(self) -> list[tuple[str, type[nn.Module], type[nn.Module]]]:
-        """(qualified module name, original class, replacement class) per swapped layer."""
-        return [
-            (record.name, type(record.original), record.replacement_cls) for record in self._records
-        ]
-
-    def undo(self) -> None:
-        """Put the original layers and weights back (a no-op when already undone)."""
-        if not self._active:
-            return
-        pending = [record for record in self._records if record.replacement is not None]
-        for record in pending:
-            if record.parent._modules.get(record.key) is not record.replacement:
-                raise SubstitutionError(
-                    f"cannot undo {self.substitution.name}: layer {record.name!r} is no longer "
-                    f"the swapped {record.replacement_cls.__name__} (it was replaced since)"
-                )
-        # layer by layer, releasing each replacement: memory stays near one extra layer
-        for record in reversed(pending):
-            _restore_layer(record, self.substitution, self._config)
-        self._model_state.restore()
-        self._active = False
-
-    def report(self) -> str:
-        """A readable summary: the substitution and every swapped layer."""
-        state = "active" if self._active else "undone"
-        lines = [f"{self.substitution.name}: {len(self._records)} layers swapped ({state})"]
-        width = max((len(record.name) for record in self._records), default=0)
-        for name, original, replacement in self.swapped:
-            lines.append(f"  {name:<{width}}  {original.__name__} -> {replacement.__name__}")
-        return "\n".join(lines)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __repr__(self) -> str:
-        state = "active" if self._active else "undone"
-        return f"<SwapHandle {self.substitution.name}: {len(self._records)} layers, {state}>"
+    return get_slot(sub.slot).rebuild_originals(target, sub)
 
 
 def _choose(
@@ -336,7 +78,8 @@ def swap(
     *,
     backend: str | None = None,
 ) -> SwapHandle:
-    """Swap every decoder layer of a built ``model``, layer by layer, reversibly.
+    """Swap a substitution's part of a built ``model`` (every decoder layer, layer by
+    layer, or the head), reversibly.
 
     ``substitution`` is a registered name or a :class:`Substitution`; ``backend``
     (default ``"fused"``) picks ``"<family>.decoder.<backend>"`` for the model's
@@ -364,70 +107,7 @@ def swap(
     if sub.family != family.name:
         raise SubstitutionError(
             f"{sub.name} is for {sub.family} models, but this model is {family.name} "
-            f"({type(target).__name__}); use {family.name}.decoder.{sub.backend} "
+            f"({type(target).__name__}); use {family.name}.{sub.slot}.{sub.backend} "
             "or swap(model, backend=...)"
         )
-    if sub.slot == "head":
-        return swap_head(target, sub)
-    replacement_cls = sub.replacement_class()
-    original_cls = sub.original_class()
-    config = getattr(target, "config", None)
-    if config is None:
-        raise SubstitutionError(f"{type(target).__name__} has no config; swap() needs one")
-    layers = decoder_layers(target)
-    done = [name for name, layer in layers if substitution_of(layer) is not None]
-    if done:
-        owner = substitution_of(dict(layers)[done[0]])
-        raise SubstitutionError(
-            f"{len(done)} layers of this model are already swapped by "
-            f"{getattr(owner, 'name', owner)}; undo that swap first"
-        )
-    sharded = next(
-        (
-            f"{layer_name}.{param_name}"
-            for layer_name, layer in layers
-            for param_name, param in layer.named_parameters()
-            if getattr(param, "placements", None) is not None
-        ),
-        None,
-    )
-    if sharded is not None:
-        raise ParallelismError(
-            f"{sub.name}: this model is already sharded ({sharded} is a DTensor), and a "
-            "sharded parameter cannot be converted in place; swap before sharding "
-            "(fully_shard after swap), or load it inside layerswap.use(...) with the "
-            "distributed_config"
-        )
-    for name, layer in layers:
-        if type(layer) is not original_cls:
-            raise SubstitutionError(
-                f"layer {name!r} is a {type(layer).__name__}, a subclass of "
-                f"{original_cls.__name__}; {sub.name} replaces exact {original_cls.__name__} "
-                "layers only, so it would drop that subclass's behaviour"
-            )
-    if not layers:
-        raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
-    sub.check_upstream(layer_config(config))
-    ensure_proven(sub, config)  # before any layer changes: a drifted contract refuses here
-    names = [name for name, _ in layers]
-    records: list[_LayerRecord] = []
-    model_state = _ModelState()
-    try:
-        for position, (name, layer) in enumerate(layers):
-            records.append(_swap_layer(target, name, layer, position, sub, config))
-        _register_model_state(model_state, target, names, sub, replacement_cls)
-    except BaseException:
-        model_state.restore()
-        for record in reversed(records):
-            try:
-                _restore_layer(record, sub, config)
-            except Exception as failure:  # keep the original error the one raised
-                warnings.warn(
-                    f"rolling back {sub.name}: layer {record.name!r} could not be restored: "
-                    f"{failure}",
-                    SwapWarning,
-                    stacklevel=2,
-                )
-        raise
-    guard_peft_targets()  # a new PEFT adapter cannot silently miss fused modules
-    return LayerSwapHandle(target, sub, records, model_state, config)
+    return get_slot(sub.slot).swap(target, sub)

@@ -13,17 +13,14 @@ Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
-from layerswap import hf_internals
-from layerswap.heads import head_use
-from layerswap.loading import adopt_constructed, loading_transforms
-from layerswap.patching import PatchGroup, Scoped, active_patches, patch, wrap
+from layerswap.patching import PatchGroup, Scoped, active_patches
 from layerswap.registry import families, get, get_family
-from layerswap.substitution import Substitution, check_call_contract
+from layerswap.slots import get_slot
+from layerswap.substitution import Substitution, original_of
 from layerswap.weights import Converter
 
 __all__ = ["SubstitutionUse", "applied", "replace_decoder", "use"]
@@ -75,31 +72,7 @@ def use(substitution: str | Substitution) -> SubstitutionUse:
         model.save_pretrained(out)      # loadable by plain transformers
     """
     sub = get(substitution)
-    if sub.slot == "head":
-        return SubstitutionUse(sub, head_use(sub))
-    replacement = sub.replacement_class()
-    # fails now, not at construction, if transformers lost the class or calls it with a
-    # parameter the replacement does not handle
-    check_call_contract(sub)
-
-    def adopt(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        result = wrapped(*args, **kwargs)
-        adopt_constructed(instance, sub, replacement)
-        return result
-
-    def with_conversions(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        transforms = list(wrapped(*args, **kwargs))
-        model = args[0] if args else kwargs["model"]
-        return transforms + loading_transforms(model, sub, replacement, transforms)
-
-    return SubstitutionUse(
-        sub,
-        (
-            patch(sub.original, replacement),
-            wrap(hf_internals.POST_INIT_TARGET, adopt),
-            wrap(hf_internals.CONVERSION_MAPPING_TARGET, with_conversions),
-        ),
-    )
+    return SubstitutionUse(sub, get_slot(sub.slot).construction(sub))
 
 
 def _infer_family(decoder_cls: type) -> str:
@@ -137,7 +110,7 @@ def replace_decoder(
         name=f"{spec.name}.decoder.{decoder_cls.__qualname__}",
         family=spec.name,
         backend="custom",
-        original=f"{spec.module}:{spec.decoder}",
+        original=original_of(spec, "decoder"),
         replacement=decoder_cls,
         converter=Converter(),
         upstream=None,

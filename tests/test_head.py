@@ -20,8 +20,9 @@ from layerswap.backends import fused
 from layerswap.backends.head import head_class, head_contract
 from layerswap.backends.head_fused import FusedHead
 from layerswap.errors import SubstitutionError, UnsupportedModelError, UpstreamDriftError
-from layerswap.heads import HeadSwapHandle, head_substitution_of, swap_head
 from layerswap.ops import LogitTransform
+from layerswap.slots import get_slot
+from layerswap.slots.head import HeadSwapHandle, head_substitution_of
 
 # every head substitution that runs here (the fused ones everywhere; the liger ones on a
 # CUDA machine with liger-kernel, where tests/test_liger.py checks them too)
@@ -419,7 +420,7 @@ def test_a_family_logit_transform_is_read_and_reproduced(
     sub = dataclasses.replace(
         fused.BACKEND.substitution(family, "head"), replacement=head_class(FusedHead, family)
     )
-    swap_head(model, sub)
+    get_slot("head").swap(model, sub)
     batch = _batch(model)
     _assert_same_training(_train_pass(reference, batch), _train_pass(model, batch))
 

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from layerswap.errors import VerificationError
-from layerswap.model import decoder_layers, substitution_of, unwrap
+from layerswap.model import decoder_layers, unwrap
 from layerswap.proof import comparing
+from layerswap.slots import get_slot
 from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.compare import Comparison
@@ -138,11 +139,7 @@ def verify(
         raise ValueError(
             "generate= needs the whole swapped model; use streaming=False to compare generation"
         )
-    already_swapped = any(substitution_of(layer) for _, layer in decoder_layers(model))
-    if sub.slot == "head":
-        from layerswap.heads import head_substitution_of
-
-        already_swapped = head_substitution_of(model) is not None
+    already_swapped = get_slot(sub.slot).swapped_by(model) is not None
     if already_swapped and streaming:
         raise ValueError(
             "streaming mode compares an original model with its swap; this model's layers "

@@ -1,4 +1,4 @@
-"""The ``head`` slot: swapping a causal LM's head (and its loss) on a built model, and undoing it.
+"""The ``head`` slot: a causal LM's head (and its loss), swapped on a built model and undone.
 
 A substitution of the ``head`` slot (:mod:`layerswap.backends.head`) changes the
 class of the model object to the backend's subclass of the family's ``*ForCausalLM``;
@@ -29,12 +29,15 @@ from layerswap import hf_internals
 from layerswap.backends.head import CausalLMHead
 from layerswap.errors import SubstitutionError
 from layerswap.handle import SwapHandle
+from layerswap.patching.undo import UndoLog
+from layerswap.slots import ModelParts, Slot
 
 if TYPE_CHECKING:
+    from layerswap.family import Family
     from layerswap.patching import Scoped
     from layerswap.substitution import Substitution
 
-__all__ = ["HeadSwapHandle", "head_substitution_of", "head_use", "swap_head", "unswap_head"]
+__all__ = ["SLOT", "HeadSlot", "HeadSwapHandle", "head_substitution_of"]
 
 
 def head_substitution_of(model: nn.Module) -> str | None:
@@ -73,12 +76,17 @@ class HeadSwapHandle(SwapHandle):
     """A head swap in effect; ``undo()`` sets the model's class back (nothing else changed)."""
 
     def __init__(
-        self, model: nn.Module, substitution: Substitution, original: type[nn.Module]
+        self,
+        model: nn.Module,
+        substitution: Substitution,
+        original: type[nn.Module],
+        changes: UndoLog,
     ) -> None:
         self.model = model
         self.substitution = substitution
         self._original = original
         self._replacement = type(model)
+        self._changes = changes
         self._active = True
 
     @property
@@ -96,7 +104,7 @@ class HeadSwapHandle(SwapHandle):
                 f"{type(self.model).__qualname__}, not {self._replacement.__qualname__} "
                 "(it was changed since)"
             )
-        self.model.__class__ = self._original
+        self._changes.undo()
         self._active = False
 
     def report(self) -> str:
@@ -115,46 +123,61 @@ class HeadSwapHandle(SwapHandle):
         return f"<HeadSwapHandle {self.substitution.name}: {state}>"
 
 
-def swap_head(model: nn.Module, sub: Substitution) -> HeadSwapHandle:
-    """Give ``model`` (an exact ``*ForCausalLM`` of ``sub``'s family) ``sub``'s head."""
-    original = type(model)
-    replacement = _check_swappable(model, sub)
-    model.__class__ = replacement
-    return HeadSwapHandle(model, sub, original)
+class HeadSlot(Slot):
+    """The causal LM's head and loss: a substitution gives the model a subclass of its class."""
+
+    name = "head"
+    description = "the causal LM's head and loss"
+
+    def original(self, family: Family) -> str:
+        return f"{family.module}:{family.causal_lm}"
+
+    def swap(self, model: nn.Module, sub: Substitution) -> HeadSwapHandle:
+        """Give ``model`` (an exact ``*ForCausalLM`` of ``sub``'s family) ``sub``'s head."""
+        original = type(model)
+        replacement = _check_swappable(model, sub)
+        changes = UndoLog()
+        changes.set_class(model, replacement)
+        return HeadSwapHandle(model, sub, original, changes)
+
+    def rebuild_originals(self, model: nn.Module, sub: Substitution) -> int:
+        """Give a model built with a swapped head its original class back (1), or 0.
+
+        For a model built inside :func:`layerswap.use`, which has no handle to undo.
+        """
+        if not isinstance(model, CausalLMHead):
+            return 0
+        restored: Any = model
+        restored.__class__ = model._layerswap_original
+        return 1
+
+    def construction(self, sub: Substitution) -> list[Scoped]:
+        """Every exact ``*ForCausalLM`` of the family constructed inside the block (directly,
+        through an ``Auto`` class or ``from_pretrained``) gets the substitution's head when
+        its ``__init__`` finishes (``post_init``), before any weight is loaded."""
+        from layerswap.patching import wrap
+
+        original = sub.original_class()
+        replacement = sub.replacement_class()
+        checked: list[bool] = []
+
+        def adopt(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            result = wrapped(*args, **kwargs)
+            if type(instance) is original:
+                if not checked:
+                    sub.check_upstream(instance.config)
+                    checked.append(True)
+                instance.__class__ = replacement
+            return result
+
+        return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
+
+    def swapped_by(self, model: nn.Module) -> str | None:
+        return head_substitution_of(model)
+
+    def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        head = f"the causal LM's loss and lm_head in training ({type(parts.model).__name__})"
+        return (head,), (parts.layers_text, *parts.outside)
 
 
-def unswap_head(model: nn.Module) -> bool:
-    """Give a model with a swapped head its original class back; whether it had one.
-
-    For a model built inside :func:`layerswap.use`, which has no handle to undo.
-    """
-    if not isinstance(model, CausalLMHead):
-        return False
-    restored: Any = model
-    restored.__class__ = model._layerswap_original
-    return True
-
-
-def head_use(sub: Substitution) -> list[Scoped]:
-    """The patches :func:`layerswap.use` starts for a head substitution.
-
-    Every exact ``*ForCausalLM`` of the family constructed inside the block (directly,
-    through an ``Auto`` class or ``from_pretrained``) gets the substitution's head when
-    its ``__init__`` finishes (``post_init``), before any weight is loaded.
-    """
-    from layerswap.patching import wrap
-
-    original = sub.original_class()
-    replacement = sub.replacement_class()
-    checked: list[bool] = []
-
-    def adopt(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        result = wrapped(*args, **kwargs)
-        if type(instance) is original:
-            if not checked:
-                sub.check_upstream(instance.config)
-                checked.append(True)
-            instance.__class__ = replacement
-        return result
-
-    return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
+SLOT = HeadSlot()

@@ -1,0 +1,385 @@
+"""The ``decoder`` slot: every decoder layer, swapped on a built model and undone.
+
+Layers are converted one at a time (:func:`layerswap.layers.convert_layer`). Tensors
+that only change name (or not at all) move into the replacement as the very same
+``Parameter`` objects; tensors that are concatenated are computed, and the original
+parameters they came from are emptied (``param.data = <empty>``) right after their
+layer is swapped. Peak extra memory is therefore about one layer. The original layer
+objects are kept, so ``undo()`` puts them back (identity) and converts the weights back
+into their very same ``Parameter`` objects, bitwise (concatenation and splitting are
+exact). Every change a swap makes is recorded on its undo log
+(:class:`layerswap.patching.undo.UndoLog`) as it is made.
+
+Example::
+
+    handle = layerswap.swap(model, "llama.decoder.fused")   # the decoder slot's swap
+    print(handle.report())
+    handle.undo()
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from layerswap import hf_internals
+from layerswap.errors import ParallelismError, SubstitutionError, SwapWarning
+from layerswap.handle import SwapHandle
+from layerswap.layers import convert_back, convert_layer, layer_index, normal_tensors
+from layerswap.loading import (
+    adopt_constructed,
+    conversion_transforms,
+    loading_transforms,
+    model_attributes,
+)
+from layerswap.model import (
+    decoder_layers,
+    layer_config,
+    locate,
+    pretrained_ancestors,
+    pretrained_owner,
+    substitution_of,
+)
+from layerswap.patching import patch, wrap
+from layerswap.patching.undo import UndoLog
+from layerswap.peft_targets import guard as guard_peft_targets
+from layerswap.proof import ensure_proven
+from layerswap.slots import ModelParts, Slot
+from layerswap.substitution import check_layer_call
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.family import Family
+    from layerswap.patching import Scoped
+    from layerswap.substitution import Substitution
+
+__all__ = ["SLOT", "DecoderSlot", "LayerSwapHandle"]
+
+# forward hooks on an original layer (transformers' hidden-state capture among them)
+# keep firing on its replacement
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+# --- per-layer work ---------------------------------------------------------------------
+
+
+@dataclass
+class _LayerRecord:
+    name: str
+    parent: nn.Module
+    key: str
+    original: nn.Module
+    replacement: nn.Module | None  # None once undone (its storage is released)
+    replacement_cls: type[nn.Module]
+    owner: nn.Module | None  # the PreTrainedModel whose forward records hidden states
+    name_in_owner: str
+    capture_installed: bool  # whether transformers had hooked the owner at swap time
+
+
+def _carry_state(original: nn.Module, replacement: nn.Module) -> None:
+    """What the model set on ``original`` besides its weights: hooks, checkpointing, offload."""
+    for attribute in _HOOK_DICTS:
+        hooks = getattr(original, attribute, None)
+        if hooks:
+            setattr(replacement, attribute, OrderedDict(hooks))
+    for attribute in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+        if attribute in original.__dict__:
+            setattr(replacement, attribute, original.__dict__[attribute])
+    accelerate_hook = getattr(original, "_hf_hook", None)
+    if accelerate_hook is not None:
+        from accelerate.hooks import add_hook_to_module  # type: ignore[import-not-found]
+
+        add_hook_to_module(replacement, accelerate_hook)
+
+
+def _release(done: nn.Module, keeper: nn.Module) -> None:
+    """Empty the tensors of ``done`` that ``keeper`` does not hold itself.
+
+    The ``Parameter`` objects stay (``undo`` fills them again); their storage goes, so
+    a swap or an undo never holds much more than one extra layer.
+    """
+    kept = {id(tensor) for tensor in keeper.state_dict(keep_vars=True).values()}
+    for tensor in done.state_dict(keep_vars=True).values():
+        if id(tensor) not in kept:
+            tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+
+
+@normal_tensors
+def _swap_layer(
+    root: nn.Module,
+    name: str,
+    layer: nn.Module,
+    position: int,
+    sub: Substitution,
+    config: PreTrainedConfig,
+) -> _LayerRecord:
+    parent, key = locate(root, name)
+    replacement = convert_layer(
+        layer,
+        sub,
+        config,
+        layer_idx=layer_index(layer, position),
+        where=f"layer {name!r}",
+        wrap_errors=True,
+    )
+    _carry_state(layer, replacement)
+    name_in_owner, owner = pretrained_owner(root, name)
+    installed = hf_internals.output_capture_installed(owner)
+    if owner is not None and not installed:
+        hf_internals.capture_like_original(replacement, owner, type(layer))
+    elif owner is not None:
+        # the layer's own hooks came with _carry_state; its modules of the original's
+        # classes (an MoE block's router, for output_router_logits) get theirs here
+        for child_name, child in replacement.named_children():
+            hf_internals.capture_subtree(child, f"{name_in_owner}.{child_name}", owner)
+    parent._modules[key] = replacement
+    _release(layer, replacement)
+    return _LayerRecord(
+        name, parent, key, layer, replacement, type(replacement), owner, name_in_owner, installed
+    )
+
+
+@normal_tensors
+def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedConfig) -> None:
+    replacement = record.replacement
+    assert replacement is not None, "restored twice"
+    convert_back(replacement, sub, config, into=record.original, where=f"layer {record.name!r}")
+    record.parent._modules[record.key] = record.original
+    hooked_meanwhile = not record.capture_installed and hf_internals.output_capture_installed(
+        record.owner
+    )
+    if hooked_meanwhile and record.owner is not None:
+        # transformers hooked the model while this layer was out: hook it now
+        hf_internals.capture_subtree(record.original, record.name_in_owner, record.owner)
+    _release(replacement, record.original)
+    record.replacement = None
+
+
+def _warn_rollback(sub: Substitution) -> Callable[[BaseException], None]:
+    def warn(failure: BaseException) -> None:  # keep the original error the one raised
+        warnings.warn(f"rolling back {sub.name}: {failure}", SwapWarning, stacklevel=4)
+
+    return warn
+
+
+class LayerSwapHandle(SwapHandle):
+    """A decoder-slot swap in effect: the swapped layers, and the way back.
+
+    ``undo()`` puts the original layer objects back and converts the weights back
+    into their own ``Parameter`` objects (bitwise); a second ``undo()`` does
+    nothing. As a context manager the swap is undone on exit, on any exception too.
+
+    Example::
+
+        with layerswap.swap(model, backend="fused") as handle:
+            print(handle.report())
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        substitution: Substitution,
+        records: list[_LayerRecord],
+        changes: UndoLog,
+    ) -> None:
+        self.model = model
+        self.substitution = substitution
+        self._records = records
+        self._changes = changes
+        self._active = True
+
+    @property
+    def swapped(self) -> list[tuple[str, type[nn.Module], type[nn.Module]]]:
+        """(qualified module name, original class, replacement class) per swapped layer."""
+        return [
+            (record.name, type(record.original), record.replacement_cls) for record in self._records
+        ]
+
+    def undo(self) -> None:
+        """Put the original layers and weights back (a no-op when already undone)."""
+        if not self._active:
+            return
+        pending = [record for record in self._records if record.replacement is not None]
+        for record in pending:
+            if record.parent._modules.get(record.key) is not record.replacement:
+                raise SubstitutionError(
+                    f"cannot undo {self.substitution.name}: layer {record.name!r} is no longer "
+                    f"the swapped {record.replacement_cls.__name__} (it was replaced since)"
+                )
+        # layer by layer, releasing each replacement: memory stays near one extra layer
+        self._changes.undo()
+        self._active = False
+
+    def report(self) -> str:
+        """A readable summary: the substitution and every swapped layer."""
+        state = "active" if self._active else "undone"
+        lines = [f"{self.substitution.name}: {len(self._records)} layers swapped ({state})"]
+        width = max((len(record.name) for record in self._records), default=0)
+        for name, original, replacement in self.swapped:
+            lines.append(f"  {name:<{width}}  {original.__name__} -> {replacement.__name__}")
+        return "\n".join(lines)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return f"<SwapHandle {self.substitution.name}: {len(self._records)} layers, {state}>"
+
+
+class DecoderSlot(Slot):
+    """Every decoder layer: a substitution puts its replacement layer in each one's place."""
+
+    name = "decoder"
+    description = "every decoder layer"
+    proven_at_first_use = True
+
+    def original(self, family: Family) -> str:
+        return f"{family.module}:{family.decoder}"
+
+    def swap(self, target: nn.Module, sub: Substitution) -> LayerSwapHandle:
+        replacement_cls = sub.replacement_class()
+        original_cls = sub.original_class()
+        config = getattr(target, "config", None)
+        if config is None:
+            raise SubstitutionError(f"{type(target).__name__} has no config; swap() needs one")
+        layers = decoder_layers(target)
+        done = [name for name, layer in layers if substitution_of(layer) is not None]
+        if done:
+            owner = substitution_of(dict(layers)[done[0]])
+            raise SubstitutionError(
+                f"{len(done)} layers of this model are already swapped by "
+                f"{getattr(owner, 'name', owner)}; undo that swap first"
+            )
+        sharded = next(
+            (
+                f"{layer_name}.{param_name}"
+                for layer_name, layer in layers
+                for param_name, param in layer.named_parameters()
+                if getattr(param, "placements", None) is not None
+            ),
+            None,
+        )
+        if sharded is not None:
+            raise ParallelismError(
+                f"{sub.name}: this model is already sharded ({sharded} is a DTensor), and a "
+                "sharded parameter cannot be converted in place; swap before sharding "
+                "(fully_shard after swap), or load it inside layerswap.use(...) with the "
+                "distributed_config"
+            )
+        for name, layer in layers:
+            if type(layer) is not original_cls:
+                raise SubstitutionError(
+                    f"layer {name!r} is a {type(layer).__name__}, a subclass of "
+                    f"{original_cls.__name__}; {sub.name} replaces exact {original_cls.__name__} "
+                    "layers only, so it would drop that subclass's behaviour"
+                )
+        if not layers:
+            raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
+        sub.check_upstream(layer_config(config))
+        ensure_proven(sub, config)  # before any layer changes: a drifted contract refuses here
+        names = [name for name, _ in layers]
+        records: list[_LayerRecord] = []
+        changes = UndoLog()
+        try:
+            for position, (name, layer) in enumerate(layers):
+                record = _swap_layer(target, name, layer, position, sub, config)
+                records.append(record)
+                changes.record(functools.partial(_restore_layer, record, sub, config))
+            for _, ancestor in pretrained_ancestors(target, names):
+                transforms = conversion_transforms(ancestor, sub)
+                attributes = model_attributes(ancestor, sub, replacement_cls, transforms)
+                for attribute, value in attributes.items():
+                    changes.set_attribute(ancestor, attribute, value)
+        except BaseException:
+            changes.undo(on_error=_warn_rollback(sub))
+            raise
+        guard_peft_targets()  # a new PEFT adapter cannot silently miss fused modules
+        return LayerSwapHandle(target, sub, records, changes)
+
+    @torch.no_grad()
+    @normal_tensors
+    def rebuild_originals(self, target: nn.Module, sub: Substitution) -> int:
+        rebuilt = 0
+        for position, (name, layer) in enumerate(decoder_layers(target)):
+            owner = substitution_of(layer)
+            if owner is None:
+                continue
+            if owner.name != sub.name:
+                raise SubstitutionError(
+                    f"layer {name!r} was swapped by {owner.name}, not by {sub.name}"
+                )
+            original = convert_back(
+                layer, sub, target.config, layer_idx=layer_index(layer, position)
+            )
+            parent, key = locate(target, name)
+            parent._modules[key] = original
+            rebuilt += 1
+        return rebuilt
+
+    def construction(self, sub: Substitution) -> list[Scoped]:
+        """The original class name patched to the replacement, the replacement adopted when
+        its model finishes ``__init__``, and the checkpoint conversions added to loading."""
+        replacement = sub.replacement_class()
+        # fails now, not at construction, if transformers lost the class or calls it with a
+        # parameter the replacement does not handle
+        from layerswap.substitution import check_call_contract
+
+        check_call_contract(sub)
+
+        def adopt(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            result = wrapped(*args, **kwargs)
+            adopt_constructed(instance, sub, replacement)
+            return result
+
+        def with_conversions(
+            wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
+        ) -> Any:
+            transforms = list(wrapped(*args, **kwargs))
+            model = args[0] if args else kwargs["model"]
+            return transforms + loading_transforms(model, sub, replacement, transforms)
+
+        return [
+            patch(sub.original, replacement),
+            wrap(hf_internals.POST_INIT_TARGET, adopt),
+            wrap(hf_internals.CONVERSION_MAPPING_TARGET, with_conversions),
+        ]
+
+    def swapped_by(self, model: nn.Module) -> str | None:
+        for _, layer in decoder_layers(model):
+            owner = substitution_of(layer)
+            if owner is not None:
+                return owner.name
+        return None
+
+    def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
+        check_layer_call(sub, config)
+
+    def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        family, layers = parts.family, parts.layers
+        if family.mlp != "original":
+            return (parts.layers_text,), parts.outside
+        # a mixture-of-experts block stays the original's module inside the replacement
+        blocks = sorted(
+            {type(layer.get_submodule(family.mlp_name)).__name__ for _, layer in layers}
+        )
+        span = parts.layers_text.partition(" (")[0]
+        kept = f"{span}.{family.mlp_name} ({', '.join(blocks)}, the original's, inside the replacement)"
+        return (f"{parts.layers_text}: attention and norms",), (kept, *parts.outside)
+
+
+SLOT = DecoderSlot()
