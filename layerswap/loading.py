@@ -23,7 +23,7 @@ from layerswap import hf_internals
 from layerswap.layers import adopt_layer
 from layerswap.model import layer_config, substitution_of
 from layerswap.parallel import tp_plan_of
-from layerswap.peft_targets import guard as guard_peft_targets
+from layerswap.peft_targets import hold as hold_peft_targets
 from layerswap.proof import ensure_proven
 from layerswap.substitution import Substitution
 
@@ -125,7 +125,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
         for _, layer in fresh:
             adopt_layer(layer, sub, config)
             hf_internals.capture_like_original(layer, model, original_cls)
-        guard_peft_targets()  # a new PEFT adapter cannot silently miss fused modules
+        hold_peft_targets(model)  # while it exists, a new PEFT adapter cannot miss fused modules
     if model in _ADOPTED:
         return  # nested use() of the same substitution: done once
     transforms = conversion_transforms(model, sub)

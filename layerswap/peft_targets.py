@@ -17,9 +17,10 @@ model cannot answer for itself. The check is therefore around-advice on
 ``peft.tuners.tuners_utils:BaseTuner.inject_adapter`` (:func:`guard`), a
 ``layerswap.wrap`` patch:
 
-- armed by the first swap in a process (:func:`layerswap.swap`, and models built
-  under :func:`layerswap.use`), ``lazy=True``: it never imports PEFT, and applies when
-  PEFT is imported;
+- armed while a swapped model exists (:func:`hold`): a decoder swap
+  (:func:`layerswap.swap`) holds it until its ``undo()``, a model built under
+  :func:`layerswap.use` until it is collected; the last release takes it off.
+  ``lazy=True``: it never imports PEFT, and applies when PEFT is imported;
 - a pass-through for any model without swapped layers: PEFT gets the same call;
 - listed by :func:`layerswap.active_patches`; ``guard().stop()`` (or
   :func:`layerswap.restore_all`) takes it off, the next swap puts it back;
@@ -42,8 +43,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import re
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,13 +57,16 @@ from layerswap.errors import ConversionError
 from layerswap.patching import Patch, Scoped, wrap
 from layerswap.state import LayoutLoadHook, fused_modules
 
-__all__ = ["check_targets", "fused_away", "guard", "is_guard"]
+__all__ = ["check_targets", "fused_away", "guard", "hold", "is_guard"]
 
 INJECT = "peft.tuners.tuners_utils:BaseTuner.inject_adapter"
 
 _LOCK = threading.Lock()
 _GUARD: Patch | None = None
 _LAYOUT: list[Patch] = []  # layerswap.peft_io's advice, armed and taken off with _GUARD
+#: one token per swapped model alive that holds the check armed (see :func:`hold`)
+_HOLDS: set[int] = set()
+_TOKENS = itertools.count()
 
 
 def fused_away(model: nn.Module) -> dict[str, str]:
@@ -231,21 +237,61 @@ def guard() -> Patch:
     """The check on PEFT's injection, armed (started) if it was not. Idempotent, thread-safe.
 
     Arms with it the advice of :mod:`layerswap.peft_io` (PEFT's save and load in the
-    original layout). Called by every swap; see the module docstring. Example::
+    original layout). Held by every swap (:func:`hold`); see the module docstring. Example::
 
         layerswap.peft_targets.guard().stop()   # PEFT's injection as it was
     """
+    with _LOCK:
+        return _arm()
+
+
+def _arm() -> Patch:
     global _GUARD
     from layerswap.peft_io import ADVICE
 
+    if _GUARD is None:
+        _GUARD = wrap(INJECT, _check_then_inject, lazy=True)
+        _LAYOUT.extend(wrap(target, advice, lazy=True) for target, advice in ADVICE)
+    for patch in (_GUARD, *_LAYOUT):
+        if not patch.is_active:
+            patch.start()
+    return _GUARD
+
+
+def hold(model: nn.Module) -> Callable[[], None]:
+    """Arm the check for as long as ``model`` is swapped; returns the release.
+
+    The check comes off at the release that leaves no hold: every swap holding it undone,
+    every model built under :func:`layerswap.use` collected. A collected model drops its
+    hold at once, and the check comes off at the next release (a finalizer stops no
+    patch: it may run anywhere, inside the engine too). Releasing twice is harmless.
+
+    Example::
+
+        release = hold(model)      # what layerswap.swap does
+        ...
+        release()                  # what its undo() does
+    """
+    token = next(_TOKENS)
     with _LOCK:
-        if _GUARD is None:
-            _GUARD = wrap(INJECT, _check_then_inject, lazy=True)
-            _LAYOUT.extend(wrap(target, advice, lazy=True) for target, advice in ADVICE)
-        for patch in (_GUARD, *_LAYOUT):
-            if not patch.is_active:
-                patch.start()
-        return _GUARD
+        _HOLDS.add(token)
+        _arm()
+    weakref.finalize(model, _HOLDS.discard, token)
+    released: list[bool] = []
+
+    def release() -> None:
+        with _LOCK:
+            if released:
+                return
+            released.append(True)
+            _HOLDS.discard(token)
+            if _HOLDS:
+                return
+            for patch in (_GUARD, *_LAYOUT):
+                if patch is not None and patch.is_active:
+                    patch.stop()
+
+    return release
 
 
 def is_guard(scoped: Scoped) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.metadata
 import json
 import types
@@ -330,6 +331,35 @@ def test_naming_a_fused_module_and_its_parts_passes_for_both_layouts() -> None:
         "k_proj",
         "v_proj",
     }
+
+
+def test_the_check_is_armed_while_a_swapped_model_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A swap holds the check until its undo, a model built under use() until it is
+    collected; the last release takes it off (models of other tests held apart)."""
+    monkeypatch.setattr(peft_targets, "_HOLDS", set())
+
+    def armed() -> bool:
+        return any(peft_targets.is_guard(info.patch) for info in layerswap.active_patches())
+
+    llama = layerswap.get_family("llama")
+    first = layerswap.swap(llama.build(seed=0), backend="fused")
+    second = layerswap.swap(llama.build(seed=1), backend="fused")
+    assert armed()
+    first.undo()
+    assert armed()  # the second model is still swapped
+    second.undo()
+    assert not armed()
+    assert isinstance(BaseTuner.__dict__["inject_adapter"], types.FunctionType)
+    with layerswap.use("llama.decoder.fused"):
+        built = llama.build(seed=2)
+    assert armed()
+    third = layerswap.swap(llama.build(seed=3), backend="fused")
+    third.undo()
+    assert armed()  # the model built under use() is alive
+    del built
+    gc.collect()
+    layerswap.swap(llama.build(seed=4), backend="fused").undo()
+    assert not armed()
 
 
 def test_the_original_model_gets_exactly_what_plain_peft_gives_it() -> None:

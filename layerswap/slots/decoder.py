@@ -49,7 +49,7 @@ from layerswap.model import (
 )
 from layerswap.patching import patch, wrap
 from layerswap.patching.undo import UndoLog
-from layerswap.peft_targets import guard as guard_peft_targets
+from layerswap.peft_targets import hold as hold_peft_targets
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot
 from layerswap.substitution import check_layer_call
@@ -308,7 +308,8 @@ class DecoderSlot(Slot):
         except BaseException:
             changes.undo(on_error=_warn_rollback(sub))
             raise
-        guard_peft_targets()  # a new PEFT adapter cannot silently miss fused modules
+        # until undo, a new PEFT adapter cannot silently miss fused modules
+        changes.record(hold_peft_targets(target))
         return LayerSwapHandle(target, sub, records, changes)
 
     @torch.no_grad()
