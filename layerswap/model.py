@@ -25,7 +25,7 @@ from layerswap.errors import UnknownSubstitutionError
 from layerswap.family import Family
 from layerswap.registry import families
 from layerswap.substitution import Substitution
-from layerswap.suggestions import close_names
+from layerswap.suggestions import did_you_mean
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -105,11 +105,11 @@ def mark_substitution(layer: nn.Module, substitution: Substitution) -> None:
 
 def _unknown_family(target: nn.Module, model_type: str | None, known: dict[str, Family]) -> str:
     pool = sorted({*known, *(family.model_type for family in known.values())})
-    close = close_names(model_type or "", pool)
+    hint = did_you_mean(model_type or "", pool)
     parts = [f"no layerswap family fits {type(target).__name__} (model_type {model_type!r})"]
     parts[0] += _why_not(model_type)
-    if close:
-        parts.append(f"did you mean {', '.join(repr(name) for name in close)}?")
+    if hint:
+        parts.append(hint)
     parts.append(f"known families: {', '.join(sorted(known))}")
     return "; ".join(parts) + ". Declare one with layerswap.register_family(Family(...))"
 

@@ -35,7 +35,7 @@ from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubs
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family
 from layerswap.substitution import Substitution
-from layerswap.suggestions import close_names
+from layerswap.suggestions import did_you_mean
 
 __all__ = [
     "BACKEND_ENTRY_POINT_GROUP",
@@ -83,9 +83,8 @@ T = TypeVar("T")
 
 def _suggest(name: str, known: Iterable[str]) -> str:
     known = sorted(known)
-    close = close_names(name, known)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    return f"{hint} Known: {', '.join(known) or '(none)'}."
+    hint = did_you_mean(name, known)
+    return f"{'; ' + hint if hint else ''} Known: {', '.join(known) or '(none)'}."
 
 
 def _ensure_loaded() -> None:

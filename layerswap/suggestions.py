@@ -1,7 +1,9 @@
-"""Close names for "did you mean" hints: one matcher for every error that offers them.
+"""Close names for "did you mean" hints: one matcher and one wording for every error
+that offers them.
 
-Each caller words its hint its own way (a registry name in quotes, a family name bare,
-a patch target in backquotes); which names are close is decided here.
+Only the quoting differs by where the name was typed: ``'llama.decoder.fused'`` for a
+Python name, ```LlamaDecoderLayer``` for a patch target, a bare ``llama`` for a
+command-line value.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["close_names"]
+__all__ = ["close_names", "did_you_mean"]
 
 
 def close_names(name: str, pool: Iterable[object], *, cutoff: float = 0.5, n: int = 3) -> list[str]:
@@ -29,3 +31,21 @@ def close_names(name: str, pool: Iterable[object], *, cutoff: float = 0.5, n: in
         lowered = {c.lower(): c for c in candidates}
         close = [lowered[name.lower()]] if name.lower() in lowered else []
     return close
+
+
+def did_you_mean(
+    name: str, pool: Iterable[object], *, quote: str = "'", cutoff: float = 0.5
+) -> str:
+    """``"did you mean 'a' or 'b'?"`` for the names of ``pool`` close to ``name``, or ``""``.
+
+    Example::
+
+        >>> did_you_mean("lama", ["llama", "gemma"])
+        "did you mean 'llama'?"
+        >>> did_you_mean("lama", ["llama"], quote="")
+        'did you mean llama?'
+    """
+    close = close_names(name, pool, cutoff=cutoff)
+    if not close:
+        return ""
+    return "did you mean " + " or ".join(f"{quote}{c}{quote}" for c in close) + "?"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from layerswap.cli.options import ModelChoice
 from layerswap.cli.output import Progress
 from layerswap.cli.problems import UsageProblem, one_line
-from layerswap.suggestions import close_names
+from layerswap.suggestions import did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -75,10 +75,10 @@ def find_family(name: str, option: str = "--model") -> Family:
             return by_type[0]
         _refuse_path(name, option)
         _refuse_model_type(key)
-        close = close_names(key, known)
-        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        hint = did_you_mean(key, known, quote="")
         raise UsageProblem(
-            f"unknown model family {name!r}{hint} (known: {', '.join(sorted(known))})"
+            f"unknown model family {name!r}{'; ' + hint if hint else ''} "
+            f"(known: {', '.join(sorted(known))})"
         )
     return known[key]
 

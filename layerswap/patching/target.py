@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from layerswap.errors import TargetAttributeError, TargetImportError, TargetTypeError
-from layerswap.suggestions import close_names
+from layerswap.suggestions import did_you_mean
 
 __all__ = ["ParsedTarget", "import_module", "suggest"]
 
@@ -24,12 +24,10 @@ def suggest(name: str, candidates: Any) -> str:
     ``name`` itself is never suggested, and each candidate is named once.
     """
     try:
-        close = close_names(name, candidates, cutoff=0.6)
+        hint = did_you_mean(name, candidates, quote="`", cutoff=0.6)
     except TypeError:  # candidates that cannot be listed
         return ""
-    if not close:
-        return ""
-    return " (did you mean " + " or ".join(f"`{c}`" for c in close) + "?)"
+    return f" ({hint})" if hint else ""
 
 
 def loaded_module(name: str) -> Any:
