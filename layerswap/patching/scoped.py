@@ -22,12 +22,13 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 from layerswap.errors import PatchStateError, TargetTypeError
-from layerswap.patching.wraps import safe_update_wrapper
+from layerswap.patching.wraps import delegating_async_generator, safe_update_wrapper
 
 __all__ = ["Origin", "PatchInfo", "Scoped", "active_patches", "restore_all"]
 
@@ -311,34 +312,16 @@ def _origin_of(func: Callable[..., Any]) -> Origin:
 def _async_generator_wrapper(
     func: Callable[..., AsyncGenerator[Any, Any]], make: Callable[[], Scoped]
 ) -> Callable[..., AsyncGenerator[Any, Any]]:
-    async def wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+    @contextmanager
+    def started() -> Iterator[None]:
         scoped = make()
         scoped._start(manual=False, origin=_origin_of(func))
-        agen = func(*args, **kwargs)
         try:
-            # Full delegation (what ``yield from`` does for sync generators):
-            # values sent and exceptions thrown in reach the inner generator.
-            sent: Any = None
-            thrown: BaseException | None = None
-            while True:
-                try:
-                    if thrown is not None:
-                        error, thrown = thrown, None
-                        item = await agen.athrow(error)
-                    else:
-                        item = await agen.asend(sent)
-                except StopAsyncIteration:
-                    return
-                try:
-                    sent = yield item
-                except GeneratorExit:
-                    await agen.aclose()
-                    raise
-                except BaseException as exc:
-                    thrown = exc
+            yield
         finally:
             scoped.stop()
 
+    wrapper: Callable[..., AsyncGenerator[Any, Any]] = delegating_async_generator(func, started)
     return wrapper
 
 

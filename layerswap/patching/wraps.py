@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 __all__ = ["WRAPPER_ASSIGNMENTS", "forwarder", "safe_update_wrapper", "safe_wraps"]
@@ -120,7 +121,7 @@ def forwarder(like: Any, call: Callable[..., Any]) -> Callable[..., Any]:
             return (await result) if inspect.isawaitable(result) else result
 
     elif inspect.isasyncgenfunction(like):
-        function = _async_generator_forwarder(call)
+        function = delegating_async_generator(call)
     elif inspect.isgeneratorfunction(like):
 
         def function(*args: Any, **kwargs: Any) -> Any:
@@ -134,27 +135,34 @@ def forwarder(like: Any, call: Callable[..., Any]) -> Callable[..., Any]:
     return safe_update_wrapper(function, like)
 
 
-def _async_generator_forwarder(call: Callable[..., Any]) -> Callable[..., Any]:
+def delegating_async_generator(
+    call: Callable[..., Any], around: Callable[[], AbstractContextManager[Any]] = nullcontext
+) -> Callable[..., Any]:
+    """An async generator function that runs ``call(*args, **kwargs)``'s async generator
+    inside ``around()``, relaying values sent and exceptions thrown in, and ``aclose``:
+    what ``yield from`` does for sync generators, which async generators lack.
+    """
+
     async def function(*args: Any, **kwargs: Any) -> Any:
-        agen = call(*args, **kwargs)
-        # Full delegation, what ``yield from`` does for sync generators.
-        sent: Any = None
-        thrown: BaseException | None = None
-        while True:
-            try:
-                if thrown is not None:
-                    error, thrown = thrown, None
-                    item = await agen.athrow(error)
-                else:
-                    item = await agen.asend(sent)
-            except StopAsyncIteration:
-                return
-            try:
-                sent = yield item
-            except GeneratorExit:
-                await agen.aclose()
-                raise
-            except BaseException as exc:
-                thrown = exc
+        with around():
+            agen = call(*args, **kwargs)
+            sent: Any = None
+            thrown: BaseException | None = None
+            while True:
+                try:
+                    if thrown is not None:
+                        error, thrown = thrown, None
+                        item = await agen.athrow(error)
+                    else:
+                        item = await agen.asend(sent)
+                except StopAsyncIteration:
+                    return
+                try:
+                    sent = yield item
+                except GeneratorExit:
+                    await agen.aclose()
+                    raise
+                except BaseException as exc:
+                    thrown = exc
 
     return function
