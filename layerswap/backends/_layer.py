@@ -56,6 +56,7 @@ from layerswap import hf_internals
 from layerswap.backends.per_family import class_named, family_class
 from layerswap.errors import RequirementError, SwapWarning
 from layerswap.family import Family
+from layerswap.rotary import rotate_half, rotate_interleaved
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -347,33 +348,6 @@ def local_sizes(sizes: Sequence[int], width: int) -> list[int]:
             "included, to divide by the number of ranks)"
         )
     return [size * width // whole for size in sizes]
-
-
-def rotate_half(states: torch.Tensor) -> torch.Tensor:
-    """``[-second half, first half]`` of the last axis: the rotate-half rotary convention.
-
-    transformers' rotary embedding is ``x * cos + rotate_half(x) * sin``, with cos/sin
-    repeated over both halves of the head. Each backend writes that product itself: the
-    order its operations are recorded in fixes the order autograd sums gradients in, so
-    it is part of a backend's bitwise behaviour.
-
-    Example::
-
-        rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0]))   # tensor([-3., -4., 1., 2.])
-    """
-    half = states.shape[-1] // 2
-    return torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-
-
-def rotate_interleaved(states: torch.Tensor) -> torch.Tensor:
-    """``[-x1, x0, -x3, x2, ...]``: each adjacent pair of the last axis turned, the
-    interleaved rotary convention (Cohere, GLM), used as :func:`rotate_half` is.
-
-    Example::
-
-        rotate_interleaved(torch.tensor([1.0, 2.0, 3.0, 4.0]))   # tensor([-2., 1., -4., 3.])
-    """
-    return torch.stack((-states[..., 1::2], states[..., ::2]), dim=-1).flatten(-2)
 
 
 def update_cache(

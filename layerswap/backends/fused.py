@@ -38,6 +38,7 @@ from layerswap.backends._original import original_numbers
 from layerswap.backends.declarations.fused import BACKEND
 from layerswap.errors import RequirementError, UpstreamDriftError
 from layerswap.family import Family
+from layerswap.rotary import rotate
 from layerswap.versions import transformers_version
 from layerswap.weights import Converter, gate_up_concat, head_dim, qkv_concat, qkv_sizes
 
@@ -127,38 +128,6 @@ class FusedRMSNorm(nn.Module):
 
 def _shape(size: int | tuple[int, ...]) -> tuple[int, ...]:
     return (size,) if isinstance(size, int) else tuple(size)
-
-
-def _rotate(
-    states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "half"
-) -> torch.Tensor:
-    """Rotary position embedding of bhsd ``states``; cos/sin are (batch, seq, rotary dim).
-
-    Partial rotary (``partial_rotary_factor`` < 1, Phi-3, GLM): cos/sin are narrower than
-    a head, and only its first dims rotate; the rest pass through, as in transformers.
-    ``layout`` is the family's :attr:`~layerswap.Family.rotary`: rotate halves (by the
-    angle, or by its negative: nanochat), or
-    interleaved pairs with cos/sin as given (Cohere) or from their first half (GLM), or
-    halves with cos/sin given for one half (gpt-oss).
-    Some families pass float32 cos/sin whatever the model's dtype (OLMo 2, ERNIE 4.5): the
-    rotation is then computed in float32 and cast back to ``states``' dtype, as theirs is.
-    """
-    if layout == "half_narrow":  # cos/sin of one half: the rotate-half layout's, whole
-        cos, sin, layout = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), "half"
-    width = cos.shape[-1]
-    if width != states.shape[-1]:
-        passed = states[..., width:]
-        return torch.cat((_rotate(states[..., :width], cos, sin, layout), passed), dim=-1)
-    if layout == "half":
-        rotated = _layer.rotate_half(states)
-    elif layout == "half_reversed":  # nanochat: rotate_half is (x2, -x1), the angle negated
-        rotated = -_layer.rotate_half(states)
-    else:
-        if layout == "interleaved_from_half":
-            cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
-            sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
-        rotated = _layer.rotate_interleaved(states)
-    return (states * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(states.dtype)
 
 
 class FusedLayerNorm(nn.Module):
@@ -298,7 +267,7 @@ class FusedAttention(nn.Module):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if self.rotates:  # NoPE layers (Cohere 2's full-attention ones) leave q and k as they are
             cos, sin = position_embeddings
-            query, key = _rotate(query, cos, sin, self.rotary), _rotate(key, cos, sin, self.rotary)
+            query, key = rotate(query, cos, sin, self.rotary), rotate(key, cos, sin, self.rotary)
         if self.qk_norm_after_rotary:  # HunYuan: the rotated queries and keys
             query, key = self._normed(query, key)
         if self.query_scaling is not None:

@@ -53,6 +53,7 @@ from layerswap.family import (
     probed_eps,
     stateless,
 )
+from layerswap.rotary import ROTARY_LAYOUTS, rotate
 
 __all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
 
@@ -438,26 +439,6 @@ def _compared(
     raise UnsupportedFamilyError(f"{where}: a norm that is neither RMSNorm nor LayerNorm")
 
 
-#: the rotary layouts :func:`_rotary_layout` tells apart (:attr:`Family.rotary`)
-ROTARY_LAYOUTS = ("half", "half_reversed", "interleaved", "interleaved_from_half", "half_narrow")
-
-
-def _rotated(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> Any:
-    """``states`` rotated the way ``layout`` names, for comparison with the original's."""
-    if layout == "half_narrow":  # cos/sin for one half: each half rotated by them
-        cos, sin, layout = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), "half"
-    if layout in ("half", "half_reversed"):
-        half = states.shape[-1] // 2
-        turned = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-        return states * cos + (turned if layout == "half" else -turned) * sin
-    if layout == "interleaved_from_half":
-        half = cos.shape[-1] // 2
-        cos = cos[..., :half].repeat_interleave(2, dim=-1)
-        sin = sin[..., :half].repeat_interleave(2, dim=-1)
-    turned = torch.stack((-states[..., 1::2], states[..., ::2]), dim=-1).flatten(-2)
-    return states * cos + turned * sin
-
-
 def _rotary_layout(module: Any, head_dim: int, where: str) -> str:
     """How the modeling module's ``apply_rotary_pos_emb`` rotates, probed numerically.
 
@@ -480,7 +461,7 @@ def _rotary_layout(module: Any, head_dim: int, where: str) -> str:
             failure = failure or exc
             continue
         for layout in layouts:
-            expected = _rotated(query, cos.unsqueeze(1), sin.unsqueeze(1), layout)
+            expected = rotate(query, cos, sin, layout)
             if isinstance(rotated, torch.Tensor) and torch.allclose(rotated, expected, atol=1e-5):
                 return layout
     if failure is not None:
