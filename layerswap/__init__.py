@@ -17,17 +17,15 @@ Example::
 
 from __future__ import annotations
 
-import ast
 import importlib
 import os as _os
 import sys
 import types
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _exports)
+if TYPE_CHECKING:  # the public API for type checkers; _EXPORTS below for the runtime
     from layerswap import errors as errors
     from layerswap.backend import Backend as Backend
     from layerswap.backend import Implementation as Implementation
@@ -77,28 +75,59 @@ if TYPE_CHECKING:  # the public API, written once: the runtime reads it (see _ex
     from layerswap.verify import verify as verify
 
 
-def _exports() -> dict[str, str]:
-    """Public name -> defining module, read from the ``TYPE_CHECKING`` block above.
-
-    That block is the one place the API is written: type checkers read it as imports,
-    and at run time each name is imported on first use (PEP 562), so ``import layerswap``
-    for the patching engine imports neither torch nor transformers.
-    """
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(
-        node
-        for node in tree.body
-        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-    )
-    exports: dict[str, str] = {}
-    for node in block.body:
-        assert isinstance(node, ast.ImportFrom) and node.module is not None
-        for alias in node.names:
-            exports[alias.asname or alias.name] = node.module
-    return exports
-
-
-_EXPORTS = _exports()
+#: public name -> the module that defines it, imported on first use (PEP 562), so
+#: ``import layerswap`` for the patching engine imports neither torch nor transformers;
+#: the ``TYPE_CHECKING`` block above says the same to type checkers (a test keeps the
+#: two equal)
+_EXPORTS: dict[str, str] = {
+    "errors": "layerswap",
+    "Backend": "layerswap.backend",
+    "Implementation": "layerswap.backend",
+    "Lazy": "layerswap.backend",
+    "Variant": "layerswap.backend",
+    "BenchReport": "layerswap.bench",
+    "bench": "layerswap.bench",
+    "load_checkpoint": "layerswap.checkpoint",
+    "coverage": "layerswap.coverage",
+    "Family": "layerswap.family",
+    "SwapHandle": "layerswap.handle",
+    "LAYER_CALL_PARAMETERS": "layerswap.hf_internals",
+    "LayerCall": "layerswap.hf_internals",
+    "read_layer_call": "layerswap.hf_internals",
+    "decoder_layers": "layerswap.model",
+    "Patch": "layerswap.patching",
+    "PatchGroup": "layerswap.patching",
+    "PatchInfo": "layerswap.patching",
+    "active_patches": "layerswap.patching",
+    "patch": "layerswap.patching",
+    "patch_dict": "layerswap.patching",
+    "patch_many": "layerswap.patching",
+    "patches": "layerswap.patching",
+    "restore_all": "layerswap.patching",
+    "safe_wraps": "layerswap.patching",
+    "wrap": "layerswap.patching",
+    "backends": "layerswap.registry",
+    "families": "layerswap.registry",
+    "get": "layerswap.registry",
+    "get_backend": "layerswap.registry",
+    "get_family": "layerswap.registry",
+    "register": "layerswap.registry",
+    "register_backend": "layerswap.registry",
+    "register_family": "layerswap.registry",
+    "substitutions": "layerswap.registry",
+    "Slot": "layerswap.slots",
+    "get_slot": "layerswap.slots",
+    "register_slot": "layerswap.slots",
+    "Substitution": "layerswap.substitution",
+    "swap": "layerswap.swap",
+    "replace_decoder": "layerswap.use",
+    "use": "layerswap.use",
+    "LayerReport": "layerswap.verify",
+    "Tolerance": "layerswap.verify",
+    "VerificationReport": "layerswap.verify",
+    "assert_equivalent": "layerswap.verify",
+    "verify": "layerswap.verify",
+}
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 

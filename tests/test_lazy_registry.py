@@ -153,3 +153,25 @@ def test_a_visible_family_is_seen_by_its_own_thread_alone() -> None:
     assert "llama_seen_here" not in families()
     with pytest.raises(UnknownSubstitutionError):
         layerswap.get("llama_seen_here.decoder.fused")
+
+
+def test_the_public_names_are_one_list_for_type_checkers_and_the_runtime() -> None:
+    """``layerswap/__init__.py`` writes the API twice (imports for type checkers, a table
+    for lazy imports at run time): the two name the same objects."""
+    import ast
+
+    source = Path(layerswap.__file__).read_text()
+    block = next(
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    typed = {
+        alias.asname or alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == layerswap._EXPORTS
+    assert set(layerswap.__all__) == {"__version__", *typed}
+    assert layerswap.get_slot is __import__("layerswap.slots", fromlist=["get_slot"]).get_slot
