@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -152,9 +153,10 @@ def _has(layer: nn.Module, name: str) -> str:
 
 
 def _built_in_dtype(activation: nn.Module, config: Any) -> bool:
-    """Whether :func:`~layerswap.backends.fused.activation_in_dtype` builds ``activation``
-    from the config: the same class, parameters and buffers, each in the same dtype."""
-    from layerswap.backends.fused import activation_in_dtype
+    """Whether :func:`~layerswap.hf_internals.activation_in_dtype` (what the fused MLP
+    builds) gives ``activation`` from the config: the same class, parameters and buffers,
+    each in the same dtype."""
+    from layerswap.hf_internals import activation_in_dtype
 
     name = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     try:
@@ -748,16 +750,50 @@ def _residual_dropout(decoder: Any, config: Any, where: str) -> str | None:
     return found[0] if found else None
 
 
-def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
-    """The :class:`~layerswap.Family` of ``model_type``, read off the installed transformers.
+@dataclass
+class _Subject:
+    """One model type under inference: what the probes read, and what they have found.
 
-    Raises :class:`~layerswap.errors.UnsupportedFamilyError` with the reason when the
-    decoder layer has structure the replacement layers cannot express, or -- with
-    ``verify`` (the default) -- when the fused layer built from the inferred declaration
-    does not match the original on a tiny model (float32, padded inputs, gradients):
-    structure can fit while the forward pass differs (rotary applied to some layers
-    only, another rotary convention), and such a family is refused, not declared.
+    :func:`_subject` builds it (the classes from transformers' auto mappings, a tiny config,
+    the model on the meta device); each probe of :data:`PROBES` reads it, refuses the
+    model type with the reason (:class:`~layerswap.errors.UnsupportedFamilyError`), or
+    adds what it learnt -- ``fields`` of the :class:`~layerswap.Family`, and the modules
+    and layouts later probes read.
     """
+
+    model_type: str
+    module_name: str
+    module: Any
+    causal_lm_name: str
+    config_class: type
+    config: Any
+    model: nn.Module
+    layers: Any  # the decoder layers (an nn.ModuleList)
+    decoder: type
+    where: str  # "olmo2 (Olmo2DecoderLayer)", for messages
+    fields: dict[str, Any] = field(default_factory=dict)  # the Family's, as found
+    layer: Any = None  # layers[0]
+    attention: Any = None
+    mlp: Any = None
+    qkv_modules: tuple[str, ...] = ()
+    mlp_modules: tuple[str, ...] = ()
+    original_mlp: bool = False
+    norm_names: frozenset[str] = frozenset()  # the layer's other children: its norms
+    layout: tuple[tuple[str, str], ...] = ()  # where those norms sit
+    head_dim: int = 0
+    real: Any = None  # one layer on real tensors, seeded
+    q_norm: Any = None  # the q norm module (of a layer with q/k norms switched on)
+    q_norm_shape: tuple[int, ...] = ()
+
+    def build(self, config: Any) -> nn.Module:
+        """One decoder layer for ``config`` on the meta device."""
+        with torch.device("meta"):
+            layer: nn.Module = self.decoder(config, 0)
+        return layer
+
+
+def _subject(model_type: str, verify: bool) -> _Subject:
+    """The classes of ``model_type``, a tiny config, and the model built on the meta device."""
     module_name, causal_lm_name, config_name = _auto_names(model_type)
     try:
         module = importlib.import_module(module_name)
@@ -814,16 +850,43 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         raise UnsupportedFamilyError(
             f"{model_type}: its decoder layer lives in {decoder.__module__}"
         )
-    where = f"{model_type} ({decoder.__name__})"
-    layer: nn.Module = layers[0]
-    attention: Any = getattr(layer, "self_attn", None)
+    subject = _Subject(
+        model_type,
+        module_name,
+        module,
+        causal_lm_name,
+        config_class,
+        config,
+        model,
+        layers,
+        decoder,
+        where=f"{model_type} ({decoder.__name__})",
+        layer=layers[0],
+    )
+    subject.fields.update(
+        model_type=model_type,
+        module=module_name,
+        decoder=decoder.__name__,
+        config_class=config_class.__name__,
+        causal_lm=causal_lm_name,
+        query_scale=query_scale,
+        description=f"inferred from {module_name}",
+    )
+    return subject
+
+
+def _probe_projections(s: _Subject) -> None:
+    """q/k/v/o and the MLP: separate or fused projections, gated or plain, or a block of
+    the modeling module's own (mixture of experts) kept as it is."""
+    layer, layers, where = s.layer, s.layers, s.where
+    s.attention = getattr(layer, "self_attn", None)
     # the MLP's attribute: "mlp", or a mixture-of-experts block's own (GraniteMoE)
     mlp_name = next(
         (n for n in _MLP_NAMES if isinstance(getattr(layer, n, None), nn.Module)), "mlp"
     )
-    mlp: Any = getattr(layer, mlp_name, None)
-    qkv = _first_with(attention, [(names,) for names in _QKV])
-    mlp_layout = _first_with(mlp, _MLPS)
+    s.mlp = getattr(layer, mlp_name, None)
+    qkv = _first_with(s.attention, [(names,) for names in _QKV])
+    mlp_layout = _first_with(s.mlp, _MLPS)
     # a block of the modeling module's own in any layer (mixture of experts, maybe after
     # dense first layers): every layer keeps the original's MLP as it is
     block = next(
@@ -831,22 +894,22 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             m
             for m in (getattr(lyr, mlp_name, None) for lyr in layers)
             if isinstance(m, nn.Module)
-            and type(m).__module__ == module_name
+            and type(m).__module__ == s.module_name
             and not _first_with(m, _MLPS)
         ),
         None,
     )
     if block is not None:
-        mlp, mlp_layout = block, ("original", ())
+        s.mlp, mlp_layout = block, ("original", ())
     # the original MLP may differ per layer (Qwen2-MoE's dense layers): it is built per layer
     skipped = (f"{mlp_name}.",) if mlp_layout and mlp_layout[0] == "original" else ()
     shapes = {
         tuple(n for n, _ in lyr.named_modules() if not n.startswith(skipped)) for lyr in layers
     }
     if len(shapes) != 1:  # one decoder class, some layers dense and some MoE
-        raise UnsupportedFamilyError(_different_layers(model_type, layers))
-    if attention is not None and isinstance(
-        getattr(attention, "kv_a_proj_with_mqa", None), nn.Module
+        raise UnsupportedFamilyError(_different_layers(s.model_type, layers))
+    if s.attention is not None and isinstance(
+        getattr(s.attention, "kv_a_proj_with_mqa", None), nn.Module
     ):
         raise UnsupportedFamilyError(
             f"{where}: multi-head latent attention (self_attn.kv_a_proj_with_mqa, kv_b_proj: "
@@ -854,7 +917,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             "attention from q/k/v projections of the hidden state"
         )
     missing = [] if qkv else ["self_attn.q_proj, k_proj, v_proj (or qkv_proj)"]
-    if not isinstance(getattr(attention, "o_proj", None), nn.Linear):
+    if not isinstance(getattr(s.attention, "o_proj", None), nn.Linear):
         missing.append("self_attn.o_proj")
     if not mlp_layout:
         missing.append("mlp.gate_proj, up_proj, down_proj (or up_proj, down_proj)")
@@ -869,16 +932,30 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             "replacement layers read q/k/v/o attention and a dense MLP or a mixture-of-experts "
             "block of the model's own"
         )
-    qkv_modules, (mlp_kind, mlp_modules) = qkv[0], mlp_layout
-    original_mlp = mlp_kind == "original"
+    (s.qkv_modules,), (mlp_kind, s.mlp_modules) = qkv, mlp_layout
+    s.original_mlp = mlp_kind == "original"
+    s.fields.update(
+        mlp=mlp_kind,
+        mlp_modules=s.mlp_modules,
+        mlp_class=type(s.mlp).__name__ if s.original_mlp else None,
+        mlp_name=mlp_name,
+        qkv_modules=s.qkv_modules,
+    )
+
+
+def _probe_nothing_else(s: _Subject) -> None:
+    """Every other module and parameter of the layer is a norm in a known layout, q/k
+    norms, attention sinks, or an activation the fused MLP builds alike."""
+    layer, attention, mlp, config = s.layer, s.attention, s.mlp, s.config
+    mlp_name = s.fields["mlp_name"]
     # a dropout module of probability 0 (Phi-3's residual dropouts by default) is no step
-    norms = {
+    s.norm_names = frozenset(
         n
         for n, child in layer.named_children()
         if n not in ("self_attn", mlp_name) and not _no_dropout(child)
-    }
+    )
     known_attention = {
-        *qkv_modules,
+        *s.qkv_modules,
         "o_proj",
         *(n for p in _QK_NORM_NAMES for n in p),
         "rotary_emb",
@@ -895,7 +972,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         + [
             f"mlp.{n}"
             for n, _ in mlp.named_children()
-            if not original_mlp and n not in (*mlp_modules, *activations)
+            if not s.original_mlp and n not in (*s.mlp_modules, *activations)
         ]
         + [n for n, _ in layer.named_parameters(recurse=False)]
         + [
@@ -907,7 +984,7 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     # an activation with learned parameters (Apertus's xIELU): the fused MLP builds it in
     # the config's dtype under the same name, where that gives the same class and tensors
     activation_dtype = False
-    for n in activations if not original_mlp else ():
+    for n in activations if not s.original_mlp else ():
         held = getattr(mlp, n, None)
         if not isinstance(held, nn.Module):
             continue
@@ -916,34 +993,41 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             activation_dtype = True
         else:
             extra += [f"mlp.{n}.{t}" for t in tensors]
-    layout = _NORM_LAYOUTS.get(frozenset(norms))
+    layout = _NORM_LAYOUTS.get(s.norm_names)
     if layout is None:
-        extra += sorted(norms)
+        extra += sorted(s.norm_names)
     if extra:
         raise UnsupportedFamilyError(
-            f"{where}: modules or parameters the fused layer has no counterpart for: {', '.join(extra)}"
+            f"{s.where}: modules or parameters the fused layer has no counterpart for: "
+            f"{', '.join(extra)}"
         )
     assert layout is not None
-    head_dim = int(getattr(attention, "head_dim", config.head_dim))
+    s.layout = layout
+    s.head_dim = int(getattr(attention, "head_dim", config.head_dim))
+    s.fields.update(attention_sinks=attention_sinks, activation_dtype=activation_dtype)
 
-    def build(cfg: Any) -> nn.Module:
-        with torch.device("meta"):
-            return decoder(cfg, 0)
 
-    residual_dropout = _residual_dropout(decoder, config, where)
-    added = _modules_a_size_adds(build, config)
+def _probe_config_switches(s: _Subject) -> None:
+    """What config fields switch on: residual dropout, modules a size adds (refused), q/k
+    norms (Cohere)."""
+    s.fields["residual_dropout"] = _residual_dropout(s.decoder, s.config, s.where)
+    added = _modules_a_size_adds(s.build, s.config)
     if added is not None:
         raise UnsupportedFamilyError(
-            f"{where}: a config with {added[0]} > 0 adds {', '.join(added[1])}, which the "
+            f"{s.where}: a config with {added[0]} > 0 adds {', '.join(added[1])}, which the "
             "fused layer has no counterpart for"
         )
-    # q/k norms: always there, or where a config field switches them on (Cohere)
-    qk_norm_switch = _qk_norm_switch(build, config)
-    qk_config = config if qk_norm_switch is None else _with(config, qk_norm_switch, True)
+    s.fields["qk_norm_switch"] = _qk_norm_switch(s.build, s.config)
+
+
+def _probe_qk_norms(s: _Subject) -> None:
+    """q/k norms: their names, over what they normalise, before or after the rotary."""
+    config, head_dim = s.config, s.head_dim
+    switch = s.fields["qk_norm_switch"]
+    qk_config = config if switch is None else _with(config, switch, True)
     # norms on real tensors: the kind and offset are probed numerically
-    real: nn.Module = _seeded(decoder, config, 0)
-    real_qk: nn.Module = real if qk_norm_switch is None else _seeded(decoder, qk_config, 0)
-    qk_norm: bool | str = False
+    s.real = _seeded(s.decoder, config, 0)
+    real_qk: nn.Module = s.real if switch is None else _seeded(s.decoder, qk_config, 0)
     qk_names = next(
         (
             names
@@ -952,45 +1036,69 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         ),
         _QK_NORM_NAMES[0],
     )
-    q_norm: Any = getattr(real_qk.get_submodule("self_attn"), qk_names[0], None)
+    s.q_norm = getattr(real_qk.get_submodule("self_attn"), qk_names[0], None)
+    qk_norm: bool | str = False
     qk_after_rotary = False
-    if q_norm is not None:
-        qk_after_rotary = _qk_norm_after_rotary(real_qk, qk_config, qk_names, qkv_modules[0])
+    if s.q_norm is not None:
+        qk_after_rotary = _qk_norm_after_rotary(real_qk, qk_config, qk_names, s.qkv_modules[0])
         per_head: dict[tuple[int, ...], bool | str] = {
             (head_dim,): True,
             (config.num_attention_heads, head_dim): "head_weights",
             (config.num_attention_heads * head_dim,): "across",
         }
-        weight = getattr(q_norm, "weight", None)
+        weight = getattr(s.q_norm, "weight", None)
         # a q norm without parameters (nanochat) normalises each head: the behavioural
         # check proves it
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (head_dim,)
         if shape not in per_head:
-            raise UnsupportedFamilyError(f"{where}: a q norm of shape {shape}")
+            raise UnsupportedFamilyError(f"{s.where}: a q norm of shape {shape}")
         qk_norm = per_head[shape]
+        s.q_norm_shape = shape
+    s.fields.update(qk_norm=qk_norm, qk_norm_modules=qk_names, qk_norm_after_rotary=qk_after_rotary)
+
+
+def _probe_norm_kind(s: _Subject) -> None:
+    """The norms' kind (RMSNorm or LayerNorm), offset and scale, one for all, probed
+    numerically, and the config field that switches them (if any)."""
+    config, where = s.config, s.where
     offsets = {
-        _norm_kind(real.get_submodule(n), (config.hidden_size,), f"{where} {n}") for _, n in layout
+        _norm_kind(s.real.get_submodule(n), (config.hidden_size,), f"{where} {n}")
+        for _, n in s.layout
     }
-    if qk_norm:
-        offsets.add(_norm_kind(q_norm, shape, f"{where} self_attn.q_norm"))
+    if s.fields["qk_norm"]:
+        offsets.add(_norm_kind(s.q_norm, s.q_norm_shape, f"{where} self_attn.q_norm"))
     if len(offsets) != 1:
         raise UnsupportedFamilyError(
             f"{where}: norms of different kinds, offsets, or with and without a weight"
         )
-    norm_kind, norm_offset, norm_scale = offsets.pop()
-    norm_switch = _norm_switch(decoder, config, layout, (norm_kind, norm_offset, norm_scale), where)
-    rotary = _rotary_layout(module, head_dim, where)
+    kind = offsets.pop()
+    s.fields.update(
+        norm=kind[0],
+        norm_offset=kind[1],
+        norm_scale=kind[2],
+        norm_switch=_norm_switch(s.decoder, config, s.layout, kind, where),
+    )
+
+
+def _probe_rotary_and_branches(s: _Subject) -> None:
+    """The rotary layout and the layers it applies to; whether attention and MLP run in
+    parallel, and what a single norm feeds."""
+    config, where = s.config, s.where
+    rotary = _rotary_layout(s.module, s.head_dim, where)
     try:
-        attention_in, mlp_in, mlp_in_unattended = _branch_inputs(real, config, rotary, mlp_name)
+        attention_in, mlp_in, mlp_in_unattended = _branch_inputs(
+            s.real, config, rotary, s.fields["mlp_name"]
+        )
     except Exception as exc:
         raise UnsupportedFamilyError(f"{where}: one layer cannot run ({_gist(exc)})") from exc
     parallel = torch.equal(mlp_in, mlp_in_unattended)
     try:
-        rotary_layers = _rotary_layers(decoder, config, where, rotary)
+        rotary_layers = _rotary_layers(s.decoder, config, where, rotary)
     except UnsupportedFamilyError:
         raise
     except Exception as exc:
         raise UnsupportedFamilyError(f"{where}: one layer cannot run ({_gist(exc)})") from exc
+    layout = s.layout
     if layout == _ONE_NORM:
         # one norm: the MLP shares the attention's normalised input (Cohere), or has none
         if not parallel:
@@ -999,61 +1107,77 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
             )
         if not torch.equal(mlp_in, attention_in):
             layout = layout[:1]
+    s.fields.update(norms=layout, parallel=parallel, rotary=rotary, rotary_layers=rotary_layers)
+
+
+def _probe_activation(s: _Subject) -> None:
+    """The config field naming the MLP's activation."""
     activation = next(
         (
-            field
-            for field in ("hidden_act", "hidden_activation")
-            if isinstance(getattr(config, field, None), str)
+            name
+            for name in ("hidden_act", "hidden_activation")
+            if isinstance(getattr(s.config, name, None), str)
         ),
         None,
     )
-    if activation is None and original_mlp:
+    if activation is None and s.original_mlp:
         activation = "hidden_act"  # the original MLP reads its own
     if activation is None:
-        raise UnsupportedFamilyError(f"{where}: no hidden_act in its config")
-    family_name = name or model_type.removesuffix("_text")
-    family = Family(
-        name=family_name,
-        model_type=model_type,
-        module=module_name,
-        decoder=decoder.__name__,
-        config_class=config_class.__name__,
-        causal_lm=causal_lm_name,
-        qkv_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, qkv_modules[0])),
+        raise UnsupportedFamilyError(f"{s.where}: no hidden_act in its config")
+    s.fields["activation"] = activation
+
+
+def _probe_biases_and_clamp(s: _Subject) -> None:
+    """Which biases the projections have (or which config field switches them), and
+    whether q/k/v are clamped (OLMo: ``clip_qkv``, proven with a bound that bites)."""
+    qkv, build, config = s.qkv_modules[0], s.build, s.config
+    s.fields.update(
+        qkv_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, qkv)),
         o_bias=_flag(build, config, lambda lyr: _biased(lyr.self_attn, "o_proj")),
         mlp_bias=False
-        if original_mlp
-        else _flag(build, config, lambda lyr: _biased(lyr.mlp, mlp_modules[0])),
-        qk_norm=qk_norm,
-        norm_offset=norm_offset,
-        norm=norm_kind,
-        activation=activation,
-        mlp=mlp_kind,
-        mlp_modules=mlp_modules,
-        mlp_class=type(mlp).__name__ if original_mlp else None,
-        mlp_name=mlp_name,
-        qkv_modules=qkv_modules,
-        norms=layout,
-        qk_norm_switch=qk_norm_switch,
-        parallel=parallel,
-        rotary=rotary,
-        rotary_layers=rotary_layers,
-        attention_sinks=attention_sinks,
-        norm_switch=norm_switch,
-        norm_scale=norm_scale,
-        residual_dropout=residual_dropout,
-        activation_dtype=activation_dtype,
-        query_scale=query_scale,
-        qk_norm_modules=qk_names,
-        qk_norm_after_rotary=qk_after_rotary,
-        # OLMo, OLMoE: q/k/v clamped where the config sets the bound (proven below with a
-        # bound that bites)
+        if s.original_mlp
+        else _flag(build, config, lambda lyr: _biased(lyr.mlp, s.mlp_modules[0])),
         clip_qkv="clip_qkv" if "clip_qkv" in config.to_dict() else None,
-        tiny=_tiny_of(config_class, config.rope_parameters if query_scale else None),
-        description=f"inferred from {module_name}",
+    )
+
+
+#: what :func:`infer_family` asks of a model type's decoder layer, in order: each probe
+#: refuses the model type with the reason, or adds to what is known of it (a
+#: :class:`_Subject`); a new structural feature is one more probe here
+PROBES: tuple[Callable[[_Subject], None], ...] = (
+    _probe_projections,
+    _probe_nothing_else,
+    _probe_config_switches,
+    _probe_qk_norms,
+    _probe_norm_kind,
+    _probe_rotary_and_branches,
+    _probe_activation,
+    _probe_biases_and_clamp,
+)
+
+
+def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
+    """The :class:`~layerswap.Family` of ``model_type``, read off the installed transformers.
+
+    Raises :class:`~layerswap.errors.UnsupportedFamilyError` with the reason when the
+    decoder layer has structure the replacement layers cannot express, or -- with
+    ``verify`` (the default) -- when the fused layer built from the inferred declaration
+    does not match the original on a tiny model (float32, padded inputs, gradients):
+    structure can fit while the forward pass differs (rotary applied to some layers
+    only, another rotary convention), and such a family is refused, not declared.
+    Each step is one probe of :data:`PROBES`.
+    """
+    subject = _subject(model_type, verify)
+    for probe in PROBES:
+        probe(subject)
+    scaled_rope = subject.config.rope_parameters if subject.fields["query_scale"] else None
+    family = Family(
+        name=name or model_type.removesuffix("_text"),
+        tiny=_tiny_of(subject.config_class, scaled_rope),
+        **subject.fields,
     )
     if verify:
-        _verify_inferred(family, where)
+        _verify_inferred(family, subject.where)
     return family
 
 
