@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = [
+    "activation_in_dtype",
     "CACHE_ARGUMENTS",
     "CONVERSION_MAPPING_TARGET",
     "LAYER_CALL_PARAMETERS",
@@ -578,3 +579,16 @@ def read_layer_call(
         cache=LayerCache(cache, cache_position, passed, by_name),
         output_attentions=bool(rest.get("output_attentions")),
     )
+
+
+def activation_in_dtype(name: str, config: Any) -> nn.Module:
+    """The activation ``name`` of transformers' ``ACT2CLS`` built with the config's
+    ``dtype``, as Apertus's MLP builds xIELU (``ACT2CLS["xielu"](dtype=config.dtype)``):
+    its learned parameters in the model's precision, not the class's default."""
+    from transformers.activations import ACT2CLS
+
+    entry = ACT2CLS[name]
+    cls, options = entry if isinstance(entry, tuple) else (entry, {})
+    # None too, as Apertus passes it: torch's default dtype, not the class's bfloat16
+    built: nn.Module = cls(**options, dtype=torch_dtype_of(config))
+    return built

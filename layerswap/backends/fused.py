@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2CLS, ACT2FN
+from transformers.activations import ACT2FN
 
 from layerswap import hf_internals
 from layerswap.backends import _layer
@@ -464,7 +464,11 @@ class FusedMLP(nn.Module):
         self.add_module(self.up_name, nn.Linear(hidden, width, bias=bias))
         self.add_module(self.down_name, nn.Linear(size, hidden, bias=bias))
         name = getattr(config, family.activation)
-        self.act_fn = activation_in_dtype(name, config) if family.activation_dtype else ACT2FN[name]
+        self.act_fn = (
+            hf_internals.activation_in_dtype(name, config)
+            if family.activation_dtype
+            else ACT2FN[name]
+        )
         # Seed-OSS: dropout on the down projection's result, in training
         self.output_dropout = family.residual_dropout_p(config)
 
@@ -478,17 +482,6 @@ class FusedMLP(nn.Module):
         if self.output_dropout:
             out = F.dropout(out, self.output_dropout, self.training)
         return out
-
-
-def activation_in_dtype(name: str, config: PreTrainedConfig) -> nn.Module:
-    """The activation ``name`` built with the config's ``dtype``, as Apertus's MLP builds
-    xIELU (``ACT2CLS["xielu"](dtype=config.dtype)``): its learned parameters in the
-    model's precision, not the class's default."""
-    entry = ACT2CLS[name]
-    cls, options = entry if isinstance(entry, tuple) else (entry, {})
-    # None too, as Apertus passes it: torch's default dtype, not the class's bfloat16
-    built: nn.Module = cls(**options, dtype=hf_internals.torch_dtype_of(config))
-    return built
 
 
 def original_mlp(family: Family, config: PreTrainedConfig, layer_idx: int) -> nn.Module:
