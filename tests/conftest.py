@@ -10,16 +10,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 _counter = itertools.count()
 
 # one thread per process: the suite's models are tiny, and xdist runs a worker per core;
 # torch's default (a thread per core in every worker, and in every interpreter a test
 # starts) oversubscribes the cores and makes the suite several times slower
+# (torch reads these when imported; the xdist controller, which runs no test, never
+# imports it)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if "torch" in sys.modules:  # imported before this file: told directly
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # behaviour proofs (layerswap.proof) are stored per test run, shared by its xdist workers,
 # never in the user's cache directory
@@ -70,9 +72,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     others = set(FAMILIES) - set(REPRESENTATIVES)
     for item in items:
         callspec = getattr(item, "callspec", None)
+        # the fast lane runs a test marked one_family (the plumbing every family shares)
+        # on llama alone, any other per-family test on the representatives
+        beyond = set(FAMILIES) - {"llama"} if item.get_closest_marker("one_family") else others
         # a family's name, or a substitution of it ("solar_open.head.fused")
         if callspec is not None and any(
-            isinstance(value, str) and value.split(".")[0] in others
+            isinstance(value, str) and value.split(".")[0] in beyond
             for value in callspec.params.values()
         ):
             item.add_marker(pytest.mark.matrix)

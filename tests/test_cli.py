@@ -139,6 +139,7 @@ def test_console_script_is_declared() -> None:
 # --- patch, in process -------------------------------------------------------------------
 
 
+@pytest.mark.one_family  # the command is the same for every family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patch_passes_for_every_family(capsys: pytest.CaptureFixture[str], family: str) -> None:
     code, out, err = run(capsys, "patch", "--model", family, "--json")

@@ -74,6 +74,7 @@ def _hook_count(model: nn.Module) -> int:
 # --- the builtin substitutions pass ------------------------------------------------------
 
 
+@pytest.mark.one_family  # verify's path is the same for every family
 @pytest.mark.parametrize("family", sorted(families()))
 def test_fused_substitution_matches_original_for_every_family(family: str) -> None:
     model = get_family(family).build(seed=0)
