@@ -283,6 +283,25 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
+    # its causal LM holds the image and audio encoders: at their default sizes 870M
+    # parameters, which take a minute and a half to verify
+    "phi4_multimodal": {
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        "audio_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_blocks": 1,
+            "num_attention_heads": 2,
+            "ext_pw_out_channel": 32,
+            "depthwise_separable_out_channel": 32,
+            "nemo_conv_channels": 32,
+        },
+    },
     "qwen4_exp_text": {
         "indexer_budget": 8,
         "indexer_compress_ratio": 4,
