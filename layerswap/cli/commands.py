@@ -127,14 +127,15 @@ def _list_coverage(json_output: bool) -> None:
     chatter = Chatter()
     with exit_codes(), Progress(not json_output) as progress:
         from layerswap.coverage import coverage
-        from layerswap.registry import substitutions
+        from layerswap.registry import offers
 
         with chatter:
             report = coverage(on_step=lambda d, t, m: progress.count(d, t, f"inferring {m}"))
         rows = []
         for model_type, found in report.items():
             name = found.family
-            backends = sorted({sub.backend for sub in substitutions(family=name)}) if name else []
+            # what is offered, read without making a substitution (no backend's layers imported)
+            backends = sorted({offer.backend for offer in offers(family=name)}) if name else []
             rows.append(
                 {
                     "model_type": model_type,
