@@ -67,7 +67,8 @@ def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str
     A model type a registered family covers lists every backend's answer for the family's
     decoder layer (``None``: covered, else the backend's reason); one no family covers
     says why (inference refused it, or it was inferred and verified but is not builtin),
-    and every backend gives that reason. Inferring takes a minute for all model types;
+    and every backend gives that reason. Inferring takes about 20 s for all model types
+    the first time on a release (each answer is kept, :func:`why_not_covered`);
     ``on_step(done, total, model_type)`` is called before each (for progress displays).
 
     Example::
