@@ -38,7 +38,7 @@ from torch import nn
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.forward import ContextFactory
 from layerswap.verify.inputs import inputs_for, text_config
-from layerswap.verify.model_classes import head_of
+from layerswap.verify.model_classes import task_of
 from layerswap.verify.placement import (
     DeviceLike,
     DTypeLike,
@@ -291,9 +291,9 @@ def bench(
     )
     # the loss of the model's own head: a classifier learns from class labels, a base
     # model (no head) from a fixed projection of its output
-    head = head_of(original)
-    head.check(original, inputs, generate=0)
-    labels = head.labels(inputs, text_config(original))
+    task = task_of(original)
+    task.check(original, inputs, generate=0)
+    labels = task.labels(inputs, text_config(original))
     # the swapped layers may need a context to run in (an FP8 autocast, say)
     contexts: Mapping[str, ContextFactory] = {
         "original": contextlib.nullcontext,
@@ -315,7 +315,7 @@ def bench(
             module = models[name]
             module.train()
             with contexts[name]():
-                loss = head.loss(module(**inputs, **labels, use_cache=False), inputs)
+                loss = task.loss(module(**inputs, **labels, use_cache=False), inputs)
             loss.backward()  # type: ignore[no-untyped-call]
             module.zero_grad(set_to_none=True)
 

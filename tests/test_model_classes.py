@@ -22,7 +22,7 @@ from layerswap.registry import get
 from layerswap.substitution import Substitution
 from layerswap.use import use
 from layerswap.verify import default_inputs
-from layerswap.verify.model_classes import head_of
+from layerswap.verify.model_classes import task_of
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 CLASSES = {
@@ -62,7 +62,7 @@ def _broken(family: str) -> Substitution:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_model_class_verifies_forward_and_backward(family: str, suffix: str) -> None:
     model = _model(family, suffix)
-    assert head_of(model).kind == CLASSES[suffix]
+    assert task_of(model).kind == CLASSES[suffix]
     report = layerswap.verify(model, f"{family}.decoder.fused", backward=True)
     assert report.passed, report.summary()
     assert len(report.layers) == 2
@@ -112,7 +112,7 @@ def test_sequence_classification_labels_follow_the_problem_type(
 ) -> None:
     model = _model("llama", "ForSequenceClassification", **overrides)
     batch = default_inputs(model.config.vocab_size)
-    made = head_of(model).labels(batch, model.config)["labels"]
+    made = task_of(model).labels(batch, model.config)["labels"]
     assert made.dtype == labels
     assert layerswap.verify(model, "llama.decoder.fused", backward=True).passed
 
@@ -120,12 +120,12 @@ def test_sequence_classification_labels_follow_the_problem_type(
 def test_question_answering_loss_ignores_padded_positions() -> None:
     model = _model("llama", "ForQuestionAnswering")
     batch = default_inputs(model.config.vocab_size)
-    head = head_of(model)
+    task = task_of(model)
     with torch.no_grad():
         output = model(**batch)
-        loss = head.loss(output, batch)
+        loss = task.loss(output, batch)
         output.start_logits[~batch["attention_mask"].bool()] = 1e4  # padding: ignored
-        assert torch.equal(head.loss(output, batch), loss)
+        assert torch.equal(task.loss(output, batch), loss)
 
 
 def test_generate_on_a_classifier_is_refused_before_any_work() -> None:

@@ -19,7 +19,7 @@ from layerswap.verify.forward import Run, forward
 from layerswap.verify.fp8 import ideal_fp8
 from layerswap.verify.gradients import gradients_to_original
 from layerswap.verify.inputs import InputsLike, prepare_inputs
-from layerswap.verify.model_classes import head_of
+from layerswap.verify.model_classes import task_of
 from layerswap.verify.placement import (
     DeviceLike,
     DTypeLike,
@@ -89,7 +89,7 @@ def decode_tokens(model: nn.Module, generate: int | None, *, streaming: bool = F
     (:data:`DEFAULT_DECODE_TOKENS` for a model that generates, none in streaming mode)."""
     if generate is not None:
         return generate
-    if streaming or not head_of(unwrap(model)).can_generate:
+    if streaming or not task_of(unwrap(model)).can_generate:
         return 0
     return DEFAULT_DECODE_TOKENS
 

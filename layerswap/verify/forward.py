@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from layerswap.errors import UnsupportedModelError
 from layerswap.model import decoder_layers
 from layerswap.verify.inputs import pad_token_id, text_config
-from layerswap.verify.model_classes import head_of
+from layerswap.verify.model_classes import task_of
 
 __all__ = [
     "ContextFactory",
@@ -127,11 +127,11 @@ def forward(
     ``torch.autograd.grad`` rather than ``loss.backward()``, which leaves every ``.grad``
     as it was. ``generate`` then greedily generates that many tokens.
     """
-    head = head_of(model)
-    head.check(model, batch, generate=generate)
+    task = task_of(model)
+    task.check(model, batch, generate=generate)
     valid = batch["attention_mask"].bool()
     wants_loss = loss or backward
-    labels = head.labels(batch, text_config(model)) if wants_loss else {}
+    labels = task.labels(batch, text_config(model)) if wants_loss else {}
     gradients = None
     loss_value: torch.Tensor | None = None
     with capture_layers(decoder_layers(model), valid) as captured, evaluation(model):
@@ -139,19 +139,19 @@ def forward(
             with torch.no_grad(), context():
                 output = model(**batch, **labels, use_cache=False)
                 if wants_loss:
-                    loss_value = head.loss(output, batch)
+                    loss_value = task.loss(output, batch)
         else:
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             with torch.enable_grad(), context():
                 output = model(**batch, **labels, use_cache=False)
-                loss_value = head.loss(output, batch)
+                loss_value = task.loss(output, batch)
                 grads = torch.autograd.grad(loss_value, [p for _, p in params], allow_unused=True)
             # kept in host memory: a model's worth of gradients must not crowd the GPU
             gradients = {
                 name: (grad if grad is not None else torch.zeros_like(param)).detach().cpu()
                 for (name, param), grad in zip(params, grads, strict=True)
             }
-    compared, is_logits = head.compared(output, valid)
+    compared, is_logits = task.compared(output, valid)
     tokens, token_logits = (
         generate_tokens(model, batch, generate, context) if generate else (None, None)
     )

@@ -2,17 +2,17 @@
 
 A family's ``*ForCausalLM``, ``*ForSequenceClassification``, ``*ForTokenClassification``,
 ``*ForQuestionAnswering`` and base ``*Model`` share their decoder layers and differ in
-their head. :func:`head_of` names the head of a model; a :class:`Head` says which output
-is compared (at the valid positions where the output is per token), which labels the
-loss takes, and what the loss is. Values at padded positions are never compared or
+their head: the task the model is for. :func:`task_of` names a model's task; a
+:class:`ModelTask` says which output is compared (at the valid positions where the
+output is per token), which labels the loss takes, and what the loss is. Values at padded positions are never compared or
 learnt from: they mean nothing and differ between attention kernels.
 
 Example::
 
-    head = head_of(model)                      # Head(kind="sequence-classification", ...)
-    output = model(**batch, **head.labels(batch, model.config))
-    compared, is_logits = head.compared(output, batch["attention_mask"].bool())
-    loss = head.loss(output, batch)
+    task = task_of(model)                      # ModelTask(kind="sequence-classification", ...)
+    output = model(**batch, **task.labels(batch, model.config))
+    compared, is_logits = task.compared(output, batch["attention_mask"].bool())
+    loss = task.loss(output, batch)
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from torch import nn
 from layerswap.errors import UnsupportedModelError
 from layerswap.verify.inputs import text_config
 
-__all__ = ["Head", "HeadKind", "head_of"]
+__all__ = ["ModelTask", "TaskKind", "task_of"]
 
-HeadKind = Literal[
+TaskKind = Literal[
     "causal-lm",
     "sequence-classification",
     "token-classification",
@@ -38,9 +38,9 @@ HeadKind = Literal[
     "other",
 ]
 
-# class-name suffixes transformers gives each head, checked along the class's MRO so a
+# class-name suffixes transformers gives each task's head, checked along the class's MRO so a
 # subclass of a family's class is recognised too
-_SUFFIXES: tuple[tuple[str, HeadKind], ...] = (
+_SUFFIXES: tuple[tuple[str, TaskKind], ...] = (
     ("ForCausalLM", "causal-lm"),
     ("ForSequenceClassification", "sequence-classification"),
     ("ForTokenClassification", "token-classification"),
@@ -50,22 +50,22 @@ _SUFFIXES: tuple[tuple[str, HeadKind], ...] = (
 _SEED = 0
 
 
-def head_of(model: nn.Module) -> Head:
-    """The :class:`Head` of ``model``: its kind from its class, its class name for messages.
+def task_of(model: nn.Module) -> ModelTask:
+    """The :class:`ModelTask` of ``model``: its kind from its class, its class name for messages.
 
     Example::
 
-        head_of(LlamaForSequenceClassification(config)).kind   # "sequence-classification"
+        task_of(LlamaForSequenceClassification(config)).kind   # "sequence-classification"
     """
     name = type(model).__name__
     for cls in type(model).__mro__:
         for suffix, kind in _SUFFIXES:
             if cls.__name__.endswith(suffix):
-                return Head(kind, name)
+                return ModelTask(kind, name)
     base_model = getattr(model, "base_model", None)
     if base_model is model and hasattr(model, "config"):
-        return Head("base", name)
-    return Head("other", name)
+        return ModelTask("base", name)
+    return ModelTask("other", name)
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -73,10 +73,10 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 @dataclass(frozen=True)
-class Head:
+class ModelTask:
     """How verification reads and trains one model class (see the module docstring)."""
 
-    kind: HeadKind
+    kind: TaskKind
     model_class: str
 
     @property
