@@ -195,6 +195,40 @@ def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow  # a fresh interpreter
+def test_a_layer_of_a_family_nobody_registered_loads_from_a_pickle_in_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    """A per-family class is pickled as its recipe (backends.per_family): the factory, the
+    base and the family's declaration, so a process where the family is not registered
+    makes the class again, holding the layer's weights."""
+    import subprocess
+    import sys
+
+    family = dataclasses.replace(layerswap.get_family("llama"), name="llama_pickled")
+    config = family.tiny_config()
+    torch.manual_seed(0)
+    layer = fused.layer_class(family)(config, 0).eval()
+    state = {key: value.clone() for key, value in layer.state_dict().items()}
+    torch.save({"layer": layer, "state": state}, tmp_path / "layer.pt")
+    script = (
+        "import torch, layerswap\n"
+        f"saved = torch.load(r'{tmp_path / 'layer.pt'}', weights_only=False)\n"
+        "layer = saved['layer']\n"
+        "assert 'llama_pickled' not in layerswap.families()\n"
+        "assert type(layer).__qualname__ == 'FusedLlamaPickledDecoderLayer'\n"
+        "assert type(layer).family.name == 'llama_pickled'\n"
+        "held = layer.state_dict()\n"
+        "print(held.keys() == saved['state'].keys()"
+        " and all(torch.equal(held[k], v) for k, v in saved['state'].items()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+
+
 def test_two_threads_making_a_familys_classes_get_the_same_ones() -> None:
     """Per-family classes are made once (backends.per_family): two threads swapping the
     same new family at once get one layer class and one head class, as a pickle names."""
@@ -222,5 +256,5 @@ def test_two_threads_making_a_familys_classes_get_the_same_ones() -> None:
     assert len(made) == 8 and len(set(made)) == 1
     layer, head = made[0]
     assert layer.__qualname__ == "FusedLlamaThreadsDecoderLayer"
-    assert fused.FusedLlamaThreadsDecoderLayer is layer  # set in its module, for pickles
+    assert fused.FusedLlamaThreadsDecoderLayer is layer  # set in its module, by its name
     assert head.__qualname__ == "FusedLlamaForCausalLM" and head.__name__ == "LlamaForCausalLM"

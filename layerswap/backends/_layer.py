@@ -14,9 +14,10 @@ Everything the original layer's callers rely on is here once:
   rotate-half and interleaved conventions of the rotary embedding, the cache update as
   the calling transformers release does it (:mod:`layerswap.hf_internals` reads the
   call, whether it names the cache ``cache`` or ``past_key_values``);
-- one subclass per family (:func:`family_layer_class`), importable by name from the
-  backend's module so pickled models load; a backend's declaration names it as its
-  ``decoder`` implementation.
+- one subclass per family (:func:`family_layer_class`), set in the backend's module under
+  its name, and pickled as how to make it again (any family, registered or not, loads
+  in a fresh process); a backend's declaration names it as its ``decoder``
+  implementation.
 
 Example::
 
@@ -53,7 +54,7 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from layerswap import hf_internals
-from layerswap.backends.per_family import class_named, family_class
+from layerswap.backends.per_family import family_class
 from layerswap.errors import RequirementError, SwapWarning
 from layerswap.family import Family
 from layerswap.rotary import rotate_half, rotate_interleaved
@@ -70,7 +71,6 @@ __all__ = [
     "Layout",
     "attention_weights_sink",
     "family_layer_class",
-    "family_layer_class_named",
     "rotate_half",
     "rotate_interleaved",
     "local_sizes",
@@ -392,8 +392,8 @@ def family_layer_class(base: type[LayerT], family: Family) -> type[LayerT]:
     """``base`` made for ``family`` (once, then cached), named after both.
 
     ``FusedDecoderLayer`` and llama give ``FusedLlamaDecoderLayer``, a class of
-    ``base``'s module that is set there as a module attribute, so pickled models name
-    an importable class.
+    ``base``'s module that is set there as a module attribute; a pickle holds how to
+    make it again (:mod:`layerswap.backends.per_family`).
 
     Example::
 
@@ -401,8 +401,8 @@ def family_layer_class(base: type[LayerT], family: Family) -> type[LayerT]:
     """
     name = _class_name(base, family)
 
-    def make() -> type[LayerT]:
-        return type(
+    def make(meta: type[type]) -> type[LayerT]:
+        made: type[LayerT] = meta(
             name,
             (base,),
             {
@@ -412,19 +412,6 @@ def family_layer_class(base: type[LayerT], family: Family) -> type[LayerT]:
                 "__doc__": f"{base.summary} replacing {family.decoder} ({family.name}).",
             },
         )
+        return made
 
-    return family_class(base, family, make, export=name)
-
-
-def family_layer_class_named(base: type[LayerT], name: str) -> type[LayerT]:
-    """The per-family class of ``base`` called ``name``, for its module's ``__getattr__``.
-
-    A pickled model names its layer class; in a fresh process it is made on demand.
-    :class:`AttributeError` when no family's class has that name.
-    """
-    return class_named(
-        base,
-        name,
-        lambda family: _class_name(base, family),
-        lambda family: family_layer_class(base, family),
-    )
+    return family_class(base, family, make, factory=family_layer_class, export=name)

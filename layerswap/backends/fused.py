@@ -541,11 +541,6 @@ def layer_class(family: Family) -> type[FusedDecoderLayer]:
     """The fused decoder layer class for ``family`` (made once, then cached).
 
     Builtin families' classes are importable from this module by name
-    (``layerswap.backends.fused:FusedLlamaDecoderLayer``), so pickled models load.
+    (``layerswap.backends.fused:FusedLlamaDecoderLayer``); a pickle holds how to make it again.
     """
     return _layer.family_layer_class(FusedDecoderLayer, family)
-
-
-def __getattr__(name: str) -> Any:
-    # a pickled model names its layer class; make it on demand in a fresh process
-    return _layer.family_layer_class_named(FusedDecoderLayer, name)

@@ -372,20 +372,21 @@ def head_class(base: type[CausalLMHead], family: Family) -> type[nn.Module]:
 
     The class keeps the original's ``__name__`` (``save_pretrained`` writes it into
     ``architectures``; the Trainer reads it) and is importable from ``base``'s module under
-    its ``__qualname__``, ``<Backend><Original>`` (``FusedLlamaForCausalLM``), so a pickled
-    model loads.
+    its ``__qualname__``, ``<Backend><Original>`` (``FusedLlamaForCausalLM``): the head
+    slot's substitutions name it so (resolved on use, by :func:`head_class_named`); a pickle
+    holds how to make it again (:mod:`layerswap.backends.per_family`).
     """
     original = family.causal_lm_class()
     qualname = f"{base.backend.capitalize()}{original.__name__}"
 
-    def make() -> type[nn.Module]:
+    def make(meta: type[type]) -> type[nn.Module]:
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             return CausalLMHead._layerswap_forward(self, *args, **kwargs)
 
         forward.__signature__ = inspect.signature(original.forward)  # type: ignore[attr-defined]
         forward.__doc__ = original.forward.__doc__
         forward.__qualname__ = f"{qualname}.forward"
-        return type(
+        made: type[nn.Module] = meta(
             original.__name__,
             (base, original),
             {
@@ -397,18 +398,22 @@ def head_class(base: type[CausalLMHead], family: Family) -> type[nn.Module]:
                 "_layerswap_contract": head_contract(original),
             },
         )
+        return made
 
     # a class made for a causal LM that was since replaced (a patched module) is made again
     return family_class(
         base,
         family,
         make,
+        factory=head_class,
         current=lambda made: getattr(made, "_layerswap_original", None) is original,
     )
 
 
 def head_class_named(base: type[CausalLMHead], qualname: str) -> type[nn.Module]:
-    """The head class called ``qualname`` (``FusedLlamaForCausalLM``), for unpickling."""
+    """The head class called ``qualname`` (``FusedLlamaForCausalLM``), for its module's
+    ``__getattr__``: the head slot's substitutions name their class so, and it is made on
+    first use, for the causal-LM class the family has then."""
     prefix = base.backend.capitalize()
     return class_named(
         base,

@@ -373,7 +373,7 @@ def layer_class(family: Family) -> type[LigerDecoderLayer]:
     """The Liger decoder layer class for ``family`` (made once, then cached).
 
     Builtin families' classes are importable from this module by name
-    (``layerswap.backends.liger:LigerLlamaDecoderLayer``), so pickled models load.
+    (``layerswap.backends.liger:LigerLlamaDecoderLayer``); a pickle holds how to make it again.
     """
     return _layer.family_layer_class(LigerDecoderLayer, family)
 
@@ -381,8 +381,3 @@ def layer_class(family: Family) -> type[LigerDecoderLayer]:
 def converter_for(family: Family) -> Converter:
     """The liger layer's converter: none needed (the original's weights, unrenamed)."""
     return CONVERTER
-
-
-def __getattr__(name: str) -> Any:
-    # a pickled model names its layer class; make it on demand in a fresh process
-    return _layer.family_layer_class_named(LigerDecoderLayer, name)

@@ -1,29 +1,32 @@
-"""One class per family made from a backend's class: made once, importable by name.
+"""One class per family made from a backend's class: made once, pickled as how to make it.
 
 A swapped model holds ``FusedLlamaDecoderLayer`` or ``FusedLlamaForCausalLM``: a subclass
 of a backend's class made for one family. :func:`family_class` makes it once per (base,
-family), under a lock, so two threads swapping at once get the same class; its
-``__qualname__`` names it in the base's module, and a fresh process that unpickles a model
-makes it again from that name (the module's ``__getattr__`` calls :func:`class_named`).
-The decoder layers (:mod:`layerswap.backends._layer`) and the heads
+family), under a lock, so two threads swapping at once get the same class. Its metaclass,
+:class:`FamilyClass`, makes a pickle hold the recipe -- the factory, the base class and the
+family's declaration (by value) -- rather than a name to look up: a fresh process that
+loads the pickle makes the class again without the registry, for a family nobody
+registered there too. The decoder layers (:mod:`layerswap.backends._layer`) and the heads
 (:mod:`layerswap.backends.head`) both make theirs here.
 
 Example::
 
-    cls = family_class(FusedDecoderLayer, family, lambda: type(...), export="FusedLlamaDecoderLayer")
+    cls = family_class(FusedDecoderLayer, family, lambda meta: meta(name, bases, namespace),
+                       factory=family_layer_class, export="FusedLlamaDecoderLayer")
 """
 
 from __future__ import annotations
 
+import copyreg
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from layerswap.family import Family
 
-__all__ = ["class_named", "family_class"]
+__all__ = ["FamilyClass", "class_named", "family_class"]
 
 T = TypeVar("T", bound=type)
 
@@ -31,26 +34,48 @@ _MADE: dict[tuple[type, Family], type] = {}
 _LOCK = threading.RLock()
 
 
+class FamilyClass(type):
+    """The metaclass of the classes :func:`family_class` makes: pickled as their recipe."""
+
+    #: ``(factory, base, family)``: ``factory(base, family)`` gives the class again
+    _layerswap_recipe: tuple[Callable[[Any, Family], type], type, Family]
+
+
+def _reduce(cls: FamilyClass) -> str | tuple[Any, ...]:
+    recipe = cls.__dict__.get("_layerswap_recipe")
+    if recipe is None:  # a user's subclass of a per-family class: pickled by its name
+        return cls.__qualname__
+    factory, base, family = recipe
+    return factory, (base, family)
+
+
+copyreg.pickle(FamilyClass, _reduce)
+
+
 def family_class(
     base: type,
     family: Family,
-    make: Callable[[], T],
+    make: Callable[[type[FamilyClass]], T],
     *,
+    factory: Callable[[Any, Family], type],
     export: str | None = None,
     current: Callable[[T], bool] | None = None,
 ) -> T:
-    """The class ``make()`` gives for ``base`` and ``family``, made once.
+    """The class ``make(FamilyClass)`` gives for ``base`` and ``family``, made once.
 
-    ``export`` also sets it as that attribute of ``base``'s module (where a pickle finds
-    it without asking :func:`class_named`); ``current`` says whether a class made before
-    still holds (a head made for a causal-LM class that was since replaced does not).
+    ``make`` builds the class with the metaclass it is given; ``factory(base, family)`` is
+    the public function that gives it (what a pickle calls). ``export`` also sets it as that
+    attribute of ``base``'s module, for readable reprs and imports; ``current`` says whether
+    a class made before still holds (a head made for a causal-LM class that was since
+    replaced does not).
     """
     key = (base, family)
     with _LOCK:
         made = _MADE.get(key)
         if made is not None and (current is None or current(made)):  # type: ignore[arg-type]
             return made  # type: ignore[return-value]
-        fresh = make()
+        fresh = make(FamilyClass)
+        fresh._layerswap_recipe = (factory, base, family)  # type: ignore[attr-defined]
         _MADE[key] = fresh
         if export is not None:
             vars(sys.modules[base.__module__]).setdefault(export, fresh)
@@ -60,9 +85,10 @@ def family_class(
 def class_named(
     base: type, name: str, name_of: Callable[[Family], str], make: Callable[[Family], T]
 ) -> T:
-    """The class called ``name`` among every known family's (``name_of(family)``), made
-    with ``make(family)``; :class:`AttributeError` as a module's ``__getattr__`` raises
-    when no family's class has that name."""
+    """The class called ``name`` among every registered family's (``name_of(family)``),
+    made with ``make(family)``; :class:`AttributeError` as a module's ``__getattr__`` raises
+    when no family's class has that name. The head slot resolves the class its
+    substitutions name this way (on use, for the causal-LM class the family has then)."""
     if name.startswith("__"):
         # `from <module> import x` asks for __path__ first, maybe while the registry is
         # loading this very module: no registry lookup for dunder names

@@ -353,12 +353,7 @@ def layer_class(family: Family) -> type[TEDecoderLayer]:
     """The TE decoder layer class for ``family`` (made once, then cached).
 
     Builtin families' classes are importable from this module by name
-    (``layerswap.backends.te:TELlamaDecoderLayer``), so pickled models load. Making the
+    (``layerswap.backends.te:TELlamaDecoderLayer``); a pickle holds how to make it again. Making the
     class needs no TransformerEngine; building a layer does.
     """
     return _layer.family_layer_class(TEDecoderLayer, family)
-
-
-def __getattr__(name: str) -> Any:
-    # a pickled model names its layer class; make it on demand in a fresh process
-    return _layer.family_layer_class_named(TEDecoderLayer, name)
