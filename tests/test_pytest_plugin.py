@@ -496,6 +496,7 @@ def test_leak_guard_can_be_turned_off(pytester, target_module):
 # --- installation, xdist, a downstream repository ----------------------------------------
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_entry_point_loads_the_plugin_once(pytester, monkeypatch):
     # an installed layerswap as pytest sees it: a distribution with the pytest11 entry point
     dist_info = pytester.path / "site" / "layerswap_entry_point-0.dist-info"
