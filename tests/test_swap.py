@@ -241,6 +241,7 @@ def test_swapping_twice_is_refused_until_undone() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:.*torch.jit:DeprecationWarning")
+@pytest.mark.slow  # torch.compile
 def test_a_compiled_model_is_swapped_through_orig_mod_with_a_warning() -> None:
     model = tiny_model("llama", num_hidden_layers=1)
     compiled = torch.compile(model)

@@ -14,6 +14,7 @@ from layerswap.errors import UnknownSubstitutionError
 from layerswap.model import decoder_layers, family_of, unwrap
 
 
+@pytest.mark.slow  # torch.compile
 def test_unwrap_sees_through_compile_and_data_parallel_but_peft_only_when_asked() -> None:
     model = tiny_model("llama", num_hidden_layers=1)
     assert unwrap(torch.compile(torch.nn.DataParallel(model))) is model

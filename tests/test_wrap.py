@@ -201,6 +201,7 @@ def test_wrap_of_non_callable_or_missing_is_a_clear_error(mod):
 # --- safe_wraps -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # torch.compile
 def test_functools_wraps_copies_compile_entry_points_safe_wraps_does_not():
     def step(x):
         return x + 1
@@ -223,6 +224,7 @@ def test_functools_wraps_copies_compile_entry_points_safe_wraps_does_not():
     assert safe.__name__ == "step" and inspect.signature(safe) == inspect.signature(step)
 
 
+@pytest.mark.slow  # torch.compile
 def test_torch_compile_of_a_safe_wraps_wrapper_runs_the_wrapper():
     calls = []
 
