@@ -13,6 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,8 +75,36 @@ def _representatives() -> tuple[str, ...]:
     return tuple(sorted(chosen))
 
 
+def _kept_representatives() -> tuple[str, ...]:
+    """:func:`_representatives`, kept in the temporary directory between test runs: reading
+    63 configs costs each xdist worker about two seconds. The file's name holds what the
+    choice depends on (transformers' version, this file and the families' sources), so a
+    change to any of them chooses again."""
+    import transformers
+
+    import layerswap
+
+    package = Path(layerswap.__file__).parent
+    sources = [Path(__file__), package / "family.py", *sorted((package / "families").glob("*.py"))]
+    digest = hashlib.sha256(transformers.__version__.encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    kept = Path(tempfile.gettempdir()) / f"layerswap-test-representatives-{digest.hexdigest()[:16]}"
+    try:
+        names = tuple(kept.read_text().split())
+    except OSError:
+        names = ()
+    if "llama" in names and set(names) <= set(FAMILIES):
+        return names
+    chosen = _representatives()
+    partial = kept.with_suffix(f".{os.getpid()}")
+    partial.write_text(" ".join(chosen))
+    partial.replace(kept)  # whole or absent, whichever worker writes last
+    return chosen
+
+
 #: the families the fast lane runs per-family tests on (the rest are marked ``matrix``)
-REPRESENTATIVES = _representatives()
+REPRESENTATIVES = _kept_representatives()
 
 
 def family(name: str) -> Family:
