@@ -242,19 +242,23 @@ def _made(name: str) -> Substitution | None:
     return sub
 
 
-def _all_offers() -> dict[str, Offer]:
-    """Every substitution offered, by name: derived ones, then those registered."""
+def _all_offers(family: str | None = None) -> dict[str, Offer]:
+    """Every substitution offered (of ``family`` alone, when named), by name: derived ones,
+    then those registered. Only the families asked about are asked of the backends."""
+    known = families()
+    asked = known.values() if family is None else [known[family]] if family in known else []
     found = {
         offer.name: offer
-        for family in families().values()
+        for spec in asked
         for backend in _BACKENDS.values()
-        for offer in _derived_offers(family, backend)
+        for offer in _derived_offers(spec, backend)
         if offer.name not in _REMOVED
     }
     for sub in _REGISTERED.values():
-        found[sub.name] = Offer(
-            sub.name, sub.family, sub.backend, sub.slot, sub.description, sub.unmet_requirement
-        )
+        if family is None or sub.family == family:
+            found[sub.name] = Offer(
+                sub.name, sub.family, sub.backend, sub.slot, sub.description, sub.unmet_requirement
+            )
     return found
 
 
@@ -269,7 +273,7 @@ def offers(
     """
     _ensure_loaded()
     with _LOCK:
-        found = _all_offers()
+        found = _all_offers(family)
     return sorted(
         (
             offer

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import sys
@@ -90,6 +91,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # what collection left alive (torch, transformers, their modules) stays alive: kept out
+    # of every later garbage collection, each of which then takes a few milliseconds, not
+    # a quarter second (the tests that collect to check a finalizer, and pytest's own
+    # collections at the end of the session)
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -107,6 +107,15 @@ def _kept_representatives() -> tuple[str, ...]:
 REPRESENTATIVES = _kept_representatives()
 
 
+def lane_families(config: Any) -> tuple[str, ...]:
+    """The families this run tests one by one: every family with ``--full`` or ``-m``,
+    else the representatives (for parameters that cost something to list, in
+    ``pytest_generate_tests``; a plain per-family parameter lists :data:`FAMILIES`)."""
+    if config.getoption("--full") or config.getoption("-m"):
+        return FAMILIES
+    return REPRESENTATIVES
+
+
 def family(name: str) -> Family:
     """The builtin family called ``name``."""
     return get_family(name)

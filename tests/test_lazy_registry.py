@@ -53,12 +53,14 @@ def test_listing_imports_no_torch_transformers_or_layer_once_answered(tmp_path: 
 
 @pytest.mark.slow  # fresh interpreters
 def test_get_imports_no_other_familys_modeling_module(tmp_path: Path) -> None:
-    """Making ``qwen3.decoder.fused`` reads qwen3's declaration and the fused backend's;
-    no other family's modeling module is imported (transformers' own auto mapping aside)."""
+    """Making ``qwen3.decoder.fused``, or every substitution of qwen3, reads qwen3's
+    declaration and the backends'; no other family's modeling module is imported
+    (transformers' own auto mapping aside)."""
     found = _run(
         """
         import json, sys, layerswap
         layerswap.get("qwen3.decoder.fused")
+        assert "qwen3.head.fused" in [sub.name for sub in layerswap.substitutions(family="qwen3")]
         print(json.dumps({"modeling": sorted(m for m in sys.modules
                           if m.startswith("transformers.models.") and ".modeling_" in m
                           and not m.startswith("transformers.models.auto."))}))
@@ -99,6 +101,11 @@ def test_offers_are_what_substitutions_makes() -> None:
             sub.description,
         )
         assert offer.unmet_requirement() == sub.unmet_requirement()
+    for family in ("llama", "qwen3_moe", "unknown"):  # one family's, asked of it alone
+        asked = [(o.name, o.description) for o in offers(family=family)]
+        assert asked == sorted(
+            (o.name, o.description) for o in listed.values() if o.family == family
+        )
 
 
 def test_an_answer_is_kept_per_release_and_asked_again_when_its_source_changes(
