@@ -6,21 +6,27 @@ compared with the reference: ``python -c "import torch,
 transformers.models.llama.modeling_llama"``, what any use of a Llama costs anyway.
 
 Targets: ``layerswap list`` and an unknown-family error at most 0.5x the reference;
-``layerswap.get("llama.decoder.fused")`` imports no other family's modeling module. The
-commands run once before the rounds, so what the registry keeps per transformers release
-(the backends' answers, :func:`layerswap.verdicts.remembered`) is there, as after a
-user's first command. Run: ``python benchmarks/bench_startup.py [rounds]``.
+``layerswap.get("llama.decoder.fused")`` imports no other family's modeling module;
+``layerswap list --all`` at most 15 s cold. The commands run once before the rounds, so
+what the registry keeps per transformers release (the backends' answers,
+:func:`layerswap.verdicts.remembered`) is there, as after a user's first command; the cold
+``list --all`` runs with an empty cache directory each time (the first run on a
+transformers release: every model type inferred, in one process per CPU). Run:
+``python benchmarks/bench_startup.py [rounds]``.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 PYTHON = sys.executable
 REFERENCE = "import torch, transformers.models.llama.modeling_llama"
+COLD = "layerswap list --all (cold: empty cache)"
 COMMANDS = {
     "reference: import torch + llama modeling": [PYTHON, "-c", REFERENCE],
     "import layerswap": [PYTHON, "-c", "import layerswap"],
@@ -38,6 +44,8 @@ COMMANDS = {
         "--model",
         "lama",
     ],
+    "layerswap list --all (answers kept)": [PYTHON, "-m", "layerswap", "list", "--all"],
+    COLD: [PYTHON, "-m", "layerswap", "list", "--all"],
 }
 MODELING = (
     "import sys, layerswap; layerswap.get('llama.decoder.fused'); "
@@ -46,19 +54,22 @@ MODELING = (
 )
 
 
-def _time(command: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(command, capture_output=True, check=False)
-    return time.perf_counter() - start
+def _time(command: list[str], cold: bool = False) -> float:
+    with tempfile.TemporaryDirectory() as empty:
+        env = {**os.environ, "LAYERSWAP_CACHE": empty} if cold else None
+        start = time.perf_counter()
+        subprocess.run(command, capture_output=True, check=False, env=env)
+        return time.perf_counter() - start
 
 
 def main(rounds: int = 5) -> None:
-    for command in COMMANDS.values():  # the answers a first command keeps
-        _time(command)
+    for label, command in COMMANDS.items():  # the answers a first command keeps
+        if label != COLD:
+            _time(command)
     times: dict[str, list[float]] = {label: [] for label in COMMANDS}
     for _ in range(rounds):
         for label, command in COMMANDS.items():
-            times[label].append(_time(command))
+            times[label].append(_time(command, cold=label == COLD))
     reference = statistics.median(times[next(iter(COMMANDS))])
     print(f"python {sys.version.split()[0]}, {rounds} rounds, median seconds (min-max)")
     for label, seconds in times.items():

@@ -16,14 +16,23 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import json
-from collections.abc import Callable, Mapping
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from layerswap import verdicts
 from layerswap.errors import UnknownSubstitutionError, UnsupportedFamilyError
 from layerswap.families.infer import decoder_model_types, infer_family
 from layerswap.family import Family
@@ -34,7 +43,15 @@ from layerswap.slots import ModelParts, get_slot, slot_names
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["Coverage", "ModelCoverage", "SlotCoverage", "coverage", "model_coverage"]
+__all__ = [
+    "Coverage",
+    "ModelCoverage",
+    "SlotCoverage",
+    "coverage",
+    "infer_in_processes",
+    "inferring",
+    "model_coverage",
+]
 
 
 @dataclass(frozen=True)
@@ -61,15 +78,19 @@ class Coverage:
         return self.family is not None
 
 
-def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str, Coverage]:
+def coverage(
+    on_step: Callable[[int, int, str], None] | None = None, *, jobs: int | None = None
+) -> dict[str, Coverage]:
     """Every causal-LM model type of the installed transformers, by name.
 
     A model type a registered family covers lists every backend's answer for the family's
     decoder layer (``None``: covered, else the backend's reason); one no family covers
     says why (inference refused it, or it was inferred and verified but is not builtin),
     and every backend gives that reason. Inferring takes about 20 s for all model types
-    the first time on a release (each answer is kept, :func:`why_not_covered`);
-    ``on_step(done, total, model_type)`` is called before each (for progress displays).
+    on one core the first time on a release (each answer is kept, :func:`why_not_covered`);
+    the model types not yet answered are inferred in ``jobs`` processes (default: one per
+    CPU; see :func:`infer_in_processes`). ``on_step(done, total, model_type)`` is called
+    before each (for progress displays).
 
     Example::
 
@@ -80,14 +101,28 @@ def coverage(on_step: Callable[[int, int, str], None] | None = None) -> dict[str
     declared = backends()
     report: dict[str, Coverage] = {}
     model_types = list(decoder_model_types())
+    # a model type whose causal LM is a family's language model (Mllama) is among these:
+    # inferred for nothing, its answer never read, but finding them reads every config
+    unanswered = [t for t in model_types if t not in by_type and _stored(t) is None]
+    with inferring(unanswered, jobs, on_step):
+        # meanwhile, in this process: the family covering each model type, and its answers
+        covering = {
+            model_type: by_type.get(model_type)
+            or by_type.get(_language_model_type(model_type) or "")
+            for model_type in model_types
+        }
+        answered = {
+            model_type: {name: backend.unsupported(family) for name, backend in declared.items()}
+            for model_type, family in covering.items()
+            if family is not None
+        }
     for done, model_type in enumerate(model_types):
         if on_step is not None:
             on_step(done, len(model_types), model_type)
-        family = by_type.get(model_type) or by_type.get(_language_model_type(model_type) or "")
+        family = covering[model_type]
         if family is not None:
-            answers = {name: backend.unsupported(family) for name, backend in declared.items()}
             report[model_type] = Coverage(
-                model_type, family.name, None, answers, kept=_kept(family)
+                model_type, family.name, None, answered[model_type], kept=_kept(family)
             )
             continue
         reason = why_not_covered(model_type)
@@ -154,15 +189,88 @@ def why_not_covered(model_type: str) -> str:
     multimodal config; the answer is stored beside the behaviour proofs
     (:mod:`layerswap.verdicts`), once per transformers, torch and layerswap release.
     """
-    from layerswap import verdicts
-
-    key = verdicts.key_for("coverage", model_type)
-    stored = verdicts.read(key, kind="coverage")
-    if stored is not None and isinstance(stored.get("reason"), str):
-        return str(stored["reason"])
+    stored = _stored(model_type)
+    if stored is not None:
+        return stored
     reason = _infer_reason(model_type)
-    verdicts.write(key, {"model_type": model_type, "reason": reason}, kind="coverage")
+    _store(model_type, reason)
     return reason
+
+
+def _stored(model_type: str) -> str | None:
+    stored = verdicts.read(verdicts.key_for("coverage", model_type), kind="coverage")
+    return str(stored["reason"]) if stored and isinstance(stored.get("reason"), str) else None
+
+
+def _store(model_type: str, reason: str) -> None:
+    record = {"model_type": model_type, "reason": reason}
+    verdicts.write(verdicts.key_for("coverage", model_type), record, kind="coverage")
+
+
+def infer_in_processes(
+    model_types: list[str],
+    jobs: int | None = None,
+    on_step: Callable[[int, int, str], None] | None = None,
+) -> None:
+    """Infer ``model_types`` in ``jobs`` processes (default: one per CPU this process may
+    use), storing each answer for :func:`why_not_covered` (see :func:`inferring`)."""
+    with inferring(model_types, jobs, on_step):
+        pass
+
+
+@contextmanager
+def inferring(
+    model_types: list[str],
+    jobs: int | None = None,
+    on_step: Callable[[int, int, str], None] | None = None,
+) -> Iterator[None]:
+    """Infer ``model_types`` in ``jobs`` processes (default: one per CPU this process may
+    use) while the block runs here; on leaving it, store each answer for
+    :func:`why_not_covered` (``on_step(done, total, model_type)`` as each comes back).
+
+    Most of the time goes on importing each model type's modeling module and building its
+    model on the meta device, so the work splits across processes. The processes are
+    forked on entering, sharing the imports already made; that is safe only from a
+    process running one thread, on Linux. Anywhere else, with one job or a few model
+    types, the block just runs and :func:`why_not_covered` infers each model type in this
+    process. A process that fails leaves its model types unanswered: they are inferred
+    here after, one by one.
+    """
+    if jobs is None:
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    jobs = min(jobs, len(model_types) // _AT_LEAST)
+    if jobs < 2 or not sys.platform.startswith("linux") or threading.active_count() > 1:
+        yield
+        return
+    # what every modeling module imports (transformers' modeling, generation and
+    # integrations, seconds): imported once here, before forking, not in each process
+    importlib.import_module("transformers.modeling_utils")
+    context = multiprocessing.get_context("fork")
+    pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
+    try:
+        # with fork, every process is started at the first submit, before the pool's threads
+        futures = {pool.submit(_infer_reason, t): t for t in model_types}
+        yield
+        for done, future in enumerate(as_completed(futures)):
+            model_type = futures[future]
+            if on_step is not None:
+                on_step(done, len(model_types), model_type)
+            try:
+                _store(model_type, future.result())
+            except BrokenProcessPool:
+                break  # what was not answered is inferred in this process
+    finally:
+        # an error (or an interrupt) here: the model types not started are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+#: model types per process below which forking costs more than it saves
+_AT_LEAST = 8
+
+
+def _one_thread() -> None:
+    # the processes share the CPUs: one torch thread each (and no OpenMP pool forked)
+    torch.set_num_threads(1)
 
 
 def _infer_reason(model_type: str) -> str:

@@ -3,14 +3,13 @@ once, and a ``get`` that imports only the family it is asked for."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from fresh import run_json
 
 import layerswap
 from layerswap import verdicts
@@ -19,15 +18,8 @@ from layerswap.registry import offers
 
 def _run(code: str, cache: Path) -> dict[str, object]:
     """``code`` in a fresh interpreter (answers kept under ``cache``); the JSON it prints."""
-    env = {**os.environ, "LAYERSWAP_CACHE": str(cache)}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    found: dict[str, object] = run_json(code, cache)
+    return found
 
 
 LISTING = """

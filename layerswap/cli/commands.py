@@ -87,19 +87,32 @@ def list_command(
         typer.Option(
             "--all",
             help="Every decoder family the installed transformers ships: covered, or why not "
-            "(infers and verifies each one: about 20 s the first time on a transformers "
-            "release, kept after).",
+            "(infers and verifies each one, the first time on a transformers release: about "
+            "20 s on one core, split across --jobs processes; kept after).",
         ),
     ] = False,
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            min=1,
+            metavar="N",
+            help="With --all: processes inferring the model types not yet answered "
+            "(default: one per CPU).",
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Every registered substitution: family, backend, and whether it can run here."""
     if all_families:
-        _list_coverage(json_output)
+        _list_coverage(json_output, jobs)
         return
     with exit_codes(), Progress(not json_output) as progress:
         from layerswap.registry import offers
 
+        if jobs is not None:
+            raise UsageProblem("--jobs goes with --all (the processes that infer model types)")
         if family is not None:
             family = find_family(family).name
         # instant once answered; the first list on a transformers release reads each
@@ -124,14 +137,18 @@ def list_command(
     render_substitutions(Output(), rows)
 
 
-def _list_coverage(json_output: bool) -> None:
+def _list_coverage(json_output: bool, jobs: int | None) -> None:
     chatter = Chatter()
-    with exit_codes(), Progress(not json_output) as progress:
+    # no spinner thread: the model types not yet answered are inferred in forked processes
+    with exit_codes(), Progress(not json_output, spinner=False) as progress:
+        progress.step("reading transformers' model types")
         from layerswap.coverage import coverage
         from layerswap.registry import offers
 
         with chatter:
-            report = coverage(on_step=lambda d, t, m: progress.count(d, t, f"inferring {m}"))
+            report = coverage(
+                on_step=lambda d, t, m: progress.count(d, t, f"inferring {m}"), jobs=jobs
+            )
         rows = []
         for model_type, found in report.items():
             name = found.family

@@ -11,6 +11,8 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.live import Live
+from rich.text import Text
 
 if TYPE_CHECKING:
     from rich.status import Status
@@ -22,28 +24,38 @@ _PIPE_WIDTH = 200
 
 
 class Progress:
-    """A spinner with a status line on stderr, shown only when stderr is a terminal."""
+    """A spinner with a status line on stderr, shown only when stderr is a terminal.
 
-    def __init__(self, enabled: bool) -> None:
+    ``spinner=False``: the line alone, drawn when it changes, with no thread to animate it
+    (a command that forks worker processes needs to be running one thread).
+    """
+
+    def __init__(self, enabled: bool, *, spinner: bool = True) -> None:
         # bound to this stderr: output captured later (see Chatter) leaves the spinner be
         console = Console(file=sys.stderr)
-        self._status: Status | None = (
-            console.status("starting") if enabled and console.is_terminal else None
-        )
+        self._live: Status | Live | None = None
+        if enabled and console.is_terminal:
+            self._live = (
+                console.status("starting")
+                if spinner
+                else Live(Text("starting"), console=console, auto_refresh=False, transient=True)
+            )
 
     def __enter__(self) -> Progress:
-        if self._status is not None:
-            self._status.start()
+        if self._live is not None:
+            self._live.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._status is not None:
-            self._status.stop()
+        if self._live is not None:
+            self._live.stop()
 
     def step(self, text: str) -> None:
         """Show ``text`` as what is being done now."""
-        if self._status is not None:
-            self._status.update(text)
+        if isinstance(self._live, Live):
+            self._live.update(Text(text), refresh=True)
+        elif self._live is not None:
+            self._live.update(text)
 
     def count(self, done: int, total: int, text: str) -> None:
         """Show a bar of ``done`` out of ``total``, then ``text``."""
