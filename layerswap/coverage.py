@@ -34,8 +34,9 @@ import torch
 
 from layerswap import verdicts
 from layerswap.errors import UnknownSubstitutionError, UnsupportedFamilyError
-from layerswap.families.infer import decoder_model_types, infer_family
+from layerswap.families.infer import decoder_model_types
 from layerswap.family import Family
+from layerswap.inference import infer_family
 from layerswap.model import decoder_layers
 from layerswap.registry import backends, families, get_family, substitutions
 from layerswap.slots import ModelParts, get_slot, slot_names

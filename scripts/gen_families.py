@@ -29,7 +29,7 @@ TARGET = ROOT / "layerswap" / "families" / "_inferred.py"
 HEADER = '''"""Model families inferred from transformers' modeling modules (generated: do not edit).
 
 Written by ``python scripts/gen_families.py`` from
-:func:`layerswap.families.infer.infer_family`, the fields that differ from ``Family``'s
+:func:`layerswap.inference.infer_family`, the fields that differ from ``Family``'s
 defaults; the one list of the builtin inferred families (``--add TYPE`` adds one).
 ``tests/test_families.py`` checks that it matches inference with the installed
 transformers.
@@ -54,7 +54,7 @@ def _default(field: dataclasses.Field[Any]) -> Any:
 def render(model_types: list[str]) -> str:
     """The file's content: one ``Family(...)`` per model type, sorted, with the fields that
     differ from the defaults."""
-    from layerswap.families.infer import infer_family
+    from layerswap.inference import infer_family
 
     parts = [HEADER]
     for model_type in sorted(set(model_types)):

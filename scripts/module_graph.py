@@ -12,9 +12,12 @@ may also name another by string, to be imported when called: ``Lazy("layerswap.x
 (a backend declaration's layers), ``import_module("layerswap.x")``, ``resolve(...)``.
 Those targets are counted and listed apart (they run at call time, not import time, so
 they make no import cycle), and each must exist: a missing module or function is an error.
+A package below another module (:data:`BELOW`: the families below the registry) must not
+reach it through any chain of imports.
 
     python scripts/module_graph.py            # the listing
-    python scripts/module_graph.py --check    # exit 1 on a cycle or a private reach
+    python scripts/module_graph.py --check    # exit 1 on a cycle, a private reach, a
+                                              # missing named target or a layer reached
 """
 
 from __future__ import annotations
@@ -183,6 +186,45 @@ def _folder(module: str, known: dict[str, Path]) -> Path:
     return known[module].parent if module in known else Path()
 
 
+#: packages below a module: nothing they import reaches it, directly or through another
+#: module (the families are declarations and what inference reads off transformers; the
+#: registry holds them, and the backends and verification above it use them)
+BELOW = {"layerswap.families": "layerswap.registry"}
+
+
+def layering(edges: dict[str, set[str]]) -> list[tuple[str, list[str]]]:
+    """Every module of a :data:`BELOW` package that reaches the module it sits below, with
+    the path of imports that does."""
+    found = []
+    for package, above in BELOW.items():
+        for module in sorted(edges):
+            if module != package and not module.startswith(package + "."):
+                continue
+            path = _path(edges, module, above)
+            if path is not None:
+                found.append((module, path))
+    return found
+
+
+def _path(edges: dict[str, set[str]], start: str, target: str) -> list[str] | None:
+    """A chain of imports from ``start`` to ``target`` (breadth first), or ``None``."""
+    came_from: dict[str, str | None] = {start: None}
+    queue = [start]
+    for node in queue:
+        if node == target:
+            path: list[str] = []
+            step: str | None = node
+            while step is not None:
+                path.append(step)
+                step = came_from[step]
+            return path[::-1]
+        for imported in sorted(edges.get(node, ())):
+            if imported not in came_from:
+                came_from[imported] = node
+                queue.append(imported)
+    return None
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -227,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 on a cycle, a private reach or a named target that does not exist",
+        help="exit 1 on a cycle, a private reach, a named target that does not exist or a "
+        "package reaching what it sits below",
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="the package folder to read")
     args = parser.parse_args(argv)
@@ -252,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"named targets that do not exist: {len(missing)}")
     for namer, target in missing:
         print(f"  {namer} names {target}")
-    return 1 if args.check and (found or private or missing) else 0
+    reaching = layering(edges)
+    print(f"modules reaching what they sit below: {len(reaching)}")
+    for _module, path in reaching:
+        print("  " + " -> ".join(path))
+    return 1 if args.check and (found or private or missing or reaching) else 0
 
 
 if __name__ == "__main__":

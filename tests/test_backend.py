@@ -169,6 +169,15 @@ def test_the_import_graph_has_no_cycles_and_no_private_reaches() -> None:
     assert private == []
     # the script sees a cycle when there is one
     assert graph["cycles"]({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    # the families sit below the registry: no chain of imports reaches it from them
+    assert graph["layering"](edges) == []
+    upward = {
+        "layerswap.families.x": {"layerswap.family", "layerswap.verify"},
+        "layerswap.verify": {"layerswap.registry"},
+    }
+    assert graph["layering"](upward) == [
+        ("layerswap.families.x", ["layerswap.families.x", "layerswap.verify", "layerswap.registry"])
+    ]
 
 
 def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:

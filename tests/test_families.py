@@ -24,7 +24,8 @@ from layerswap.backends import fused
 from layerswap.cli import app
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.families import INFERRED
-from layerswap.families.infer import VERIFIED, _verify_inferred, infer_family
+from layerswap.families.infer import VERIFIED
+from layerswap.inference import infer_family, prove_inferred
 from layerswap.registry import families, get_family
 
 # --- inference -----------------------------------------------------------------------------
@@ -305,7 +306,7 @@ def test_a_family_whose_structure_fits_but_computes_otherwise_is_refused() -> No
     # verification inference ends with can tell
     wrong = dataclasses.replace(infer_family("exaone4", verify=False), rotary_layers="all")
     with pytest.raises(UnsupportedFamilyError, match="does not compute what the original does"):
-        _verify_inferred(wrong, "exaone4 (declared to rotate every layer)")
+        prove_inferred(wrong, "exaone4 (declared to rotate every layer)")
     assert families()["exaone4"].rotary_layers == "sliding_or_unwindowed"  # left as it was
 
 

@@ -1,7 +1,7 @@
 """Model families inferred from transformers' modeling modules (generated: do not edit).
 
 Written by ``python scripts/gen_families.py`` from
-:func:`layerswap.families.infer.infer_family`, the fields that differ from ``Family``'s
+:func:`layerswap.inference.infer_family`, the fields that differ from ``Family``'s
 defaults; the one list of the builtin inferred families (``--add TYPE`` adds one).
 ``tests/test_families.py`` checks that it matches inference with the installed
 transformers.

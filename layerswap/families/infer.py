@@ -1,6 +1,6 @@
 """Model families derived from the installed transformers, not written by hand.
 
-:func:`infer_family` reads a family's declaration off its modeling module: the causal
+:func:`infer_declaration` reads a family's declaration off its modeling module: the causal
 LM, config and decoder-layer classes from transformers' auto mappings, and the layer's
 structure from one layer built for a tiny config -- which projections (separate or
 already fused, a gated or a plain MLP) and norms it has and where the norms sit (by
@@ -25,10 +25,13 @@ against the original in float32 on padded inputs, a training step, greedy genera
 save and plain reload, undo. :func:`layerswap.coverage.coverage` reports every decoder family the installed
 transformers ships.
 
+This module sits below the registry: it imports no backend and registers nothing. A
+declaration is proven (its fused layer against the original) by
+:func:`layerswap.inference.infer_family`, which passes that proof in as ``prove``.
+
 Example::
 
-    family = infer_family("olmo2")          # Family(name="olmo2", norms=(("attn_out", ...
-    layerswap.register_family(family)       # then verify it on your model
+    family = infer_declaration("olmo2")     # Family(name="olmo2", norms=(("attn_out", ...
 """
 
 from __future__ import annotations
@@ -56,7 +59,17 @@ from layerswap.family import (
 )
 from layerswap.rotary import ROTARY_LAYOUTS, rotate
 
-__all__ = ["VERIFIED", "decoder_model_types", "infer_family", "tiny_config_for"]
+__all__ = [
+    "CLAMP_THAT_BITES",
+    "PROBES",
+    "VERIFIED",
+    "Prove",
+    "decoder_model_types",
+    "infer_declaration",
+    "seeded_layer",
+    "tiny_config_for",
+    "training_output",
+]
 
 #: model types whose inferred declaration the generated tests verify in CI: the builtin
 #: families beyond the hand-written ones, read off their one list,
@@ -171,7 +184,7 @@ def _built_in_dtype(activation: nn.Module, config: Any) -> bool:
     return type(built) is type(activation) and tensors(built) == tensors(activation)
 
 
-def _wrapper_reason(model_type: str, config_class: Any, verify: bool) -> str | None:
+def _wrapper_reason(model_type: str, config_class: Any, prove: Prove | None) -> str | None:
     """Why a multimodal wrapper (Gemma 4: no ``model.layers``, or a tower that cannot be
     built here) is not covered: its language model's reason. ``None``: not a wrapper."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -185,7 +198,7 @@ def _wrapper_reason(model_type: str, config_class: Any, verify: bool) -> str | N
     ):
         return None
     try:
-        infer_family(text_type, verify=verify)
+        infer_declaration(text_type, prove=prove)
     except UnsupportedFamilyError as exc:
         return f"{model_type}: a multimodal wrapper whose language model is {exc}"
     return (
@@ -505,7 +518,7 @@ def _rotary_width(attention: nn.Module, config: Any, rotary: str) -> int:
     return width // 2 if rotary == "half_narrow" else width
 
 
-def _seeded(decoder: Any, config: Any, index: int) -> nn.Module:
+def seeded_layer(decoder: Any, config: Any, index: int) -> nn.Module:
     """Layer ``index`` of ``config`` with every parameter drawn from a fixed seed, so a
     probe gives the same answer on every call.
 
@@ -549,7 +562,7 @@ def _rotates(layer: nn.Module, config: Any, rotary: str) -> bool:
 def _rotary_layers(decoder: Any, config: Any, where: str, rotary: str) -> str:
     """The rule of :data:`~layerswap.family.ROTARY_LAYERS` that says, for every layer of
     ``config``, whether the original applies the rotary embedding, probed layer by layer."""
-    layers = [_seeded(decoder, config, index) for index in range(config.num_hidden_layers)]
+    layers = [seeded_layer(decoder, config, index) for index in range(config.num_hidden_layers)]
     truth = [_rotates(layer, config, rotary) for layer in layers]
     attentions = [layer.get_submodule("self_attn") for layer in layers]
     for name, rule in ROTARY_LAYERS.items():
@@ -622,7 +635,7 @@ def _norm_switch(
     )
     for field_name in fields:
         try:
-            unset = _seeded(decoder, _with(config, field_name, None), 0)
+            unset = seeded_layer(decoder, _with(config, field_name, None), 0)
             kinds = {
                 _norm_kind(unset.get_submodule(n), (config.hidden_size,), f"{where} {n}")
                 for _, n in layout
@@ -679,7 +692,7 @@ def _dropout_fields(config: Any) -> list[str]:
     ]
 
 
-def _training_output(
+def training_output(
     layer: nn.Module, config: Any, seed: int = 0, *, training: bool = True
 ) -> torch.Tensor:
     """``layer``'s output in training mode on fixed inputs, dropout drawn from ``seed``
@@ -719,7 +732,7 @@ def _qk_norm_after_rotary(
         ),
     ]
     try:
-        _training_output(layer, config, training=False)
+        training_output(layer, config, training=False)
     except Exception:  # the behavioural check decides
         return False
     finally:
@@ -737,7 +750,7 @@ def _residual_dropout(decoder: Any, config: Any, where: str) -> str | None:
     ``residual_dropout``, Phi-3's ``resid_pdrop``), found by setting each dropout field
     with attention dropout off; ``None`` when none changes the layer's training output.
     Its place (after the output projections) is proven in training by
-    :func:`_verify_inferred`; a second field is refused."""
+    :func:`layerswap.inference.prove_inferred`; a second field is refused."""
     quiet = (
         _with(config, "attention_dropout", 0.0)
         if "attention_dropout" in config.to_dict()
@@ -750,13 +763,13 @@ def _residual_dropout(decoder: Any, config: Any, where: str) -> str | None:
     for field_name in fields:
         off = _with(off, field_name, 0.0)
     try:
-        reference = _training_output(_seeded(decoder, off, 0), off)
+        reference = training_output(seeded_layer(decoder, off, 0), off)
     except Exception:  # the layer cannot run bare here: the behavioural check decides
         return None
     found = []
     for field_name in fields:
         try:
-            out = _training_output(_seeded(decoder, _with(off, field_name, 0.5), 0), off)
+            out = training_output(seeded_layer(decoder, _with(off, field_name, 0.5), 0), off)
         except Exception:
             continue
         if not torch.equal(out, reference):
@@ -811,7 +824,7 @@ class _Subject:
         return layer
 
 
-def _subject(model_type: str, verify: bool) -> _Subject:
+def _subject(model_type: str, prove: Prove | None) -> _Subject:
     """The classes of ``model_type``, a tiny config, and the model built on the meta device."""
     module_name, causal_lm_name, config_name = _auto_names(model_type)
     try:
@@ -852,13 +865,13 @@ def _subject(model_type: str, verify: bool) -> _Subject:
             model = causal_lm(config)
         except Exception as exc:
             raise UnsupportedFamilyError(
-                _wrapper_reason(model_type, config_class, verify)
+                _wrapper_reason(model_type, config_class, prove)
                 or f"{model_type}: cannot build a tiny model ({_gist(exc)})"
             ) from exc
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise UnsupportedFamilyError(
-            _wrapper_reason(model_type, config_class, verify)
+            _wrapper_reason(model_type, config_class, prove)
             or f"{model_type}: no model.layers of decoder layers"
         )
     kinds = {type(layer) for layer in layers}
@@ -1045,8 +1058,8 @@ def _probe_qk_norms(s: _Subject) -> None:
     switch = s.fields["qk_norm_switch"]
     qk_config = config if switch is None else _with(config, switch, True)
     # norms on real tensors: the kind and offset are probed numerically
-    s.real = _seeded(s.decoder, config, 0)
-    real_qk: nn.Module = s.real if switch is None else _seeded(s.decoder, qk_config, 0)
+    s.real = seeded_layer(s.decoder, config, 0)
+    real_qk: nn.Module = s.real if switch is None else seeded_layer(s.decoder, qk_config, 0)
     qk_names = next(
         (
             names
@@ -1160,7 +1173,7 @@ def _probe_biases_and_clamp(s: _Subject) -> None:
     )
 
 
-#: what :func:`infer_family` asks of a model type's decoder layer, in order: each probe
+#: what :func:`infer_declaration` asks of a model type's decoder layer, in order: each probe
 #: refuses the model type with the reason, or adds to what is known of it (a
 #: :class:`_Subject`); a new structural feature is one more probe here
 PROBES: tuple[Callable[[_Subject], None], ...] = (
@@ -1175,18 +1188,24 @@ PROBES: tuple[Callable[[_Subject], None], ...] = (
 )
 
 
-def infer_family(model_type: str, *, name: str | None = None, verify: bool = True) -> Family:
+#: ``prove(family, where)``: raises :class:`~layerswap.errors.UnsupportedFamilyError`
+#: when an inferred declaration does not compute what the original does
+#: (:func:`layerswap.inference.prove_inferred`, above the registry, passes itself in)
+Prove = Callable[[Family, str], None]
+
+
+def infer_declaration(
+    model_type: str, *, name: str | None = None, prove: Prove | None = None
+) -> Family:
     """The :class:`~layerswap.Family` of ``model_type``, read off the installed transformers.
 
     Raises :class:`~layerswap.errors.UnsupportedFamilyError` with the reason when the
-    decoder layer has structure the replacement layers cannot express, or -- with
-    ``verify`` (the default) -- when the fused layer built from the inferred declaration
-    does not match the original on a tiny model (float32, padded inputs, gradients):
-    structure can fit while the forward pass differs (rotary applied to some layers
-    only, another rotary convention), and such a family is refused, not declared.
-    Each step is one probe of :data:`PROBES`.
+    decoder layer has structure the replacement layers cannot express, or when ``prove``
+    refuses the declaration (structure can fit while the forward pass differs: rotary
+    applied to some layers only, another rotary convention). Each step is one probe of
+    :data:`PROBES`. :func:`layerswap.inference.infer_family` is this, proven.
     """
-    subject = _subject(model_type, verify)
+    subject = _subject(model_type, prove)
     for probe in PROBES:
         probe(subject)
     scaled_rope = subject.config.rope_parameters if subject.fields["query_scale"] else None
@@ -1195,47 +1214,9 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
         tiny=_tiny_of(subject.config_class, scaled_rope),
         **subject.fields,
     )
-    if verify:
-        _verify_inferred(family, subject.where)
+    if prove is not None:
+        prove(family, subject.where)
     return family
-
-
-def _verify_inferred(family: Family, where: str) -> None:
-    """Refuse ``family`` unless its fused layer matches the original on a tiny model."""
-    from layerswap.backends import fused
-    from layerswap.registry import visible
-    from layerswap.verify import verify
-
-    try:
-        # known to this thread alone while it is proven: nothing is registered
-        with visible(family):
-            report = _verified(family, where, fused.BACKEND.substitution(family), verify)
-    except Exception as exc:
-        raise UnsupportedFamilyError(
-            f"{where}: the inferred fused layer cannot run ({exc})"
-        ) from exc
-    if not report.passed:
-        raise UnsupportedFamilyError(
-            f"{where}: the structure fits, but the fused layer does not compute what the "
-            f"original does: {report.failure_message()}"
-        )
-
-
-def _verified(family: Family, where: str, sub: Any, verify: Any) -> Any:
-    """The report on ``family``'s fused layer: forward and backward, dropout and clamps
-    where the family has them."""
-    # the structure and the forward and backward passes; decoding is proven at first
-    # use (layerswap.proof), once per versions, not here for every model type
-    report = verify(family.build(seed=0), sub, backward=True, generate=0)
-    if report.passed and family.residual_dropout is not None:
-        _verify_training_dropout(family, where)
-    if report.passed and family.clip_qkv is not None:
-        # the default config leaves the bound unset: prove the clamp where it bites
-        bound = {family.clip_qkv: CLAMP_THAT_BITES}
-        report = verify(
-            family.build(family.tiny_config(**bound), seed=0), sub, backward=True, generate=0
-        )
-    return report
 
 
 def _scaled_rope(tiny_rope: Any, default_rope: Mapping[str, Any]) -> dict[str, Any]:
@@ -1261,30 +1242,6 @@ def _tiny_of(config_class: type, scaled_rope: Any = None) -> dict[str, Any]:
     if scaled_rope is not None:
         tiny["rope_parameters"] = dict(scaled_rope)
     return tiny
-
-
-def _verify_training_dropout(family: Family, where: str) -> None:
-    """The fused layer drops what the original drops in training: same places, same draws
-    (one layer, attention dropout off, the residual dropout at 0.3, one seed)."""
-    from layerswap.backends import fused
-    from layerswap.layers import convert_layer
-
-    config = family.tiny_config(**{family.residual_dropout or "": 0.3})
-    if "attention_dropout" in config.to_dict():
-        config.attention_dropout = 0.0
-    config._attn_implementation = "sdpa"
-    original = _seeded(family.decoder_class(), config, 0)
-    replacement = convert_layer(
-        original, fused.BACKEND.substitution(family), config, layer_idx=0, detach=True
-    )
-    expected = _training_output(original, config, seed=7)
-    actual = _training_output(replacement, config, seed=7)
-    if not torch.allclose(actual, expected, atol=1e-5, rtol=1e-5):
-        raise UnsupportedFamilyError(
-            f"{where}: {family.residual_dropout} drops elsewhere in the original layer than "
-            "after the attention's and the MLP's output projections (training outputs "
-            f"differ by {float((actual - expected).abs().max()):.3g})"
-        )
 
 
 _TINY_KEYS = {
