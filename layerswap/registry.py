@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from layerswap.backend import Backend
+from layerswap.backends import per_family
 from layerswap.backends.declarations import builtin_modules
 from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubstitutionError
 from layerswap.families import BUILTIN_FAMILIES
@@ -304,6 +305,11 @@ def families() -> dict[str, Family]:
     """All known families by name (builtin ones and those added by :func:`register_family`)."""
     _ensure_loaded()
     return {**_FAMILIES, **(_VISIBLE.get() or {})}
+
+
+# the backends' per-family classes named by a substitution (the head slot's) are found
+# among these families: given to them here, as they import nothing above them
+per_family.find_families_with(families)
 
 
 def get_family(name: str | Family) -> Family:

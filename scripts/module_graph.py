@@ -12,8 +12,8 @@ may also name another by string, to be imported when called: ``Lazy("layerswap.x
 (a backend declaration's layers), ``import_module("layerswap.x")``, ``resolve(...)``.
 Those targets are counted and listed apart (they run at call time, not import time, so
 they make no import cycle), and each must exist: a missing module or function is an error.
-A package below another module (:data:`BELOW`: the families below the registry) must not
-reach it through any chain of imports.
+A package below another module (:data:`BELOW`: the families and the backends below the
+registry) must not reach it through any chain of imports.
 
     python scripts/module_graph.py            # the listing
     python scripts/module_graph.py --check    # exit 1 on a cycle, a private reach, a
@@ -187,9 +187,10 @@ def _folder(module: str, known: dict[str, Path]) -> Path:
 
 
 #: packages below a module: nothing they import reaches it, directly or through another
-#: module (the families are declarations and what inference reads off transformers; the
-#: registry holds them, and the backends and verification above it use them)
-BELOW = {"layerswap.families": "layerswap.registry"}
+#: module (the families are declarations and what inference reads off transformers, the
+#: backends' modules their declarations and layers; the registry holds and derives from
+#: them, and is given to them where they need it)
+BELOW = {"layerswap.families": "layerswap.registry", "layerswap.backends": "layerswap.registry"}
 
 
 def layering(edges: dict[str, set[str]]) -> list[tuple[str, list[str]]]:

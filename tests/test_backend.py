@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fresh import run_json
 
 import layerswap
 from layerswap import Backend, Implementation, Variant
@@ -236,6 +237,26 @@ def test_a_layer_of_a_family_nobody_registered_loads_from_a_pickle_in_a_fresh_pr
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_a_head_class_imported_by_its_name_first_is_made_from_the_registrys_family(
+    tmp_path: Path,
+) -> None:
+    """The head slot names its classes (``FusedLlamaForCausalLM``); the backends import
+    nothing above them, so the registry gives them its families when it loads, and an
+    import of the class by name before anything loaded the registry loads it then."""
+    found = run_json(
+        """
+        import json, sys
+        before = "layerswap.registry" in sys.modules
+        from layerswap.backends.head_fused import FusedLlamaForCausalLM as made
+        from transformers import LlamaForCausalLM
+        print(json.dumps([before, made.__qualname__, issubclass(made, LlamaForCausalLM)]))
+        """,
+        tmp_path,
+    )
+    assert found == [False, "FusedLlamaForCausalLM", True]
 
 
 def test_two_threads_making_a_familys_classes_get_the_same_ones() -> None:

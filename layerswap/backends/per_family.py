@@ -18,15 +18,16 @@ Example::
 from __future__ import annotations
 
 import copyreg
+import importlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from layerswap.family import Family
 
-__all__ = ["FamilyClass", "class_named", "family_class"]
+__all__ = ["FamilyClass", "class_named", "family_class", "find_families_with"]
 
 T = TypeVar("T", bound=type)
 
@@ -82,6 +83,18 @@ def family_class(
         return fresh
 
 
+#: every registered family by name: the registry gives its ``families`` here when it
+#: loads (:func:`find_families_with`), so that no backend imports the registry
+_registered: Callable[[], Mapping[str, Family]] | None = None
+
+
+def find_families_with(source: Callable[[], Mapping[str, Family]]) -> None:
+    """Where :func:`class_named` finds the registered families (the registry's
+    ``families``, given when the registry loads)."""
+    global _registered
+    _registered = source
+
+
 def class_named(
     base: type, name: str, name_of: Callable[[Family], str], make: Callable[[Family], T]
 ) -> T:
@@ -93,9 +106,12 @@ def class_named(
         # `from <module> import x` asks for __path__ first, maybe while the registry is
         # loading this very module: no registry lookup for dunder names
         raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
-    from layerswap.registry import families
-
-    for family in families().values():
+    if _registered is None:
+        # a class imported by its name before anything loaded the registry: loading it
+        # gives its families here (a call-time import by name, as declarations name layers)
+        importlib.import_module("layerswap.registry")
+    families = _registered() if _registered is not None else {}
+    for family in families.values():
         if name_of(family) == name:
             return make(family)
     raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
