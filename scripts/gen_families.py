@@ -2,7 +2,8 @@
 
 Inference imports each modeling module and builds tiny layers (seconds in all), too slow
 for every ``import layerswap``; so its result is written out as data, each declaration
-with the fields that differ from :class:`~layerswap.family.Family`'s defaults, and a test
+with the fields that differ from :class:`~layerswap.family.Family`'s defaults (the tiny
+config's beyond what every inferred family shares), and a test
 checks it is what inference gives with the installed transformers
 (``tests/test_families.py``). The file is the one list of the builtin inferred families
 (:data:`~layerswap.families.infer.VERIFIED` reads it). Run after changing the inference,
@@ -19,7 +20,10 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layerswap.family import Family
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,14 +34,16 @@ HEADER = '''"""Model families inferred from transformers' modeling modules (gene
 
 Written by ``python scripts/gen_families.py`` from
 :func:`layerswap.inference.infer_family`, the fields that differ from ``Family``'s
-defaults; the one list of the builtin inferred families (``--add TYPE`` adds one).
+defaults (and the tiny config's beyond the one every inferred family shares:
+``families._tiny.inferred``); the one list of the builtin inferred families
+(``--add TYPE`` adds one).
 ``tests/test_families.py`` checks that it matches inference with the installed
 transformers.
 """
 
 from __future__ import annotations
 
-from layerswap.family import Family
+from layerswap.families._tiny import inferred
 
 INFERRED = (
 '''
@@ -51,20 +57,43 @@ def _default(field: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
+def _written(family: Family) -> dict[str, Any]:
+    """The fields ``inferred(...)`` is given for ``family``: those that differ from
+    ``Family``'s defaults, the tiny config's beyond ``INFERRED_TINY``; not the description
+    it derives."""
+    from layerswap.families._tiny import INFERRED_TINY
+
+    missing = sorted(set(INFERRED_TINY) - set(family.tiny))
+    if missing:  # inferred() cannot say a field is absent
+        raise SystemExit(f"{family.name}: a tiny config without {missing}: change INFERRED_TINY")
+    fields: dict[str, Any] = {}
+    for field in dataclasses.fields(family):
+        value = getattr(family, field.name)
+        if field.name == "tiny":
+            value = {k: v for k, v in value.items() if INFERRED_TINY.get(k, _ABSENT) != v}
+            if value:
+                fields["tiny"] = value
+        elif field.name == "description":
+            if value != f"inferred from {family.module}":
+                raise SystemExit(f"{family.name}: a description inferred() does not derive")
+        elif value != _default(field):
+            fields[field.name] = value
+    return fields
+
+
+_ABSENT = object()
+
+
 def render(model_types: list[str]) -> str:
-    """The file's content: one ``Family(...)`` per model type, sorted, with the fields that
-    differ from the defaults."""
+    """The file's content: one ``inferred(...)`` per model type, sorted, with the fields
+    that differ from the defaults (:func:`_written`)."""
     from layerswap.inference import infer_family
 
     parts = [HEADER]
     for model_type in sorted(set(model_types)):
-        family = infer_family(model_type, verify=False)
-        fields = ",\n".join(
-            f"        {field.name}={getattr(family, field.name)!r}"
-            for field in dataclasses.fields(family)
-            if getattr(family, field.name) != _default(field)
-        )
-        parts.append(f"    Family(\n{fields},\n    ),\n")
+        written = _written(infer_family(model_type, verify=False))
+        fields = ",\n".join(f"        {name}={value!r}" for name, value in written.items())
+        parts.append(f"    inferred(\n{fields},\n    ),\n")
     parts.append(")\n")
     return "".join(parts)
 

@@ -1,8 +1,12 @@
-"""The tiny configuration shared by the builtin families."""
+"""The tiny configuration shared by the builtin families, and how an inferred one is
+written (:func:`inferred`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from layerswap.family import Family
 
 # big enough to be meaningful (several layers, grouped-query attention), small enough
 # that build + forward takes well under a second on a CPU
@@ -55,3 +59,31 @@ def tiny_qwen_vl(
         f"{frame}_end_token_id": top,
         "tie_word_embeddings": False,
     }
+
+
+#: the tiny config inference gives every text decoder (:data:`TINY`, a head size, special
+#: tokens inside the small vocabulary): what :func:`inferred` adds a family's own fields to
+INFERRED_TINY: dict[str, Any] = {
+    **TINY,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"],
+}
+
+
+def inferred(*, tiny: Mapping[str, Any] | None = None, **fields: Any) -> Family:
+    """A family as inference declares it, in the form ``_inferred.py`` writes it: its
+    fields that differ from :class:`~layerswap.family.Family`'s defaults, the tiny
+    config's fields beyond :data:`INFERRED_TINY`, described by the module it was read from.
+
+    Example::
+
+        inferred(name="olmo2", model_type="olmo2", module="transformers.models.olmo2.modeling_olmo2",
+                 ..., tiny={"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    """
+    return Family(
+        tiny={**INFERRED_TINY, **(tiny or {})},
+        description=f"inferred from {fields['module']}",
+        **fields,
+    )
