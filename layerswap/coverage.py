@@ -232,15 +232,16 @@ def inferring(
     Most of the time goes on importing each model type's modeling module and building its
     model on the meta device, so the work splits across processes. The processes are
     forked on entering, sharing the imports already made; that is safe only from a
-    process running one thread, on Linux. Anywhere else, with one job or a few model
-    types, the block just runs and :func:`why_not_covered` infers each model type in this
-    process. A process that fails leaves its model types unanswered: they are inferred
+    process running one thread, on Linux, that has not initialised CUDA (a forked process
+    cannot use it: its answers would be that error). Anywhere else, with one job or a few
+    model types, the block just runs and :func:`why_not_covered` infers each model type in
+    this process. A process that fails leaves its model types unanswered: they are inferred
     here after, one by one.
     """
     if jobs is None:
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     jobs = min(jobs, len(model_types) // _AT_LEAST)
-    if jobs < 2 or not sys.platform.startswith("linux") or threading.active_count() > 1:
+    if not _can_fork(jobs):
         yield
         return
     # what every modeling module imports (transformers' modeling, generation and
@@ -263,6 +264,15 @@ def inferring(
     finally:
         # an error (or an interrupt) here: the model types not started are dropped
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _can_fork(jobs: int) -> bool:
+    return (
+        jobs >= 2
+        and sys.platform.startswith("linux")
+        and threading.active_count() == 1
+        and not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    )
 
 
 #: model types per process below which forking costs more than it saves

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from fresh import run_json
 from typer.testing import CliRunner
 
@@ -164,6 +165,18 @@ def test_with_another_thread_running_nothing_is_forked(
         stop.set()
         other.join()
     assert not list(tmp_path.rglob("*.json"))  # nothing answered, nothing forked
+
+
+def test_after_cuda_was_initialised_nothing_is_forked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked process cannot use CUDA its parent initialised: every model type inferred
+    there would be answered with that error (and the answer kept)."""
+    monkeypatch.setenv("LAYERSWAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # as if alone (xdist runs threads)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    infer_in_processes(list(UNCOVERED), jobs=2)
+    assert not list(tmp_path.rglob("*.json"))
 
 
 def test_jobs_without_all_is_refused() -> None:
