@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +34,12 @@ if TYPE_CHECKING:
 __all__ = [
     "activation_in_dtype",
     "CACHE_ARGUMENTS",
+    "refuse_unread",
     "CONVERSION_MAPPING_TARGET",
     "LAYER_CALL_PARAMETERS",
+    "IGNORED_CALL_KEYWORDS",
+    "CALL_OPTIONS",
+    "SHARED_SOURCES",
     "POST_INIT_TARGET",
     "WEIGHT_CONVERSIONS_ATTRIBUTE",
     "LOWEST_TRANSFORMERS",
@@ -355,6 +359,30 @@ def transformers_support(version: str) -> tuple[bool, str]:
     )
 
 
+# --- the source a decoder layer runs -------------------------------------------------------
+#: transformers modules (relative to the package) whose code every decoder layer's
+#: computation reaches at run time besides its own modeling module and what that imports
+#: by name: the masks it is given, the caches it updates, the rotary tables, the attention
+#: functions ``ALL_ATTENTION_FUNCTIONS`` dispatches to, the base classes, generation. A
+#: verdict is keyed by their content (:mod:`layerswap.sources`)
+SHARED_SOURCES = (
+    "masking_utils",
+    "cache_utils",
+    "modeling_rope_utils",
+    "modeling_layers",
+    "modeling_utils",
+    "modeling_flash_attention_utils",
+    "activations",
+    "pytorch_utils",
+    "integrations.sdpa_attention",
+    "integrations.moe",
+    "integrations.hub_kernels",
+    "generation.utils",
+    "utils.generic",
+    "utils.output_capturing",
+)
+
+
 # --- the decoder layer's call contract -----------------------------------------------------
 # How a transformers model calls its decoder layers, and a layer its cache, changed over
 # releases. Until 5.3 the cache came as ``past_key_values`` with a ``cache_position``,
@@ -385,6 +413,58 @@ LAYER_CALL_PARAMETERS = frozenset(
 )
 
 
+#: keywords transformers models pass their decoder layers at call time (through
+#: ``**kwargs``, typed ``TransformersKwargs``) that an original layer under sdpa or eager
+#: attention never reads: the loss's item count (Trainer), the output-capture switches
+#: (transformers' hooks read them, not the layer), and the packed-sequence metadata only
+#: flash-attention and Mamba kernels read. A replacement may take them and do nothing
+IGNORED_CALL_KEYWORDS = frozenset(
+    {
+        "num_items_in_batch",
+        "output_hidden_states",
+        "output_router_logits",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+    }
+)
+#: call-time keywords the original's attention reads (sdpa's ``is_causal``: ``False``
+#: attends both ways where the model dropped the mask): a replacement layer handles each
+#: as the original does (it says so: ``DecoderLayer.call_options``) or refuses the call
+CALL_OPTIONS = frozenset({"is_causal"})
+
+
+def refuse_unread(kwargs: Mapping[str, Any], accepted: Collection[str], layer: str) -> None:
+    """Raise :class:`~layerswap.errors.UpstreamDriftError` naming the first keyword of
+    ``kwargs`` a layer does not handle: neither :data:`LAYER_CALL_PARAMETERS`, nor
+    :data:`IGNORED_CALL_KEYWORDS`, nor in ``accepted`` (the call options the layer handles,
+    the arguments its family's original ignores). One set lookup per keyword: a call
+    passes two or three.
+
+    Example::
+
+        refuse_unread({"is_causal": False}, frozenset(), "TELlamaDecoderLayer")   # raises
+    """
+    for name in kwargs:
+        if name in LAYER_CALL_PARAMETERS or name in IGNORED_CALL_KEYWORDS or name in accepted:
+            continue
+        from layerswap.errors import UpstreamDriftError
+
+        what = (
+            "an attention option of the original layer"
+            if name in CALL_OPTIONS
+            else "a keyword this layerswap does not know"
+        )
+        raise UpstreamDriftError(
+            f"{layer} was called with {name}={kwargs[name]!r} ({what}), which it does not "
+            "handle the way the original does: the swapped model would compute something "
+            f"else. Call the model without {name}, use a backend that handles it, or "
+            "upgrade layerswap"
+        )
+
+
 @dataclass(frozen=True)
 class LayerCache:
     """The KV cache a layer was called with, updated the way the calling release does.
@@ -400,6 +480,12 @@ class LayerCache:
     cache_position: torch.Tensor | None = None
     passed: Mapping[str, Any] = field(default_factory=dict)
     by_name: str = "cache"
+
+    @property
+    def is_causal(self) -> bool | None:
+        """The call's ``is_causal`` (``None``: not given; the layer's own default holds)."""
+        causal = self.passed.get("is_causal")
+        return None if causal is None else bool(causal)
 
     @property
     def position_ids(self) -> torch.Tensor | None:
@@ -551,12 +637,17 @@ def read_layer_call(
     cache: Any | None = None,
     use_cache: bool | None = None,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    accepted: Collection[str] = frozenset(),
+    layer: str = "the replacement layer",
 ) -> LayerCall:
     """A layer's call, from its named arguments and the rest (``kwargs``).
 
     The cache is found under either name (``cache``, or ``past_key_values`` as releases
     before 5.24 and deprecated callers name it); ``cache_position`` where the release
-    passes it. Example::
+    passes it. A keyword in ``kwargs`` that the layer (``layer``, for the message) does
+    not handle is refused (:func:`refuse_unread`; ``accepted``: the call options it
+    handles, as :data:`CALL_OPTIONS` names them, and arguments its original ignores),
+    never swallowed. Example::
 
         def forward(self, hidden_states, attention_mask=None, position_ids=None,
                     cache=None, use_cache=False, position_embeddings=None, **kwargs):
@@ -564,6 +655,8 @@ def read_layer_call(
                                    position_ids=position_ids, use_cache=use_cache,
                                    position_embeddings=position_embeddings)
     """
+    if kwargs:
+        refuse_unread(kwargs, accepted, layer)
     by_name = "cache"
     rest = dict(kwargs)
     legacy = rest.pop("past_key_values", None)

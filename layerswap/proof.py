@@ -44,11 +44,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from layerswap import verdicts
+from layerswap import sources, verdicts
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
 from layerswap.registry import backend_of, get, get_family
+from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.slots import get_slot
 from layerswap.tokens import avoid_tokens, media_tokens
 
@@ -66,51 +67,10 @@ __all__ = [
     "ensure_proven",
     "prove",
     "proven_here",
+    "changed_here",
     "shrunk_config",
 ]
 
-#: config fields that set sizes only; the proof takes the family's tiny values for them
-SIZE_FIELDS = frozenset(
-    {
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "moe_intermediate_size",
-        "shared_expert_intermediate_size",
-        "num_experts",
-        "num_local_experts",
-        "num_experts_per_tok",
-        "n_routed_experts",
-        "n_shared_experts",
-    }
-)
-#: window sizes shrunk so the tiny prompt crosses them, as a long one would
-_WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")
-_PROOF_WINDOW = 4
-#: config fields that say nothing about what the model computes
-_METADATA = frozenset(
-    {
-        "_name_or_path",
-        "_commit_hash",
-        "architectures",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "id2label",
-        "label2id",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "use_cache",
-        "_attn_implementation_autoset",
-    }
-)
-#: metadata fields that switch what a forward pass returns, set to these for the proof
-_SWITCHES = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
 #: the checks, in the order they run
 CHECKS = (
     "forward on a left-padded batch",
@@ -141,6 +101,17 @@ class Verdict:
     versions: dict[str, str]
     #: which config was proven: ``"shrunk"`` (the user's) or ``"family"`` (the family's tiny)
     config: str = "shrunk"
+    #: the transformers module the original layer lives in, and a digest of the source it
+    #: runs (:mod:`layerswap.sources`): the verdict vouches for that source only
+    module: str = ""
+    source: str = ""
+    #: the attention implementation the proof ran (``"sdpa"``, ``"eager"``)
+    attention: str | None = None
+
+    def changed_since(self) -> bool:
+        """Whether the transformers source this verdict proved has changed since (an install
+        from git main, a locally edited release: the version string stays the same)."""
+        return bool(self.module) and sources.digest(self.module) != self.source
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,6 +135,8 @@ class Verdict:
     def message(self) -> str:
         """One line: what was proven, on which versions, and the first difference."""
         on = ", ".join(f"{name} {version}" for name, version in self.versions.items())
+        if self.attention:
+            on += f", attn_implementation={self.attention!r}"
         if self.passed:
             return f"{self.substitution}: proven equal to the original on {on}"
         return (
@@ -177,82 +150,23 @@ class Verdict:
 # --- the config proven ------------------------------------------------------------------
 
 
-def shrunk_config(family: Family, config: PreTrainedConfig) -> PreTrainedConfig:
-    """``config`` with its sizes set to ``family``'s tiny values and every other field kept.
-
-    Lists with one entry per layer (``layer_types``) are cut to the tiny layer count;
-    sliding windows shrink to 4 tokens, so the proof's prompt crosses them; special token
-    ids outside the tiny vocabulary are dropped. Example::
-
-        tiny = shrunk_config(get_family("llama"), LlamaConfig.from_pretrained(path))
-
-    For a :attr:`~layerswap.family.Family.composite` family, ``config`` (the wrapper's, or
-    the text config its layers read) gives the text config, shrunk so; the rest (the
-    vision tower, its tokens) is the family's tiny config.
-    """
-    if family.composite:
-        tiny_wrapper = family.tiny_config()
-        text = _shrunk_text(tiny_wrapper.get_text_config(), layer_config(config))
-        return family.config_type()(**{**family.tiny, "text_config": text.to_dict()})
-    return _shrunk_text(family.tiny_config(), config)
-
-
-def _shrunk_text(tiny_config: PreTrainedConfig, config: PreTrainedConfig) -> PreTrainedConfig:
-    values = config.to_dict()
-    layers = values.get("num_hidden_layers")
-    tiny = tiny_config.to_dict()
-    for name in SIZE_FIELDS:
-        if name in values and name in tiny:
-            values[name] = tiny[name]
-    if isinstance(layers, int) and layers < values["num_hidden_layers"]:
-        values["num_hidden_layers"] = layers  # fewer layers than the tiny config: kept
-    if "head_dim" in values and "head_dim" not in tiny:
-        values["head_dim"] = tiny["hidden_size"] // tiny["num_attention_heads"]
-    new_layers = values.get("num_hidden_layers")
-    for name, value in list(values.items()):
-        if isinstance(value, list) and layers and len(value) == layers and name != "architectures":
-            values[name] = value[:new_layers]
-    for name in _WINDOW_FIELDS:
-        if isinstance(values.get(name), int) and values[name] > _PROOF_WINDOW:
-            values[name] = _PROOF_WINDOW
-    vocab = values.get("vocab_size")
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        token = values.get(name)
-        if isinstance(token, int) and vocab is not None and token >= vocab:
-            values[name] = None
-        elif isinstance(token, list) and vocab is not None:
-            values[name] = [t for t in token if t < vocab] or None
-    values.pop("transformers_version", None)
-    # call-time switches, not the model: the proof runs (and its key holds) without them
-    for name, default in _SWITCHES.items():
-        if name in values:
-            values[name] = default
-    shrunk = type(config).from_dict(values)
-    shrunk._attn_implementation = getattr(config, "_attn_implementation", None)
-    return shrunk
-
-
-def config_kind(config: PreTrainedConfig) -> str:
-    """A digest of ``config``'s fields that are neither sizes nor metadata: its kind."""
-    values = {
-        key: value
-        for key, value in config.to_dict().items()
-        if key not in SIZE_FIELDS and key not in _METADATA and not key.startswith("_")
-    }
-    values["model_type"] = getattr(config, "model_type", "")
-    encoded = json.dumps(values, sort_keys=True, default=repr).encode()
-    return hashlib.sha256(encoded).hexdigest()[:16]
+def original_module(sub: Substitution) -> str:
+    """The transformers module the original of ``sub`` lives in (its source is proven)."""
+    return sub.original.partition(":")[0]
 
 
 def proof_key(sub: Substitution, config: PreTrainedConfig | None) -> str:
-    """The verdict's key: versions, substitution, replacement class, config kind."""
+    """The verdict's key: versions, the transformers source the original runs, the
+    substitution, its replacement class, the config's kind (its attention implementation
+    included)."""
     replacement = sub.replacement
     named = replacement if isinstance(replacement, str) else replacement.__qualname__
     parts = {
         **verdicts.versions(),
+        "source": sources.digest(original_module(sub)),
         "substitution": sub.name,
         "replacement": named,
-        "config": "family" if config is None else config_kind(config),
+        "config": "family" if config is None else config_kind(layer_config(config)),
     }
     encoded = json.dumps(parts, sort_keys=True).encode()
     safe = sub.name.replace("/", "_")
@@ -502,6 +416,9 @@ def _prove(sub: Substitution, family: Family, config: PreTrainedConfig | None) -
         seconds=round(time.perf_counter() - started, 3),
         versions=verdicts.versions(),
         config=kind,
+        module=original_module(sub),
+        source=sources.digest(original_module(sub)),
+        attention=getattr(proven, "_attn_implementation", None),
     )
 
 
@@ -544,18 +461,36 @@ def prove(
 
 
 def proven_here() -> dict[str, Verdict]:
-    """The stored verdicts for the installed versions, by substitution name (a failed one
-    wins over a passed one for another config kind).
+    """The stored verdicts for the installed versions and transformers source, by
+    substitution name (a failed one wins over a passed one for another config kind).
 
-    Example::
+    A verdict whose source has changed since (:meth:`Verdict.changed_since`) is not here:
+    it vouches for nothing now (:func:`changed_here`). Example::
 
         {name: v.passed for name, v in proven_here().items()}   # {"llama.decoder.fused": True}
     """
+    return _stored_here(stale=False)
+
+
+def changed_here() -> dict[str, Verdict]:
+    """The verdicts stored for the installed versions whose transformers source has changed
+    since they were proven (and that no verdict on the current source replaces), by
+    substitution name: proven again at first use. Example::
+
+        changed_here()   # {"llama.decoder.fused": Verdict(...)} after an edit of modeling_llama
+    """
+    current = _stored_here(stale=False)
+    return {
+        name: verdict for name, verdict in _stored_here(stale=True).items() if name not in current
+    }
+
+
+def _stored_here(*, stale: bool) -> dict[str, Verdict]:
     current = verdicts.versions()
     found: dict[str, Verdict] = {}
     for data in verdicts.stored():
         verdict = Verdict.from_dict(data)
-        if verdict.versions != current:
+        if verdict.versions != current or verdict.changed_since() != stale:
             continue
         known = found.get(verdict.substitution)
         if known is None or (known.passed and not verdict.passed):
@@ -581,7 +516,26 @@ def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
     verdict = prove(sub, config)
     if verdict.passed:
         return
-    if config is not None and verdict.config != "family" and prove(sub, None).passed:
-        # the family's own tiny config holds: a field of this config is what differs
+    if (
+        config is not None
+        and verdict.config != "family"
+        and prove(sub, _family_like(sub, config)).passed
+    ):
+        # the family's own tiny config holds, run the same way (the same attention
+        # implementation): a field of this config is what differs
         raise UnsupportedFamilyError(verdict.config_message())
     raise UpstreamDriftError(verdict.message())
+
+
+def _family_like(sub: Substitution, config: PreTrainedConfig) -> PreTrainedConfig | None:
+    """The family's tiny config, running the code paths ``config`` selects (its attention
+    and experts implementations); ``None`` (the family's own) where it sets none."""
+    text = layer_config(config)
+    chosen = {name: getattr(text, name, None) for name in CODE_PATHS}
+    if all(value is None for value in chosen.values()):
+        return None
+    tiny = get_family(sub.family).tiny_config()
+    for name, value in chosen.items():
+        if value is not None:
+            setattr(layer_config(tiny), name, value)
+    return tiny

@@ -55,7 +55,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from layerswap import hf_internals
 from layerswap.backends.per_family import family_class
-from layerswap.errors import RequirementError, SwapWarning
+from layerswap.errors import RequirementError, SwapWarning, UpstreamDriftError
 from layerswap.family import Family
 from layerswap.rotary import rotate_half, rotate_interleaved
 
@@ -70,6 +70,7 @@ __all__ = [
     "DecoderLayer",
     "Layout",
     "attention_weights_sink",
+    "causal_call",
     "family_layer_class",
     "rotate_half",
     "rotate_interleaved",
@@ -103,6 +104,9 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
     #: the parameters of the original layer's (and attention's) ``forward`` this layer
     #: handles: the upstream check refuses an original that takes one outside this set
     handles: ClassVar[frozenset[str]] = hf_internals.LAYER_CALL_PARAMETERS
+    #: the call-time options (:data:`~layerswap.hf_internals.CALL_OPTIONS`, ``is_causal``)
+    #: this layer handles as the original does; a call with another is refused
+    call_options: ClassVar[frozenset[str]] = frozenset()
     #: the layer computes attention itself, so the original attention's parameters count too
     replaces_attention: ClassVar[bool] = True
     #: whether the layer records attention weights when ``output_attentions=True`` asks
@@ -139,6 +143,9 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         self.attention_type = hf_internals.layer_attention_type(config, layer_idx)
         # M-RoPE (Qwen2-VL): cos/sin may come per axis on older releases
         self._rotary_sections = hf_internals.rotary_sections(config)
+        # the call-time keywords this layer takes besides the contract's: its call options
+        # and what the family's original ignores (Mllama's cross-attention inputs)
+        self._accepted = self.call_options | frozenset(self.declared_family().ignored_arguments)
 
     def forward(
         self,
@@ -159,11 +166,14 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
             cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            accepted=self._accepted,
+            layer=type(self).__name__,
         )
         if position_embeddings is None:
-            raise TypeError(
+            raise UpstreamDriftError(
                 f"{type(self).__name__} needs position_embeddings=(cos, sin), which "
-                "transformers 5 models pass to every decoder layer"
+                f"transformers 5 models pass to every decoder layer; transformers "
+                f"{hf_internals.transformers_version()} passed none"
             )
         if self._rotary_sections is not None:
             position_embeddings = hf_internals.merge_rotary_sections(
@@ -308,6 +318,20 @@ def _warn_no_attention_weights(layer: type) -> None:
         SwapWarning,
         stacklevel=3,
     )
+
+
+def causal_call(default: bool, cache: LayerCache | None) -> bool:
+    """Whether this call's attention is causal where the model dropped the mask: the call's
+    ``is_causal`` when it gives one, else the layer's ``default`` -- as transformers' sdpa
+    attention decides (``kwargs["is_causal"]``, else ``module.is_causal``). Where the model
+    passes a mask, the mask decides, as it does for the original.
+
+    Example::
+
+        causal = causal_call(self.is_causal, cache)   # False for model(ids, is_causal=False)
+    """
+    asked = None if cache is None else cache.is_causal
+    return default if asked is None else asked
 
 
 def split_heads(

@@ -282,7 +282,14 @@ class FusedAttention(nn.Module):
         )
         asked = output_attentions or bool(getattr(self.config, "output_attentions", False))
         sink = _layer.attention_weights_sink(asked)
-        output, weights = self._attend(query, key, value, attention_mask, weights=sink is not None)
+        output, weights = self._attend(
+            query,
+            key,
+            value,
+            attention_mask,
+            weights=sink is not None,
+            causal=_layer.causal_call(self.is_causal, cache),
+        )
         if sink is not None:
             sink.append(weights)
         projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
@@ -320,10 +327,12 @@ class FusedAttention(nn.Module):
         mask: torch.Tensor | None,
         *,
         weights: bool = False,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention output, (batch, heads, query, head_dim), and, when ``weights`` asks
         (``output_attentions=True``), the attention weights, computed for that call the
-        way transformers' eager attention computes them."""
+        way transformers' eager attention computes them. ``causal``: whether attention
+        without a mask is causal (:func:`~layerswap.backends._layer.causal_call`)."""
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
             raise RequirementError(
                 "the fused layer reads 4-D attention masks (attn_implementation 'sdpa' or "
@@ -333,7 +342,7 @@ class FusedAttention(nn.Module):
         query_length = query.shape[2]
         # no mask means plain causal attention (the model drops the mask when that is
         # exact); SDPA's flag is top-left aligned, so drop unused static-cache slots
-        is_causal = self.is_causal and mask is None and query_length > 1
+        is_causal = causal and mask is None and query_length > 1
         if isinstance(is_causal, torch.Tensor):
             # torch.jit.trace records shapes as tensors; SDPA takes a bool (as transformers
             # does, the trace keeps the flag of the traced length)
@@ -516,6 +525,8 @@ class FusedDecoderLayer(_layer.DecoderLayer):
     backend = "fused"
     summary = "Fused decoder layer"
     records_attention_weights = True
+    # sdpa's is_causal, read per call as the original's attention reads it
+    call_options = frozenset({"is_causal"})
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

@@ -253,7 +253,9 @@ class LigerAttention(nn.Module):
             layout="bhsd",
             position_embeddings=position_embeddings,
         )
-        output = self._attend(query, key, value, attention_mask)
+        output = self._attend(
+            query, key, value, attention_mask, causal=_layer.causal_call(self.is_causal, cache)
+        )
         projected: torch.Tensor = self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
         return projected
 
@@ -263,8 +265,11 @@ class LigerAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         mask: torch.Tensor | None,
+        *,
+        causal: bool = True,
     ) -> torch.Tensor:
-        """SDPA over (batch, heads, seq, head_dim); the mask is the model's 4-D mask or None."""
+        """SDPA over (batch, heads, seq, head_dim); the mask is the model's 4-D mask or None;
+        ``causal``: whether attention without a mask is causal."""
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
             raise RequirementError(
                 "the liger layer reads 4-D attention masks (attn_implementation 'sdpa' or "
@@ -274,7 +279,7 @@ class LigerAttention(nn.Module):
         query_length = query.shape[2]
         # no mask means plain causal attention (the model drops the mask when that is
         # exact); SDPA's flag is top-left aligned, so drop unused static-cache slots
-        is_causal = self.is_causal and mask is None and query_length > 1
+        is_causal = causal and mask is None and query_length > 1
         if is_causal and key.shape[2] > query_length:
             key, value = key[:, :, :query_length], value[:, :, :query_length]
         extra: dict[str, Any] = {}
@@ -342,6 +347,8 @@ class LigerDecoderLayer(_layer.DecoderLayer):
 
     backend = "liger"
     summary = "Liger-Kernel decoder layer"
+    # sdpa's is_causal, read per call as the original's attention reads it
+    call_options = frozenset({"is_causal"})
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

@@ -31,7 +31,7 @@ def _shipped(module: str) -> bool:
 
 def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     """The check of one family: its static contract, then the behaviour proof."""
-    from layerswap.proof import prove
+    from layerswap.proof import changed_here, prove
     from layerswap.registry import get, get_backend, get_family
     from layerswap.versions import transformers_version
 
@@ -52,15 +52,27 @@ def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     except Exception as error:  # not layerswap's to prove: the original fails here too
         detail = f"the original cannot be built here: {type(error).__name__}: {error}"
         return _row(family, name, status="unbuildable", detail=detail)
+    # a verdict on these versions whose transformers source has changed since vouches for
+    # nothing: said so, and proven again
+    changed = changed_here().get(name)
+    since = (
+        "changed since proven: transformers' source differs from the one proven; "
+        if changed
+        else ""
+    )
     try:
         sub.check_upstream(config)
         verdict = prove(sub, None, force=again)
     except LayerswapError as error:
-        return _row(family, name, status="failed", detail=str(error))
+        return _row(family, name, status="failed", detail=since + str(error))
     except Exception as error:  # the original itself cannot be built here: say so
-        return _row(family, name, status="failed", detail=f"{type(error).__name__}: {error}")
+        detail = f"{since}{type(error).__name__}: {error}"
+        return _row(family, name, status="failed", detail=detail)
     status = "proven" if verdict.passed else "failed"
-    detail = "" if verdict.passed else f"{verdict.check}: {verdict.detail}"
+    if verdict.passed:
+        detail = f"{since}proven again now" if changed else ""
+    else:
+        detail = f"{since}{verdict.check}: {verdict.detail}"
     return _row(family, name, status=status, seconds=verdict.seconds, detail=detail)
 
 
@@ -86,24 +98,34 @@ def check_rows(
 
 def proofs_row() -> dict[str, str]:
     """Doctor's row: how many families are proven here, failed, or not proven yet."""
-    from layerswap.proof import proven_here
+    from layerswap.proof import changed_here, proven_here
     from layerswap.registry import families
 
     verdicts = proven_here()
+    changed = changed_here()
     names = sorted(families())
-    proven, failed, pending = [], [], []
+    proven, failed, stale, pending = [], [], [], []
     for family in names:
         found = [v for name, v in verdicts.items() if name.startswith(f"{family}.decoder.")]
         if any(not v.passed for v in found):
             failed.append(family)
         elif found:
             proven.append(family)
+        elif any(name.startswith(f"{family}.decoder.") for name in changed):
+            stale.append(family)
         else:
             pending.append(family)
     status = f"{len(proven)} of {len(names)} families proven on these versions"
+    if stale:
+        status += f", {len(stale)} changed since proven"
     parts = []
     if failed:
         parts.append("FAILED: " + ", ".join(failed))
+    if stale:
+        parts.append(
+            "changed since proven (transformers' source differs from the one proven; "
+            "proven again at first use, or now by `layerswap check`): " + ", ".join(stale)
+        )
     if pending:
         parts.append(
             "not proven yet (proven at first use, or now by `layerswap check --all`): "

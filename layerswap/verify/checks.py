@@ -3,12 +3,13 @@ two models."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from layerswap.errors import VerificationError
+from layerswap.errors import SwapWarning, VerificationError
 from layerswap.model import decoder_layers, unwrap
 from layerswap.proof import comparing
 from layerswap.slots import get_slot
@@ -18,7 +19,7 @@ from layerswap.verify.compare import Comparison
 from layerswap.verify.forward import Run, forward
 from layerswap.verify.fp8 import ideal_fp8
 from layerswap.verify.gradients import gradients_to_original
-from layerswap.verify.inputs import InputsLike, prepare_inputs
+from layerswap.verify.inputs import InputsLike, prepare_inputs, unreached_thresholds
 from layerswap.verify.model_classes import task_of
 from layerswap.verify.placement import (
     DeviceLike,
@@ -148,6 +149,7 @@ def verify(
     generate = decode_tokens(model, generate, streaming=streaming)
     target_device, target_dtype = target_placement(model, device, dtype)
     comparison = Comparison.prepare(model, sub, target_device, target_dtype, tolerance, inputs)
+    _warn_unreached(model, comparison.batch, generate)
     if streaming:
         return verify_streaming(model, sub, comparison, backward=backward)
 
@@ -184,6 +186,21 @@ def verify(
     del work
     exact = _float32_floor(original, batch, target_device, backward=backward, generate=generate)
     return comparison.report(reference, candidate, mode="full", floor=exact, floor_kind="float32")
+
+
+def _warn_unreached(model: nn.Module, batch: dict[str, torch.Tensor], generate: int) -> None:
+    """Say which position thresholds of the config the comparison stops short of."""
+    positions = int(batch["input_ids"].shape[-1]) + generate
+    unreached = unreached_thresholds(model, positions)
+    if unreached:
+        named = ", ".join(f"{name}={value}" for name, value in unreached.items())
+        warnings.warn(
+            f"verify compares {positions} positions; the config sets {named}: what the "
+            "layers compute past that is not compared. Pass inputs longer than it to "
+            "compare it",
+            SwapWarning,
+            stacklevel=3,
+        )
 
 
 def assert_equivalent(

@@ -16,7 +16,11 @@ from layerswap.verify.placement import DeviceLike, resolve_device
 __all__ = [
     "InputsLike",
     "default_inputs",
+    "DEFAULT_LENGTH",
+    "LONGEST_DEFAULT",
+    "default_length",
     "inputs_for",
+    "unreached_thresholds",
     "pad_token_id",
     "prepare_inputs",
     "text_config",
@@ -80,14 +84,51 @@ def pad_token_id(config: Any) -> int:
     return pad if isinstance(pad, int) else 0
 
 
+#: the default prompt's length, when no position threshold asks for more
+DEFAULT_LENGTH = 16
+#: the longest prompt the default inputs grow to so as to run past a position threshold
+#: (a sliding window, an attention chunk); past it, :func:`unreached_thresholds` says so
+LONGEST_DEFAULT = 1024
+
+
+def default_length(model: nn.Module) -> int:
+    """The default prompt length for ``model``: :data:`DEFAULT_LENGTH`, or longer to run
+    4 tokens past each position threshold its config sets
+    (:func:`~layerswap.shrink.position_thresholds`) up to :data:`LONGEST_DEFAULT`.
+
+    Example::
+
+        default_length(mistral_with_window_64)   # 68
+    """
+    from layerswap.shrink import position_thresholds
+
+    config = text_config(model)
+    needed = [t + 4 for t in position_thresholds(config).values() if t + 4 <= LONGEST_DEFAULT]
+    limit = getattr(config, "max_position_embeddings", None)
+    length = max([DEFAULT_LENGTH, *needed])
+    return min(length, limit) if isinstance(limit, int) and limit >= DEFAULT_LENGTH else length
+
+
+def unreached_thresholds(model: nn.Module, positions: int) -> dict[str, int]:
+    """The position thresholds of ``model``'s config that a run over ``positions``
+    positions (prompt and decoded tokens) does not pass: what it computes past them was
+    not compared."""
+    from layerswap.shrink import position_thresholds
+
+    found = position_thresholds(text_config(model))
+    return {name: value for name, value in found.items() if value >= positions}
+
+
 def inputs_for(model: nn.Module, **options: Any) -> dict[str, torch.Tensor]:
     """:func:`default_inputs` for ``model``'s vocabulary and padding token.
 
     ``options`` (``batch``, ``seq_len``, ``padding``, ``seed``, ``device``) go to
-    :func:`default_inputs`.
+    :func:`default_inputs`; ``seq_len`` defaults to :func:`default_length`, so the prompt
+    runs past the config's sliding window or attention chunk.
     """
     config = text_config(model)
     avoid = media_tokens(model.config)
+    options.setdefault("seq_len", default_length(model))
     return default_inputs(
         config.vocab_size, pad_token_id=pad_token_id(config), avoid=avoid, **options
     )

@@ -1,0 +1,312 @@
+"""The config a behaviour proof runs: the user's, shrunk in size and nothing else.
+
+A proof (:mod:`layerswap.proof`) builds a tiny model from the user's own config and
+compares original and replacement layers on it. Only sizes shrink; what the proof must
+still reach is kept:
+
+- **every kind of layer** the config selects (``layer_types``, ``no_rope_layers``, a
+  sliding-window or chunked-attention pattern, dense and mixture-of-experts layers, an
+  index threshold such as ``first_k_dense_replace``): the layers are built once at the
+  config's full depth on the meta device (no memory, no init), each described by its
+  modules, their tensors' shapes and their plain attributes (:func:`layer_kinds`), and
+  the tiny model keeps the shortest prefix of layers in which every kind occurs;
+- **every position threshold** (:data:`POSITION_FIELDS`: sliding windows, attention
+  chunks, attention-temperature floors, the span a rotary or query scaling starts past),
+  shrunk to :data:`PROOF_WINDOW` tokens so that the proof's prompt runs past each;
+- every other field, the attention and experts implementations included.
+
+Example::
+
+    from layerswap import shrink
+
+    tiny = shrink.shrunk_config(get_family("llama"), LlamaConfig.from_pretrained(path))
+    shrink.position_thresholds(config)   # {'sliding_window': 4096}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from layerswap.model import layer_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.family import Family
+
+__all__ = [
+    "CODE_PATHS",
+    "POSITION_FIELDS",
+    "PROOF_WINDOW",
+    "SIZE_FIELDS",
+    "config_kind",
+    "layer_kinds",
+    "position_thresholds",
+    "shrunk_config",
+]
+
+#: config fields that set sizes only; the proof takes the family's tiny values for them
+SIZE_FIELDS = frozenset(
+    {
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "n_routed_experts",
+        "n_shared_experts",
+    }
+)
+#: config fields (top level, or in ``rope_parameters``, per layer type too) that name a
+#: position past which a layer computes differently: a window, a chunk, the span after
+#: which Llama 4's attention temperature or Ministral 3's query scaling starts to grow
+POSITION_FIELDS = (
+    "sliding_window",
+    "attention_chunk_size",
+    "floor_scale",
+    "original_max_position_embeddings",
+)
+#: what each position threshold shrinks to: the proof's prompt (8 tokens, then 3 decoded)
+#: runs past it
+PROOF_WINDOW = 4
+#: private config fields that select which code runs (transformers' attention and experts
+#: implementations): part of a config's kind
+CODE_PATHS = ("_attn_implementation", "_experts_implementation")
+#: config fields that say nothing about what the model computes
+_METADATA = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "label2id",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "use_cache",
+        "_attn_implementation_autoset",
+    }
+)
+#: metadata fields that switch what a forward pass returns, set to these for the proof
+_SWITCHES = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
+#: a layer's attributes that only number it: every layer has its own, none is a kind
+_INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "idx"})
+
+
+def shrunk_config(family: Family, config: PreTrainedConfig) -> PreTrainedConfig:
+    """``config`` with its sizes set to ``family``'s tiny values and every other field kept.
+
+    The layers kept are the shortest prefix holding every kind of layer the config selects
+    (at least the family's tiny count; lists with one entry per layer are cut to it);
+    position thresholds shrink to :data:`PROOF_WINDOW` tokens, so the proof's prompt
+    crosses them; special token ids outside the tiny vocabulary are dropped. Example::
+
+        tiny = shrunk_config(get_family("llama"), LlamaConfig.from_pretrained(path))
+
+    For a :attr:`~layerswap.family.Family.composite` family, ``config`` (the wrapper's, or
+    the text config its layers read) gives the text config, shrunk so; the rest (the
+    vision tower, its tokens) is the family's tiny config.
+    """
+    if family.composite:
+        tiny_wrapper = family.tiny_config()
+        text = _shrunk_text(family, tiny_wrapper.get_text_config(), layer_config(config))
+        return family.config_type()(**{**family.tiny, "text_config": text.to_dict()})
+    return _shrunk_text(family, family.tiny_config(), config)
+
+
+def _shrunk_text(
+    family: Family, tiny_config: PreTrainedConfig, config: PreTrainedConfig
+) -> PreTrainedConfig:
+    values = config.to_dict()
+    layers = values.get("num_hidden_layers")
+    tiny = tiny_config.to_dict()
+    for name in SIZE_FIELDS:
+        if name in values and name in tiny:
+            values[name] = tiny[name]
+    if "head_dim" in values and "head_dim" not in tiny:
+        values["head_dim"] = tiny["hidden_size"] // tiny["num_attention_heads"]
+    _shrink_positions(values)
+    vocab = values.get("vocab_size")
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        token = values.get(name)
+        if isinstance(token, int) and vocab is not None and token >= vocab:
+            values[name] = None
+        elif isinstance(token, list) and vocab is not None:
+            values[name] = [t for t in token if t < vocab] or None
+    values.pop("transformers_version", None)
+    # call-time switches, not the model: the proof runs (and its key holds) without them
+    for name, default in _SWITCHES.items():
+        if name in values:
+            values[name] = default
+    if isinstance(layers, int):
+        at_least = min(int(tiny.get("num_hidden_layers") or layers), layers)
+        values["num_hidden_layers"] = _layers_kept(family, config, values, layers, at_least)
+        kept = values["num_hidden_layers"]
+        for name, value in list(values.items()):
+            if isinstance(value, list) and len(value) == layers and name != "architectures":
+                values[name] = value[:kept]
+    return _built(config, values)
+
+
+def _built(config: PreTrainedConfig, values: dict[str, Any]) -> PreTrainedConfig:
+    shrunk = type(config).from_dict(values)
+    for name in CODE_PATHS:
+        chosen = getattr(config, name, None)
+        if chosen is not None:
+            setattr(shrunk, name, chosen)
+    return shrunk
+
+
+def _shrink_positions(values: dict[str, Any]) -> None:
+    """Every position threshold in ``values`` (and its rotary parameters) at most
+    :data:`PROOF_WINDOW`, in place."""
+    _shrink_fields(values)
+    rope = values.get("rope_parameters")
+    if isinstance(rope, dict):
+        values["rope_parameters"] = rope = dict(rope)
+        _shrink_fields(rope)
+        for layer_type, parameters in list(rope.items()):  # per layer type (Gemma 3)
+            if isinstance(parameters, dict):
+                rope[layer_type] = dict(parameters)
+                _shrink_fields(rope[layer_type])
+
+
+def _shrink_fields(values: dict[str, Any]) -> None:
+    for name in POSITION_FIELDS:
+        value = values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > PROOF_WINDOW:
+            values[name] = PROOF_WINDOW
+
+
+def position_thresholds(config: PreTrainedConfig) -> dict[str, int]:
+    """The position thresholds ``config`` sets (:data:`POSITION_FIELDS`), by field name
+    (``rope_parameters.`` before the rotary ones): a comparison that stops short of one
+    has not seen what the layers compute past it.
+
+    Example::
+
+        position_thresholds(MistralConfig(sliding_window=4096))   # {'sliding_window': 4096}
+    """
+    text = layer_config(config)
+    found: dict[str, int] = {}
+    for name in POSITION_FIELDS:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            found[name] = value
+    rope = getattr(text, "rope_parameters", None)
+    tables = [("rope_parameters", rope)] if isinstance(rope, Mapping) else []
+    if isinstance(rope, Mapping):
+        tables += [(f"rope_parameters.{k}", v) for k, v in rope.items() if isinstance(v, Mapping)]
+    for where, table in tables:
+        for name in POSITION_FIELDS:
+            value = table.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                found[f"{where}.{name}"] = value
+    return found
+
+
+# --- layer kinds ---------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """``value`` if it is plain data (what a layer's behaviour may switch on), else a
+    marker that it is not."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)) and all(
+        v is None or isinstance(v, (bool, int, float, str)) for v in value
+    ):
+        return tuple(value)
+    return ...
+
+
+def _kind(layer: nn.Module) -> str:
+    """What distinguishes ``layer`` from a layer of another kind: its modules' classes,
+    tensor shapes and plain attributes (its index left out)."""
+    parts = []
+    for name, module in layer.named_modules():
+        attributes = sorted(
+            (key, _plain(value))
+            for key, value in vars(module).items()
+            if not key.startswith("_")
+            and key not in _INDEX_NAMES
+            and key != "training"
+            and _plain(value) is not ...
+        )
+        tensors = [
+            (key, tuple(tensor.shape))
+            for key, tensor in [*module._parameters.items(), *module._buffers.items()]
+            if tensor is not None
+        ]
+        parts.append([name, type(module).__qualname__, attributes, tensors])
+    encoded = json.dumps(parts, default=repr).encode()
+    return hashlib.sha256(encoded).hexdigest()[:16]
+
+
+def layer_kinds(family: Family, config: PreTrainedConfig) -> list[str] | None:
+    """The kind of each of ``config``'s decoder layers (equal strings: the same kind),
+    built on the meta device; ``None`` when they cannot be built so.
+
+    Example::
+
+        layer_kinds(smollm3, config)   # ['9b..', '9b..', '9b..', '41..']: layer 3 is NoPE
+    """
+    try:
+        original = family.decoder_class()
+        text = layer_config(config)
+        with torch.device("meta"):
+            return [_kind(original(text, index)) for index in range(text.num_hidden_layers)]
+    except Exception:  # a layer that cannot be built on meta: the caller keeps every layer
+        return None
+
+
+#: the most layers a proof keeps when their kinds cannot be told apart (it then keeps all)
+_MOST_LAYERS = 128
+
+
+def _layers_kept(
+    family: Family, config: PreTrainedConfig, values: dict[str, Any], layers: int, at_least: int
+) -> int:
+    """How many layers the tiny model keeps: the shortest prefix holding every kind of
+    layer the config selects, at least ``at_least`` (the family's tiny count), at most
+    ``layers``."""
+    full = _built(config, {**values, "num_hidden_layers": layers})
+    kinds = layer_kinds(family, full)
+    if kinds is None:
+        return max(at_least, min(layers, _MOST_LAYERS))
+    first: dict[str, int] = {}
+    for index, kind in enumerate(kinds):
+        first.setdefault(kind, index)
+    return max(at_least, max(first.values()) + 1)
+
+
+def config_kind(config: PreTrainedConfig) -> str:
+    """A digest of ``config``'s fields that are neither sizes nor metadata, and the code
+    paths it selects (:data:`CODE_PATHS`): its kind."""
+    values = {
+        key: value
+        for key, value in config.to_dict().items()
+        if key not in SIZE_FIELDS and key not in _METADATA and not key.startswith("_")
+    }
+    values["model_type"] = getattr(config, "model_type", "")
+    # private fields that select a code path: proven under one, not under another
+    for name in CODE_PATHS:
+        values[name] = str(getattr(config, name, None))
+    encoded = json.dumps(values, sort_keys=True, default=repr).encode()
+    return hashlib.sha256(encoded).hexdigest()[:16]

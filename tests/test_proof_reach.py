@@ -1,0 +1,383 @@
+"""The proof vouches only for what it checked.
+
+A verdict is keyed by the transformers source the original runs and the attention
+implementation; the proof's tiny model keeps every kind of layer the user's config
+selects and runs past every position threshold it sets; a keyword a model passes its
+layers at call time is handled as the original handles it or refused. The tests that
+change transformers do it as an upstream commit would: a copy of the installed package,
+one file edited, first on ``PYTHONPATH`` of a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from edited_transformers import edited_transformers
+from fresh import run_json
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import layerswap
+from layerswap import proof, shrink, sources
+from layerswap.errors import SwapWarning, UpstreamDriftError
+from layerswap.registry import get, get_family
+from layerswap.verify.inputs import default_length, inputs_for
+
+LLAMA = "transformers.models.llama.modeling_llama"
+
+
+@pytest.fixture
+def proofs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    store = tmp_path / "proofs"
+    monkeypatch.setenv("LAYERSWAP_CACHE", str(store))
+    monkeypatch.setattr(proof, "_MEMO", {})
+    return store
+
+
+def tiny_llama(**overrides: Any) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        **overrides,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+# --- the verdict's key -------------------------------------------------------------------
+
+
+def test_the_source_digest_covers_the_modeling_module_and_what_every_layer_reaches() -> None:
+    found = {path.as_posix().split("/transformers/")[-1] for path in sources.files(LLAMA)}
+    assert "models/llama/modeling_llama.py" in found
+    for shared in ("masking_utils.py", "cache_utils.py", "integrations/sdpa_attention.py"):
+        assert shared in found
+    assert len(sources.digest(LLAMA)) == 16
+    assert sources.digest(LLAMA) != sources.digest("transformers.models.qwen3.modeling_qwen3")
+    assert sources.digest("transformers.models.no_such_family.modeling_none") == ""
+
+
+def test_a_verdict_is_keyed_by_the_attention_implementation(proofs: Path) -> None:
+    sub = get("llama.decoder.fused")
+    sdpa = tiny_llama(attn_implementation="sdpa").config
+    eager = tiny_llama(attn_implementation="eager").config
+    assert proof.proof_key(sub, sdpa) != proof.proof_key(sub, eager)
+    verdict = proof.prove(sub, eager)
+    assert verdict.passed and verdict.attention == "eager"
+
+
+def test_a_verdict_whose_source_changed_is_stale_not_proven(
+    proofs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from layerswap.cli.proving import proofs_row
+
+    sub = get("llama.decoder.fused")
+    verdict = proof.prove(sub, None)
+    assert verdict.passed and verdict.source == sources.digest(LLAMA) and verdict.module == LLAMA
+    assert "llama.decoder.fused" in proof.proven_here()
+    assert not verdict.changed_since()
+
+    edited = {LLAMA: "0" * 16}
+    monkeypatch.setattr(sources, "digest", lambda module: edited.get(module, ""))
+    assert verdict.changed_since()
+    assert "llama.decoder.fused" not in proof.proven_here()
+    assert "llama.decoder.fused" in proof.changed_here()
+    row = proofs_row()
+    assert "1 changed since proven" in row["status"]
+    assert "changed since proven" in row["enables"] and "llama" in row["enables"]
+    # the changed source is another key: proven again, not the stored verdict returned
+    assert proof.proof_key(sub, None) != verdict_key(sub)
+
+
+def verdict_key(sub: Any) -> str:
+    stored = [path.stem for path in Path(os.environ["LAYERSWAP_CACHE"]).glob("*.json")]
+    return stored[0]
+
+
+# --- call-time keywords ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_is_causal_false_at_call_time_is_computed_as_the_original_computes_it(
+    proofs: Path, attention: str, padded: bool
+) -> None:
+    model = tiny_llama(attn_implementation=attention)
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, is_causal=False).logits
+        causal = model(ids, attention_mask=mask).logits
+        with layerswap.swap(model, "llama.decoder.fused"):
+            got = model(ids, attention_mask=mask, is_causal=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+    if not padded or attention == "eager":  # the option changes what the original computes
+        assert (expected - causal).abs().max() > 1e-2
+
+
+def test_a_keyword_the_layer_does_not_know_is_refused_at_the_call_naming_it(proofs: Path) -> None:
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 6))
+    model(ids, temperature_scale=0.5)  # the original takes it (and here reads it nowhere)
+    with layerswap.swap(model, "llama.decoder.fused"):
+        with pytest.raises(UpstreamDriftError, match=r"temperature_scale=0\.5.*does not know"):
+            model(ids, temperature_scale=0.5)
+        # what every layer ignores under sdpa goes through: Trainer's item count
+        model(ids, labels=ids, num_items_in_batch=torch.tensor(5))
+
+
+def test_a_layer_that_does_not_handle_is_causal_refuses_it() -> None:
+    from layerswap.hf_internals import read_layer_call
+
+    read_layer_call({"is_causal": False}, accepted=frozenset({"is_causal"}))
+    with pytest.raises(UpstreamDriftError, match=r"TEDecoder.*is_causal=False.*attention option"):
+        read_layer_call({"is_causal": False}, layer="TEDecoder")
+
+
+# --- what the tiny model keeps -----------------------------------------------------------
+
+
+def test_the_proof_keeps_a_layer_of_every_kind_past_the_fourth() -> None:
+    from transformers import Qwen3MoeConfig, SmolLM3Config
+
+    nope_last = SmolLM3Config(num_hidden_layers=6, no_rope_layers=[1, 1, 1, 1, 1, 0])
+    shrunk = shrink.shrunk_config(get_family("smollm3"), nope_last)
+    assert shrunk.num_hidden_layers == 6 and shrunk.no_rope_layers == [1, 1, 1, 1, 1, 0]
+
+    dense_late = Qwen3MoeConfig(num_hidden_layers=12, mlp_only_layers=[7])
+    assert shrink.shrunk_config(get_family("qwen3_moe"), dense_late).num_hidden_layers == 8
+
+    # every layer alike: the family's tiny count, not the user's 32
+    plain = LlamaConfig(num_hidden_layers=32)
+    tiny = get_family("llama").tiny_config().num_hidden_layers
+    assert shrink.shrunk_config(get_family("llama"), plain).num_hidden_layers == tiny
+
+
+def test_the_proof_runs_past_every_position_threshold() -> None:
+    from transformers import Ministral3Config
+
+    config = Ministral3Config(
+        sliding_window=4096,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 16.0,
+            "original_max_position_embeddings": 16384,
+            "llama_4_scaling_beta": 0.1,
+        },
+    )
+    assert shrink.position_thresholds(config) == {
+        "sliding_window": 4096,
+        "rope_parameters.original_max_position_embeddings": 16384,
+    }
+    shrunk = shrink.shrunk_config(get_family("ministral3"), config)
+    assert shrink.position_thresholds(shrunk) == {
+        "sliding_window": shrink.PROOF_WINDOW,
+        "rope_parameters.original_max_position_embeddings": shrink.PROOF_WINDOW,
+    }
+    assert proof.prove(get("ministral3.decoder.fused"), config).passed
+
+
+def test_verify_runs_past_a_window_it_can_reach_and_says_which_it_cannot() -> None:
+    near = tiny_llama()
+    near.config.sliding_window = 40  # read by position_thresholds alone
+    assert default_length(near) == 44 and inputs_for(near)["input_ids"].shape[-1] == 44
+    model = tiny_llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert layerswap.verify(model, "llama.decoder.fused").passed
+    assert not [w for w in caught if issubclass(w.category, SwapWarning)]
+    model.config.max_position_embeddings = 8192
+    model.config.sliding_window = 4096  # llama ignores it; the warning reads the config
+    with pytest.warns(SwapWarning, match=r"compares 20 positions.*sliding_window=4096"):
+        layerswap.verify(model, "llama.decoder.fused")
+
+
+# --- upstream changes, as a commit would make them ----------------------------------------
+
+#: a fresh interpreter's verdict on swapping a tiny model of ``family`` (its config given by
+#: ``config``, a Python expression): "swapped", or the refusal's type and message
+SWAP = """
+    import json, torch, transformers, layerswap
+    from layerswap.registry import get_family
+    family = get_family({family!r})
+    config = {config}
+    torch.manual_seed(0)
+    model = family.causal_lm_class()(config).eval()
+    try:
+        layerswap.swap(model, {family!r} + ".decoder.fused")
+        print(json.dumps(["swapped", ""]))
+    except layerswap.errors.LayerswapError as error:
+        print(json.dumps([type(error).__name__, str(error)]))
+"""
+
+
+def swap_in(cache: Path, family: str, config: str, site: Path | None = None) -> list[str]:
+    code = textwrap.dedent(SWAP).format(family=family, config=config)
+    found: list[str] = run_json(code, cache, path=[site] if site else [])
+    return found
+
+
+LLAMA_CONFIG = (
+    "transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, "
+    "num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_implementation={!r})"
+)
+
+#: edits an upstream commit could make, each changing what the original computes
+EDITS = {
+    "attention output scaled": (
+        "models/llama/modeling_llama.py",
+        "        attn_output = self.o_proj(attn_output)\n",
+        "        attn_output = self.o_proj(attn_output) * 1.5\n",
+    ),
+    "(1 + w) RMSNorm": (
+        "models/llama/modeling_llama.py",
+        "        return self.weight * hidden_states.to(input_dtype)\n",
+        "        return (1.0 + self.weight) * hidden_states.to(input_dtype)\n",
+    ),
+}
+
+
+def edit(path: str, old: str, new: str) -> dict[str, Any]:
+    def change(text: str) -> str:
+        assert old in text, f"{path} no longer holds {old!r}"
+        return text.replace(old, new)
+
+    return {path: change}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", sorted(EDITS))
+def test_a_source_changed_under_the_same_version_is_proven_again_and_refused(
+    tmp_path: Path, change: str
+) -> None:
+    cache = tmp_path / "proofs"
+    config = LLAMA_CONFIG.format("sdpa")
+    assert swap_in(cache, "llama", config) == ["swapped", ""]
+    site = edited_transformers(tmp_path, edit(*EDITS[change]))
+    # the same version string, another source: stale until proven again
+    doctor = run_json(
+        """
+        import json
+        from layerswap.cli.proving import proofs_row
+        print(json.dumps(proofs_row()))
+        """,
+        cache,
+        path=[site],
+    )
+    assert "changed since proven" in doctor["status"] and "llama" in doctor["enables"]
+    kind, message = swap_in(cache, "llama", config, site)
+    assert kind == "UpstreamDriftError" and "does not behave like the original" in message
+
+
+@pytest.mark.slow
+def test_an_eager_only_change_is_proven_on_an_eager_model(tmp_path: Path) -> None:
+    cache = tmp_path / "proofs"
+    site = edited_transformers(
+        tmp_path,
+        edit(
+            "models/llama/modeling_llama.py",
+            "    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling\n",
+            "    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling * 1.1\n",
+        ),
+    )
+    assert swap_in(cache, "llama", LLAMA_CONFIG.format("sdpa"), site) == ["swapped", ""]
+    kind, message = swap_in(cache, "llama", LLAMA_CONFIG.format("eager"), site)
+    assert kind == "UpstreamDriftError", message
+
+
+#: LlamaModel hands its layers a new option through **kwargs, and the attention reads it
+OPTION_EDITS = {
+    "models/llama/modeling_llama.py": lambda text: text.replace(
+        "                use_cache=use_cache,\n                **kwargs,\n",
+        "                use_cache=use_cache,\n                attention_temperature=2.0,\n"
+        "                **kwargs,\n",
+    ).replace(
+        "        attn_output = self.o_proj(attn_output)\n",
+        "        attn_output = self.o_proj(attn_output) / kwargs.get('attention_temperature', 1.0)\n",
+    )
+}
+
+
+@pytest.mark.slow
+def test_an_option_passed_only_through_kwargs_is_refused_naming_it(tmp_path: Path) -> None:
+    site = edited_transformers(tmp_path, OPTION_EDITS)
+    kind, message = swap_in(tmp_path / "proofs", "llama", LLAMA_CONFIG.format("sdpa"), site)
+    assert kind == "UpstreamDriftError" and "attention_temperature=2.0" in message
+
+
+@pytest.mark.slow
+def test_a_query_scaling_past_the_configs_span_is_proven_past_it(tmp_path: Path) -> None:
+    # Ministral 3's query temperature starts at rope original_max_position_embeddings:
+    # an upstream change of where it starts shows only past that span
+    site = edited_transformers(
+        tmp_path,
+        edit(
+            "models/ministral3/modeling_ministral3.py",
+            "torch.floor(positions_ids / max_position_embeddings)",
+            "torch.floor((positions_ids + 1) / max_position_embeddings)",
+        ),
+    )
+    config = (
+        "family.tiny_config(max_position_embeddings=1024, rope_parameters={'rope_type': "
+        "'yarn', 'rope_theta': 1e6, 'factor': 16.0, 'original_max_position_embeddings': 64, "
+        "'llama_4_scaling_beta': 0.5})"
+    )
+    kind, message = swap_in(tmp_path / "proofs", "ministral3", config, site)
+    assert kind == "UpstreamDriftError", message
+
+
+@pytest.mark.slow
+def test_a_layer_kind_past_the_fourth_layer_is_proven(tmp_path: Path) -> None:
+    # SmolLM3's NoPE layers, changed upstream; the config's only NoPE layer is the sixth
+    site = edited_transformers(
+        tmp_path,
+        edit(
+            "models/smollm3/modeling_smollm3.py",
+            "        if self.use_rope:\n",
+            "        if not self.use_rope:\n            query_states = query_states * 1.5\n"
+            "        if self.use_rope:\n",
+        ),
+    )
+    config = "family.tiny_config(num_hidden_layers=6, no_rope_layers=[1, 1, 1, 1, 1, 0])"
+    kind, message = swap_in(tmp_path / "proofs", "smollm3", config, site)
+    assert kind == "UpstreamDriftError", message
+
+
+@pytest.mark.slow
+def test_a_contract_broken_at_run_time_is_one_line_and_exit_2_on_the_command_line(
+    tmp_path: Path,
+) -> None:
+    site = edited_transformers(tmp_path, OPTION_EDITS)
+    env = {
+        **os.environ,
+        "LAYERSWAP_CACHE": str(tmp_path / "proofs"),
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "layerswap", "patch", "--model", "llama"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("layerswap: error:")]
+    assert len(errors) == 1 and "attention_temperature" in errors[0]
+    assert json.dumps(done.stderr).count("\\n") <= 2  # one line, maybe a progress remnant
