@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import UpstreamDriftError
 from layerswap.patching import unpatched
-from layerswap.versions import transformers_version
+from layerswap.versions import ships, transformers_version
 
 if TYPE_CHECKING:
     import torch
@@ -265,6 +265,20 @@ class Family:
     def modeling_module(self) -> ModuleType:
         """The family's modeling module (imported on first use)."""
         return importlib.import_module(self.module)
+
+    def absence(self) -> str | None:
+        """Why the installed transformers has no such family (a release from before it
+        arrived: its modeling module is not there), or ``None`` when it has. Read from
+        the disk, without importing transformers.
+
+        Example::
+
+            layerswap.get_family("flint").absence()
+            # on 5.18.0: "transformers 5.18.0 has no flint model (no transformers.models...)"
+        """
+        if ships(self.module):
+            return None
+        return f"transformers {transformers_version()} has no {self.name} model (no {self.module})"
 
     def _class(self, name: str) -> type:
         try:

@@ -183,21 +183,18 @@ def _derivable(name: str) -> tuple[Family, Backend, str, str | None] | None:
     return None
 
 
-def _derived_offers(family: Family, backend: Backend) -> list[Offer]:
+def _derived_offers(family: Family, backend: Backend, absence: str | None) -> list[Offer]:
+    """``backend``'s offers for ``family``. A family the installed transformers lacks
+    (``absence``, its reason) is not asked of the backend, which would read its missing
+    source: each slot is offered, and cannot run here for that reason."""
     offers = []
     for slot, implementation in backend.slots.items():
         name = f"{family.name}.{slot}.{backend.name}"
-        if _refused(backend, family, slot) is not None:
+        if absence is None and _refused(backend, family, slot) is not None:
             continue
+        requirement = backend.requirement if absence is None else _always(absence)
         offers.append(
-            Offer(
-                name,
-                family.name,
-                backend.name,
-                slot,
-                implementation.description,
-                backend.requirement,
-            )
+            Offer(name, family.name, backend.name, slot, implementation.description, requirement)
         )
         for variant in backend.variants:
             if slot not in variant.slots:
@@ -209,10 +206,14 @@ def _derived_offers(family: Family, backend: Backend) -> list[Offer]:
                     f"{backend.name}_{variant.name}",
                     slot,
                     variant.description or f"{implementation.description} ({variant.name})",
-                    _both(backend.requirement, variant.unmet_requirement),
+                    _both(requirement, variant.unmet_requirement),
                 )
             )
     return offers
+
+
+def _always(reason: str) -> Callable[[], str | None]:
+    return lambda: reason
 
 
 def _both(
@@ -226,7 +227,8 @@ def _both(
 
 
 def _made(name: str) -> Substitution | None:
-    """The derived substitution ``name`` (made once), ``None`` when none is offered."""
+    """The derived substitution ``name`` (made once); ``None`` when none is offered, or
+    its family is not in the installed transformers."""
     if name in _REMOVED:
         return None
     found = _derivable(name)
@@ -236,7 +238,8 @@ def _made(name: str) -> Substitution | None:
     made = _MADE.get(name)
     if made is not None and made[0] is family and made[1] is backend:
         return made[2]
-    if _refused(backend, family, slot) is not None:
+    # a family the installed transformers lacks is offered (listed as absent), never made
+    if family.absence() is not None or _refused(backend, family, slot) is not None:
         return None
     sub = backend.substitution(family, slot, variant=variant)
     _MADE[name] = (family, backend, sub)
@@ -251,8 +254,9 @@ def _all_offers(family: str | None = None) -> dict[str, Offer]:
     found = {
         offer.name: offer
         for spec in asked
+        for absence in [spec.absence()]
         for backend in _BACKENDS.values()
-        for offer in _derived_offers(spec, backend)
+        for offer in _derived_offers(spec, backend, absence)
         if offer.name not in _REMOVED
     }
     for sub in _REGISTERED.values():
@@ -431,11 +435,13 @@ def backend_of(sub: Substitution) -> Backend | None:
         return next((b for b in _BACKENDS.values() if sub.backend in b.names()), None)
 
 
-def register_backend(backend: Backend, *, replace: bool = False) -> list[Substitution]:
-    """Add a backend: its substitutions for every registered family it supports are
-    derived from now (families registered later get them too).
+def register_backend(backend: Backend, *, replace: bool = False) -> list[Offer]:
+    """Add a backend: it offers its substitutions for every registered family it supports
+    (families registered later too), each derived when first asked for.
 
-    Returns the substitutions it offers. Example::
+    Returns what it offers, read without making any (:func:`offers`): no family's classes
+    are touched, so a family the installed transformers lacks fails only a substitution
+    asked for by name. Example::
 
         layerswap.register_backend(MY_BACKEND)
         layerswap.get("llama.decoder.mine")
@@ -444,12 +450,13 @@ def register_backend(backend: Backend, *, replace: bool = False) -> list[Substit
     if not added:
         return []
     with _LOCK:
-        return [
-            sub
+        found = [
+            offer
             for family in _FAMILIES.values()
-            for sub in backend.substitutions(family)
-            if sub.name not in _REGISTERED
+            for offer in _derived_offers(family, backend, family.absence())
+            if offer.name not in _REMOVED and offer.name not in _REGISTERED
         ]
+    return sorted(found, key=lambda offer: offer.name)
 
 
 def _add_backend_lazily(backend: Backend, *, replace: bool) -> bool:
@@ -610,14 +617,18 @@ def get(name: str | Substitution) -> Substitution:
 
 
 def _refusal(name: str) -> str | None:
-    """Why ``<family>.<slot>.<backend>`` is not offered when its family, slot and backend
-    all are: the backend's own reason for refusing that family's slot."""
+    """Why ``<family>.<slot>.<backend>`` cannot be made when its family, slot and backend
+    are registered: the installed transformers lacks the family, or the backend refuses
+    that family's slot (its own reason)."""
     if name in _REMOVED:
         return None
     found = _derivable(name)
     if found is None:
         return None
     family, backend, slot, _ = found
+    absence = family.absence()
+    if absence is not None:
+        return absence
     reason = _refused(backend, family, slot)
     if reason is None:
         return None

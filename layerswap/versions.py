@@ -1,4 +1,5 @@
-"""The installed transformers release, read without importing transformers.
+"""The installed transformers release and the modules it ships, read without importing
+transformers.
 
 Error messages, proofs and caches name the release; reading it from the package's
 metadata costs a millisecond, importing transformers about a second. Once transformers
@@ -6,17 +7,21 @@ is imported, its own ``__version__`` is what is named (the same release).
 
 Example::
 
-    from layerswap.versions import transformers_version
+    from layerswap.versions import ships, transformers_version
 
     transformers_version()   # '5.24.0'
+    ships("transformers.models.flint.modeling_flint")   # False before 5.21
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import sys
+from pathlib import Path
 
-__all__ = ["transformers_version"]
+__all__ = ["ships", "transformers_version"]
 
 
 def transformers_version() -> str:
@@ -26,3 +31,24 @@ def transformers_version() -> str:
     if version:
         return str(version)
     return importlib.metadata.version("transformers")
+
+
+def ships(module: str) -> bool:
+    """Whether the installed package has ``module`` (a dotted name), found on disk without
+    importing it: the release a family arrived in decides, and ``layerswap list`` asks it
+    without importing transformers. A module file of any suffix Python imports, or a
+    directory (a package, namespace packages included), counts."""
+    if module in sys.modules:
+        return True
+    top, *parts = module.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
+    if spec is None:
+        return False
+    if not parts:
+        return True
+    suffixes = importlib.machinery.all_suffixes()
+    for location in spec.submodule_search_locations or ():
+        path = Path(location, *parts)
+        if path.is_dir() or any((path.parent / (path.name + s)).is_file() for s in suffixes):
+            return True
+    return False

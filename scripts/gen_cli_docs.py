@@ -10,13 +10,16 @@ A block of shown output is announced by a comment naming the commands::
 
 Commands are separated by ``;;``; each runs in process (``layerswap.cli.main``) with
 its stdout and stderr piped, as a user's shell shows them, and a non-zero exit code of a
-block's single command is shown with ``echo $?``. ``cli volatile:`` marks output with timings or versions: it is
-generated the same way, and ``tests/test_docs.py`` compares it with the numbers masked.
-``llama.decoder.broken`` (a substitution whose layer 2 is 1% off) is registered for the
-examples of a failing verification, and the commands run in a temporary directory
-holding ``my-llama`` (a tiny bfloat16 checkpoint), two damaged copies of it and
-``my-fused-adapter`` (a LoRA adapter saved by hand under a swapped model's fused names). ``tests/test_docs.py`` checks that the docs are
-fresh.
+block's single command is shown with ``echo $?``. ``llama.decoder.broken`` (a
+substitution whose layer 2 is 1% off) is registered for the examples of a failing
+verification, and the commands run in a temporary directory holding ``my-llama`` (a tiny
+bfloat16 checkpoint), two damaged copies of it and ``my-fused-adapter`` (a LoRA adapter
+saved by hand under a swapped model's fused names).
+
+``tests/test_docs.py`` checks that the docs are fresh (``stale``): a block is its fresh
+run up to the error figures and cosines its tolerance cannot tell apart, which the
+machine's BLAS decides (``shown_output.same_output``); ``cli volatile:`` marks output
+with timings or versions, compared with every number masked.
 
     python scripts/gen_cli_docs.py
 """
@@ -35,12 +38,16 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+# the sibling module, whether this runs as a script or by runpy (tests/test_docs.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shown_output import masked, same_output
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PAGES = (ROOT / "docs" / "cli.md", ROOT / "README.md")
 MARKER = re.compile(r"<!-- cli( volatile)?: (.+?) -->\n```\n.*?```\n", re.DOTALL)
-NUMBER = re.compile(r"\d+(?:[.,]\d+)*(?:e[-+]\d+)?x?")
 
 
 @contextlib.contextmanager
@@ -177,21 +184,15 @@ def render(pages: tuple[Path, ...] = PAGES) -> dict[Path, str]:
     return rendered
 
 
-def masked(text: str) -> str:
-    """``text`` with every number one placeholder, runs of spaces one space, and no
-    ``warning:`` lines (a timing's noise warning comes and goes with the machine)."""
-    kept = "".join(line for line in text.splitlines(True) if not line.startswith("warning:"))
-    return re.sub(r"[ ─]+", " ", NUMBER.sub("#", kept))
-
-
 def stale(rendered: dict[Path, str]) -> list[str]:
-    """The blocks whose output differs from a fresh run (volatile ones up to numbers)."""
+    """The blocks whose output differs from a fresh run: up to rounding-level figures,
+    volatile ones up to every number."""
     found = []
     for page, fresh in rendered.items():
         shown = {m.group(2): m.group(0) for m in MARKER.finditer(page.read_text())}
         for m in MARKER.finditer(fresh):
             old = shown.get(m.group(2), "")
-            same = masked(old) == masked(m.group(0)) if m.group(1) else old == m.group(0)
+            same = masked(old) == masked(m.group(0)) if m.group(1) else same_output(old, m.group(0))
             if not same:
                 found.append(f"{page.name}: {m.group(2)}")
     return found

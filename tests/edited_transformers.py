@@ -2,7 +2,7 @@
 release, as far as the code under test can tell, without installing one.
 
 The copy is a mirror: real directories, every file a symlink to the installed one (no
-``__pycache__``), so it costs a second and no disk; only the edited files are real
+``__pycache__``), so it costs a fraction of a second and no disk; only the edited files are real
 copies. Its ``.dist-info`` is mirrored beside it, so ``importlib.metadata`` (the version,
 a module's file found without importing it) answers from the copy too. Put the returned
 directory first on ``PYTHONPATH`` of a fresh interpreter (``fresh.run_json(...,
@@ -10,15 +10,19 @@ path=[...])``): the process imports the copy, and the installed transformers is 
 
 Example::
 
-    from edited_transformers import edited_transformers, without
+    from edited_transformers import edited_transformers
+    from fresh import run_json
 
     # a release without the apertus1p5 family, and with Llama's decoder layer renamed
-    root = edited_transformers(tmp_path, {
+    site = edited_transformers(tmp_path, {
         "models/apertus1p5": None,
         "models/llama/modeling_llama.py": lambda text: text.replace(
-            "class LlamaDecoderLayer(", "class LlamaLayer("),
+            "LlamaDecoderLayer", "LlamaLayer"),
     })
-    run_json("import transformers; ...", tmp_path / "cache", path=[root])
+    run_json("import json, layerswap; ...", tmp_path / "cache", path=[site])
+
+An edit should leave the module importable: a class deleted while another line of its
+module still names it is a ``NameError`` at import, not a release that lacks it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["Edit", "edited_transformers", "installed_transformers", "without"]
+__all__ = ["Edit", "edited_transformers", "installed_transformers"]
 
 #: a file's new text from its text; ``None`` in place of an edit leaves the path (a file
 #: or a whole directory) out of the copy
@@ -53,12 +57,14 @@ def edited_transformers(directory: Path, edits: Mapping[str, Edit | None]) -> Pa
     does an edit that changes nothing: a test that edits nothing tests nothing.
     """
     package = installed_transformers()
+    site = directory / "site"
+    if site.exists():
+        raise FileExistsError(f"{site} exists: one copy per directory (a test's tmp_path)")
     for relative, edit in edits.items():
         if not (package / relative).exists():
             raise FileNotFoundError(f"transformers {package} has no {relative}")
         if edit is not None and not (package / relative).is_file():
             raise IsADirectoryError(f"{relative} is a directory: only None leaves it out")
-    site = directory / "site"
     left_out = {package / relative for relative, edit in edits.items() if edit is None}
     _mirror(package, site / package.name, left_out)
     for dist_info in package.parent.glob(f"{package.name}-*.dist-info"):
@@ -87,18 +93,3 @@ def _mirror(source: Path, target: Path, left_out: set[Path]) -> None:
         for name in files:
             if here / name not in left_out:
                 (mirrored / name).symlink_to(here / name)
-
-
-def without(text: str, definition: str) -> str:
-    """``text`` without the top-level ``definition`` (``"class LlamaDecoderLayer("``): its
-    decorators, and its lines up to the next statement that starts at column 0."""
-    lines = text.splitlines(keepends=True)
-    found = next((i for i, line in enumerate(lines) if line.startswith(definition)), None)
-    if found is None:
-        raise ValueError(f"no top-level {definition!r} in the text")
-    start, end = found, found + 1
-    while start > 0 and lines[start - 1].startswith("@"):  # its decorators go with it
-        start -= 1
-    while end < len(lines) and (not lines[end].strip() or lines[end][:1] in " \t)"):
-        end += 1
-    return "".join(lines[:start] + lines[end:])

@@ -14,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from edited_transformers import edited_transformers
+from fresh import run_json
 
 # the standard library's TOML reader arrived in Python 3.11
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
@@ -119,3 +121,71 @@ def test_without_the_package_the_backend_is_unknown_with_a_suggestion() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "no backend named 'guardd'" in result.stdout
     assert "Known: fused, liger, te." in result.stdout
+
+
+# issue 38, item 7: on transformers 5.18 (inside the supported range; apertus1p5 arrived
+# later) registering this backend, whose replacement reads family.decoder_class(), raised
+# UpstreamDriftError for apertus1p5, a family nobody asked for
+LACKING = {
+    # the release before the family arrived: its models/ directory is not there
+    "module": {"models/apertus1p5": None},
+    # its module is there, its decoder layer class under another name
+    "class": {
+        "models/apertus1p5/modeling_apertus1p5.py": lambda text: text.replace(
+            "Apertus1p5TextDecoderLayer", "Apertus1p5TextLayer"
+        )
+    },
+}
+
+REGISTERING = """
+    import json
+
+    import layerswap
+    from layerswap.errors import LayerswapError
+    from layerswap.registry import offers
+    from layerswap_guarded import BACKEND
+
+    offered = [offer.name for offer in layerswap.register_backend(BACKEND)]
+    try:
+        layerswap.get("apertus1p5.decoder.guarded")
+        error = None
+    except LayerswapError as exc:
+        error = str(exc)
+    listed = {o.name: o.unmet_requirement() for o in offers(family="apertus1p5")}
+    try:  # every one listed is made: a family with a missing class fails here
+        made = sorted(s.family for s in layerswap.substitutions(backend="guarded"))
+    except LayerswapError as exc:
+        made = str(exc)
+    print(json.dumps({
+        "offered": offered,
+        "error": error,
+        "llama": layerswap.get("llama.decoder.guarded").replacement_class().__name__,
+        "listed": listed,
+        "made": made,
+    }))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter on an edited copy of transformers
+@pytest.mark.parametrize("lacking", list(LACKING))
+def test_registering_a_backend_never_fails_for_a_family_the_release_lacks(
+    lacking: str, tmp_path: Path
+) -> None:
+    from transformers import __version__ as version
+
+    site = edited_transformers(tmp_path, LACKING[lacking])
+
+    found = run_json(REGISTERING, tmp_path / "cache", path=[site, EXAMPLE])
+
+    assert {"apertus1p5.decoder.guarded", "llama.decoder.guarded"} <= set(found["offered"])
+    assert found["llama"] == "GuardedLlamaDecoderLayer"
+    # the substitution asked for by name fails, naming the family and the release
+    assert found["error"] is not None
+    assert "apertus1p5" in found["error"] and f"transformers {version}" in found["error"]
+    if lacking == "module":
+        # listed as absent, with the reason; never made
+        assert found["listed"]["apertus1p5.decoder.guarded"] == (
+            f"transformers {version} has no apertus1p5 model "
+            "(no transformers.models.apertus1p5.modeling_apertus1p5)"
+        )
+        assert "apertus1p5" not in found["made"] and "llama" in found["made"]

@@ -7,7 +7,6 @@ proves on demand (the family's tiny config); the proof also runs by itself at fi
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import LayerswapError
@@ -22,13 +21,6 @@ def _row(family: str, name: str, **fields: Any) -> dict[str, Any]:
     return {"family": family, "substitution": name, "seconds": None, "detail": "", **fields}
 
 
-def _shipped(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # its package is missing too
-        return False
-
-
 def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     """The check of one family: its static contract, then the behaviour proof."""
     from layerswap.proof import changed_here, prove
@@ -36,13 +28,15 @@ def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     from layerswap.versions import transformers_version
 
     name = f"{family}.decoder.{backend}"
+    # asked first: a backend reading the family's source, or making the substitution,
+    # would find it missing
+    if get_family(family).absence() is not None:
+        version = transformers_version()
+        return _row(family, name, status="absent", detail=f"not in transformers {version}")
     refused = get_backend(backend).unsupported(get_family(family))
     if refused is not None:
         return _row(family, name, status="refused", detail=f"the backend refuses it: {refused}")
     sub = get(name)
-    if not _shipped(get_family(family).module):
-        version = transformers_version()
-        return _row(family, name, status="absent", detail=f"not in transformers {version}")
     reason = sub.unmet_requirement()
     if reason is not None:
         return _row(family, name, status="skipped", detail=f"cannot run here: {reason}")
@@ -97,13 +91,17 @@ def check_rows(
 
 
 def proofs_row() -> dict[str, str]:
-    """Doctor's row: how many families are proven here, failed, or not proven yet."""
+    """Doctor's row: how many of the families the installed transformers has are proven
+    here, failed, changed since proven, or not proven yet; and which it lacks."""
     from layerswap.proof import changed_here, proven_here
     from layerswap.registry import families
+    from layerswap.versions import transformers_version
 
     verdicts = proven_here()
     changed = changed_here()
-    names = sorted(families())
+    known = families()
+    absent = sorted(name for name, family in known.items() if family.absence() is not None)
+    names = sorted(set(known) - set(absent))
     proven, failed, stale, pending = [], [], [], []
     for family in names:
         found = [v for name, v in verdicts.items() if name.startswith(f"{family}.decoder.")]
@@ -131,6 +129,8 @@ def proofs_row() -> dict[str, str]:
             "not proven yet (proven at first use, or now by `layerswap check --all`): "
             + ", ".join(pending)
         )
+    if absent:
+        parts.append(f"not in transformers {transformers_version()}: " + ", ".join(absent))
     return {
         "component": "proofs",
         "status": status + (f", {len(failed)} failed" if failed else ""),
