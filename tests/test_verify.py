@@ -365,6 +365,8 @@ def test_report_round_trips_through_json(llama: Any) -> None:
         "min_cosine",
         "rtol",
         "floor_cosine",
+        "near_ties",
+        "excused_rows",
     }
     assert data["layers"][0]["min_cosine"] == report.tolerance.min_cosine
     assert data["layers"][0]["floor_cosine"] is None  # no FP8, no noise floor

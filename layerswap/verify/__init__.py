@@ -30,7 +30,9 @@ One module per concern: ``checks`` (:func:`verify`, :func:`assert_equivalent`),
 tokens), ``model_classes`` (what each model class outputs and learns from: causal LM,
 sequence, token and question-answering classifiers, base model), ``compare`` (two passes
 into a report), ``gradients`` (a swapped model's gradients in the original layout),
-``report``, ``tolerance``, ``inputs``, and
+``report``, ``tolerance``, ``inputs``, ``routing`` and ``excused`` (a mixture-of-experts
+token the candidate routes elsewhere at a near-tie of the reference's router is left out,
+with what it reaches, and counted in the report), and
 ``placement`` and ``candidate`` (device and dtype, the working copy, the substitution
 checked for this machine), which :mod:`layerswap.bench` shares.
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import VerificationError
+from layerswap.verify.excused import Excused, excused_rows
 from layerswap.verify.forward import Run
 from layerswap.verify.fp8 import FLOOR_FACTOR, FLOOR_SLACK
 from layerswap.verify.inputs import InputsLike, prepare_inputs
@@ -282,8 +283,18 @@ def _against_floor(
     return calibrated, measured.cosine
 
 
+def _kept(tensor: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``tensor``'s rows in ``keep`` (all of them where nothing is left out)."""
+    return tensor if keep is None else tensor[keep.to(tensor.device)]
+
+
 def _compare_layers(
-    reference: Run, candidate: Run, tolerance: Tolerance, floor: Run | None, kind: FloorKind
+    reference: Run,
+    candidate: Run,
+    tolerance: Tolerance,
+    floor: Run | None,
+    kind: FloorKind,
+    excused: Excused | None,
 ) -> list[LayerReport]:
     if len(reference.layers) != len(candidate.layers):
         raise VerificationError(
@@ -295,9 +306,11 @@ def _compare_layers(
     for index, ((name, ref_out), (_, cand_out)) in enumerate(
         zip(reference.layers, candidate.layers, strict=True)
     ):
-        output = diff(ref_out, cand_out, rowwise=True)
+        keep = ~excused.rows[index] if excused is not None else None
+        ref_kept = _kept(ref_out, keep)
+        output = diff(ref_kept, _kept(cand_out, keep), rowwise=True)
         allowed, floor_cosine = _against_floor(
-            ref_out, floors[index] if floors is not None else None, tolerance, kind
+            ref_kept, _kept(floors[index], keep) if floors is not None else None, tolerance, kind
         )
         layers.append(
             LayerReport(
@@ -310,17 +323,21 @@ def _compare_layers(
                 min_cosine=allowed.min_cosine,
                 rtol=allowed.rtol,
                 floor_cosine=floor_cosine,
+                near_ties=excused.near_ties[index] if excused is not None else 0,
+                excused_rows=int((~keep).sum()) if keep is not None else 0,
             )
         )
     return layers
 
 
-def _top1_and_kl(reference: Run, candidate: Run) -> tuple[float | None, float | None]:
+def _top1_and_kl(
+    reference: torch.Tensor, candidate: torch.Tensor, is_logits: bool
+) -> tuple[float | None, float | None]:
     """Top-1 agreement and mean KL(reference || candidate) of the next-token predictions."""
-    if not (reference.is_logits and reference.logits.numel()):
+    if not (is_logits and reference.numel()):
         return None, None
-    ref_logits = reference.logits.to(torch.float32)
-    cand_logits = candidate.logits.to(device=ref_logits.device, dtype=torch.float32)
+    ref_logits = reference.to(torch.float32)
+    cand_logits = candidate.to(device=ref_logits.device, dtype=torch.float32)
     top1 = float((ref_logits.argmax(-1) == cand_logits.argmax(-1)).float().mean())
     # in float64: float32 rounding of the log-probabilities alone gives a KL near 1e-8,
     # which would hide what the swap itself changes
@@ -329,6 +346,48 @@ def _top1_and_kl(reference: Run, candidate: Run) -> tuple[float | None, float | 
     kl_rows = (ref_logp.exp() * (ref_logp - cand_logp)).sum(-1)
     kl = max(_as_float(kl_rows.mean()), 0.0)  # rounding can make a zero KL negative
     return top1, kl
+
+
+def _output_rows(excused: Excused | None, output: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """The rows of the compared output that are kept: every token not excused after the
+    last layer (per-token outputs), or every sequence whose last token is not (a pooled
+    output, one row per sequence); ``None``: all of them."""
+    if excused is None:
+        return None
+    tokens = excused.after_last_layer
+    if output.shape[0] == tokens.shape[0]:
+        return ~tokens
+    return ~excused.sequences(batch) if output.shape[0] == batch else None
+
+
+def _compare_decoding(
+    reference: Run,
+    candidate: Run,
+    tolerance: Tolerance,
+    floor: Run | None,
+    sequences: torch.Tensor | None,
+) -> GenerationReport | None:
+    """Cached decoding compared, of the sequences kept (``None``: all of them)."""
+    if reference.tokens is None or candidate.tokens is None:
+        return None
+
+    def kept(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return tensor if tensor is None else _kept(tensor, sequences)
+
+    floored = None
+    if floor is not None and floor.tokens is not None:
+        floored = (_kept(floor.tokens, sequences), kept(floor.token_logits))
+    report = compare_generation(
+        _kept(reference.tokens, sequences),
+        _kept(candidate.tokens, sequences),
+        tolerance,
+        kept(reference.token_logits),
+        kept(candidate.token_logits),
+        floor=floored,
+    )
+    if sequences is None:
+        return report
+    return dataclasses.replace(report, excused_sequences=int((~sequences).sum()))
 
 
 @dataclass(frozen=True)
@@ -392,23 +451,24 @@ class Comparison:
                 local=local_gradients,
                 floor=floor.gradients if floor is not None and floor_kind == "float32" else None,
             )
-        generation = None
-        if reference.tokens is not None and candidate.tokens is not None:
-            generation = compare_generation(
-                reference.tokens,
-                candidate.tokens,
-                tolerance,
-                reference.token_logits,
-                candidate.token_logits,
-                floor=(floor.tokens, floor.token_logits)
-                if floor is not None and floor.tokens is not None
-                else None,
-            )
-        layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind)
-        logits = diff(reference.logits, candidate.logits, rowwise=True)
-        top1, kl = _top1_and_kl(reference, candidate)
+        ids = self.batch["input_ids"]
+        excused = None
+        if reference.routing is not None and candidate.routing is not None:
+            valid = self.batch["attention_mask"].bool()
+            excused = excused_rows(reference.routing, candidate.routing, valid)
+        sequences = ~excused.sequences(int(ids.shape[0])) if excused is not None else None
+        generation = _compare_decoding(reference, candidate, tolerance, floor, sequences)
+        layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind, excused)
+        keep = _output_rows(excused, reference.logits, int(ids.shape[0]))
+        ref_logits = _kept(reference.logits, keep)
+        cand_logits = _kept(candidate.logits, keep)
+        logits = diff(ref_logits, cand_logits, rowwise=True)
+        top1, kl = _top1_and_kl(ref_logits, cand_logits, reference.is_logits)
         logits_allowed, logits_floor = _against_floor(
-            reference.logits, floor.logits if floor is not None else None, tolerance, floor_kind
+            ref_logits,
+            _kept(floor.logits, keep) if floor is not None else None,
+            tolerance,
+            floor_kind,
         )
         logits_passed = logits.passes(logits_allowed)
         first = next((layer.index for layer in layers if not layer.passed), None)
@@ -418,7 +478,6 @@ class Comparison:
             and (backward is None or backward.passed)
             and (generation is None or generation.passed)
         )
-        ids = self.batch["input_ids"]
         return VerificationReport(
             passed=passed,
             substitution=self.substitution,

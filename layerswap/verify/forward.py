@@ -15,6 +15,7 @@ from layerswap.errors import UnsupportedModelError
 from layerswap.model import decoder_layers
 from layerswap.verify.inputs import pad_token_id, text_config
 from layerswap.verify.model_classes import task_of
+from layerswap.verify.routing import Routing, capture_routing
 
 __all__ = [
     "ContextFactory",
@@ -49,6 +50,9 @@ class Run:
     tokens: torch.Tensor | None = None
     #: the logits each greedily generated token was chosen from, ``[batch, new, vocab]``
     token_logits: torch.Tensor | None = None
+    #: per decoder layer, its mixture-of-experts routing of the valid tokens (``None`` for
+    #: a dense layer); ``None`` for a model without such blocks or a pass not recording it
+    routing: list[Routing | None] | None = None
 
 
 def layer_output(output: Any) -> torch.Tensor:
@@ -118,6 +122,7 @@ def forward(
     loss: bool = False,
     generate: int = 0,
     context: ContextFactory = contextlib.nullcontext,
+    routing: bool = True,
 ) -> Run:
     """One forward pass, capturing every decoder layer's output, in ``context``.
 
@@ -125,7 +130,9 @@ def forward(
     language-modelling loss of a causal LM, the classification loss of a classifier...);
     ``backward`` also takes its gradient for every trainable parameter, by
     ``torch.autograd.grad`` rather than ``loss.backward()``, which leaves every ``.grad``
-    as it was. ``generate`` then greedily generates that many tokens.
+    as it was. ``generate`` then greedily generates that many tokens. ``routing`` records
+    each mixture-of-experts block's routing (:mod:`layerswap.verify.routing`; nothing is
+    hooked in a model without one).
     """
     task = task_of(model)
     task.check(model, batch, generate=generate)
@@ -134,7 +141,9 @@ def forward(
     labels = task.labels(batch, text_config(model)) if wants_loss else {}
     gradients = None
     loss_value: torch.Tensor | None = None
-    with capture_layers(decoder_layers(model), valid) as captured, evaluation(model):
+    layers = decoder_layers(model)
+    recording = capture_routing(layers, valid) if routing else contextlib.nullcontext(None)
+    with capture_layers(layers, valid) as captured, recording as routed, evaluation(model):
         if not backward:
             with torch.no_grad(), context():
                 output = model(**batch, **labels, use_cache=False)
@@ -163,6 +172,7 @@ def forward(
         gradients=gradients,
         tokens=tokens,
         token_logits=token_logits,
+        routing=routed,
     )
 
 

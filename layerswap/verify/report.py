@@ -40,6 +40,11 @@ class LayerReport:
     layer, whose cosine is ``floor_cosine`` (see :mod:`layerswap.verify.fp8`); in
     bfloat16/float16 over the fixed tolerance, that tolerance widened to the original's
     own error against float32 at this layer (``floor_cosine``: the original's cosine).
+
+    ``near_ties`` counts the tokens the candidate routed to other experts at this layer
+    where the reference's routing was a near-tie; ``excused_rows`` the tokens left out of
+    this layer's comparison: those, and what earlier near-ties reach (see
+    :mod:`layerswap.verify.excused`).
     """
 
     index: int
@@ -51,6 +56,8 @@ class LayerReport:
     min_cosine: float | None = None
     rtol: float | None = None
     floor_cosine: float | None = None
+    near_ties: int = 0
+    excused_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,9 @@ class GenerationReport:
 
     The prompt runs once, then each token with the KV cache (cached decoding).
     ``max_abs_error`` is that of the logits each token was chosen from, up to the first
-    mismatch; ``logits_passed`` whether those are within tolerance.
+    mismatch; ``logits_passed`` whether those are within tolerance. ``excused_sequences``
+    sequences were left out: a token of theirs was routed to other experts at a near-tie
+    of the reference's (see :mod:`layerswap.verify.excused`).
     """
 
     passed: bool
@@ -102,6 +111,7 @@ class GenerationReport:
     candidate_tokens: tuple[tuple[int, ...], ...]
     max_abs_error: float | None = None
     logits_passed: bool = True
+    excused_sequences: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,13 @@ class VerificationReport:
         return json.dumps(_finite_or_str(self.to_dict()), allow_nan=False, **kwargs)
 
     @property
+    def near_ties(self) -> int:
+        """Tokens the candidate routed to other experts where the reference's routing was a
+        near-tie: left out of the comparison, with what they reach after (see
+        :mod:`layerswap.verify.excused`)."""
+        return sum(layer.near_ties for layer in self.layers)
+
+    @property
     def first_divergent(self) -> LayerReport | None:
         """The :class:`LayerReport` of the first divergent layer, if any."""
         if self.first_divergent_layer is None:
@@ -189,8 +206,24 @@ class VerificationReport:
                 f"original's own {self.dtype} error against float32 at each layer, gradient and "
                 f"decoding step (the original's logits cosine {self.logits_floor_cosine:.6f})"
             )
+        if self.near_ties:
+            lines.append(self._near_ties_line())
         lines.extend(self._problems())
         return "\n".join(lines)
+
+    def _near_ties_line(self) -> str:
+        per_layer = ", ".join(
+            f"layer {layer.index}: {layer.near_ties}" for layer in self.layers if layer.near_ties
+        )
+        last = self.layers[-1].excused_rows if self.layers else 0
+        sequences = self.generation.excused_sequences if self.generation is not None else 0
+        return (
+            f"mixture-of-experts: {self.near_ties} token(s) routed to other experts at a "
+            f"near-tie of the original's router ({per_layer}); left out from there on with "
+            f"the later tokens of their sequence ({last} of the output's rows"
+            + (f", {sequences} sequence(s) of decoding" if sequences else "")
+            + ")"
+        )
 
     def _problems(self) -> list[str]:
         tol = self.tolerance

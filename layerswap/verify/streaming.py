@@ -84,7 +84,9 @@ def verify_streaming(
         return layer.register_forward_pre_hook(hook, with_kwargs=True)
 
     with layer_hooks(layers, keep_input) if backward else contextlib.nullcontext():
-        reference = forward(host, batch, loss=backward)
+        # no routing recorded: in pass 2 the original layers' blocks run on the swapped
+        # model's inputs, not the replacements', so their routing would prove nothing
+        reference = forward(host, batch, loss=backward, routing=False)
 
     # pass 2: each decoder layer's output replaced by its replacement's, built on the fly;
     # registered before forward() captures the outputs, so the replacement's is captured
@@ -99,7 +101,7 @@ def verify_streaming(
         return layer.register_forward_hook(hook, with_kwargs=True)
 
     with layer_hooks(layers, substitute):
-        candidate = forward(host, batch, loss=backward)
+        candidate = forward(host, batch, loss=backward, routing=False)
 
     if backward:
         valid = batch["attention_mask"].bool()
