@@ -14,8 +14,9 @@ import torch
 from layerswap.errors import VerificationError
 from layerswap.registry import get, get_family
 from layerswap.substitution import Substitution
-from layerswap.verify import assert_equivalent, routing, verify
+from layerswap.verify import assert_equivalent, checks, routing, verify
 from layerswap.verify.excused import excused_rows
+from layerswap.verify.model_classes import ModelTask
 from layerswap.verify.routing import Routing, moe_block, near_ties
 
 TIED_LAYER = 3  # the tiny Qwen3-MoE's last layer: 4 experts, top 2
@@ -200,3 +201,73 @@ def test_nothing_is_excused_without_a_near_tie_or_without_routing() -> None:
     assert excused_rows(None, candidate, valid) is None
     unseen = [Routing(reference[0].selected, None)]  # a block ranking without topk
     assert excused_rows(unseen, candidate, valid) is None
+
+
+def test_gradients_are_compared_over_the_positions_a_near_tie_leaves_in(
+    tied: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = verify(tied, _nudging(1 + 1e-5), generate=2, backward=True)
+
+    assert report.passed, report.summary()
+    assert report.backward is not None and report.backward.passed
+    left_out = report.backward.excused_positions
+    assert left_out == report.layers[-1].excused_rows > 0
+    assert f"loss and gradients over the other positions ({left_out} left out)" in (
+        report.summary()
+    )
+    # the whole loss learnt from: the flipped tokens' gradients land on other experts
+    monkeypatch.setattr(checks, "left_out_positions", lambda *args: None)
+    whole = verify(tied, _nudging(1 + 1e-5), generate=2, backward=True)
+    assert not whole.passed and whole.first_divergent_layer is None
+    assert whole.backward is not None and not whole.backward.passed
+    assert whole.backward.excused_positions == 0
+
+
+def test_assert_equivalent_learns_over_the_positions_a_near_tie_leaves_in(tied: Any) -> None:
+    candidate = _nudged(tied, TIED_LAYER, row=1, factor=1 + 1e-5)
+
+    report = assert_equivalent(tied, candidate, generate=0, backward=True)
+
+    assert report.backward is not None
+    assert report.backward.excused_positions == report.layers[-1].excused_rows > 0
+
+
+@pytest.mark.parametrize(
+    ("layer", "factor"),
+    [(TIED_LAYER, 1.05), (1, 1.05)],  # flips the tied tokens too / a layer with no ties
+)
+def test_a_router_computed_wrong_still_fails_with_backward(
+    tied: Any, layer: int, factor: float
+) -> None:
+    candidate = _nudged(tied, layer, row=1, factor=factor)
+
+    with pytest.raises(VerificationError, match=f"first divergent layer: {layer} .*gradients"):
+        assert_equivalent(tied, candidate, generate=0, backward=True)
+
+    if layer == TIED_LAYER:
+        wrong = verify(tied, _nudging(factor), generate=2, backward=True)
+        assert not wrong.passed and wrong.first_divergent_layer == TIED_LAYER
+        assert wrong.backward is not None and not wrong.backward.passed
+
+
+def test_the_loss_leaves_out_the_terms_read_at_left_out_positions() -> None:
+    ids = torch.arange(1, 6).reshape(1, 5)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    left_out = torch.tensor([[False, True, False, False, True]])
+    # a causal LM learns label p + 1 from position p: positions 1 and 4 teach labels 2 and
+    # (past the end) none; a flip at the last layer leaves position 2 learning from 1's keys
+    labels = ModelTask("causal-lm", "M").labels(batch, None, left_out=left_out)["labels"]
+    assert labels.tolist() == [[1, 2, -100, 4, 5]]
+    config = type("Config", (), {"num_labels": 3})()
+    labels = ModelTask("token-classification", "M").labels(batch, config, left_out=left_out)
+    assert labels["labels"].tolist() == [[1, -100, 0, 1, -100]]
+    with pytest.raises(ValueError, match="cannot leave out"):
+        ModelTask("sequence-classification", "M").labels(batch, config, left_out=left_out)
+
+
+def test_hy_v3_fused_in_bfloat16_passes_with_gradients() -> None:
+    model = get_family("hy_v3").build()
+
+    report = verify(model, "hy_v3.decoder.fused", dtype=torch.bfloat16, backward=True)
+
+    assert report.passed, report.summary()

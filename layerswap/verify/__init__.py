@@ -32,7 +32,9 @@ sequence, token and question-answering classifiers, base model), ``compare`` (tw
 into a report), ``gradients`` (a swapped model's gradients in the original layout),
 ``report``, ``tolerance``, ``inputs``, ``routing`` and ``excused`` (a mixture-of-experts
 token the candidate routes elsewhere at a near-tie of the reference's router is left out,
-with what it reaches, and counted in the report), and
+with what it reaches, and counted in the report), ``kept_loss`` (with ``backward=True``,
+both models learn again from the positions still compared, on one more working copy,
+only where a near-tie left some out), and
 ``placement`` and ``candidate`` (device and dtype, the working copy, the substitution
 checked for this machine), which :mod:`layerswap.bench` shares.
 

@@ -14,12 +14,12 @@ from layerswap.model import decoder_layers, unwrap
 from layerswap.proof import comparing
 from layerswap.slots import get_slot
 from layerswap.swap import rebuild_originals, swap
-from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
+from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
 from layerswap.verify.compare import Comparison
 from layerswap.verify.forward import Run, forward
 from layerswap.verify.fp8 import ideal_fp8
-from layerswap.verify.gradients import gradients_to_original
 from layerswap.verify.inputs import InputsLike, prepare_inputs, unreached_thresholds
+from layerswap.verify.kept_loss import left_out_positions, relearnt, run_candidate
 from layerswap.verify.model_classes import task_of
 from layerswap.verify.placement import (
     DeviceLike,
@@ -67,17 +67,20 @@ def _float32_floor(
     *,
     backward: bool,
     generate: int,
+    left_out: torch.Tensor | None,
 ) -> Run:
     """``original`` (original layers) run in float32: how far the reference itself is, in
     bfloat16 or float16, from the function both models compute. A mixture-of-experts
     router's near-ties, or a tiny random model's near-tied next tokens, flip under that
-    rounding on either side; such a candidate is as close as the original's own run."""
+    rounding on either side; such a candidate is as close as the original's own run.
+    ``left_out``: the positions the two runs' loss left out, left out here too."""
     exact = working_copy(original, device, torch.float32, trainable=backward)
     return forward(
         exact,
         prepare_inputs(batch, exact, device, torch.float32),
         backward=backward,
         generate=generate,
+        left_out=left_out,
     )
 
 
@@ -155,14 +158,11 @@ def verify(
 
     work = working_copy(model, target_device, target_dtype, trainable=backward)
     batch = comparison.batch
-    context = candidate_context(sub)
     calibrate = _calibrates(sub, target_dtype, tolerance)
     if already_swapped:
         # built inside use(): the copy runs as the candidate, then gets original layers
         # holding its weights converted back, and runs again as the reference
-        candidate = forward(work, batch, backward=backward, generate=generate, context=context)
-        if candidate.gradients is not None:
-            candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
+        candidate = run_candidate(work, batch, sub, backward=backward, generate=generate)
         rebuild_originals(work, sub)
         reference = forward(work, batch, backward=backward, generate=generate)
         floor = _fp8_floor(work, batch, generate) if calibrate else None
@@ -174,18 +174,50 @@ def verify(
         floor = _fp8_floor(work, batch, generate) if calibrate else None
         with comparing():  # this comparison is the proof: it reports, rather than refuses
             swap(work, sub)
-        candidate = forward(work, batch, backward=backward, generate=generate, context=context)
-        if candidate.gradients is not None:
-            candidate.gradients = gradients_to_original(work, candidate.gradients, sub)
+        candidate = run_candidate(work, batch, sub, backward=backward, generate=generate)
         original = model
+    left_out = None
+    if backward:
+        left_out = left_out_positions(work, comparison.excused(reference, candidate), batch)
+    if left_out is not None:
+        reference, candidate = _learn_over_kept_positions(
+            reference, candidate, work, model, sub, comparison, left_out, swapped=already_swapped
+        )
     report = comparison.report(reference, candidate, mode="full", floor=floor)
     if report.passed or not _rounds(sub, target_dtype, tolerance):
         return report
     # over the fixed tolerance in bfloat16/float16: judged again against the original's
     # own rounding error, measured by running it in float32 (only then: it costs a copy)
     del work
-    exact = _float32_floor(original, batch, target_device, backward=backward, generate=generate)
+    exact = _float32_floor(
+        original, batch, target_device, backward=backward, generate=generate, left_out=left_out
+    )
     return comparison.report(reference, candidate, mode="full", floor=exact, floor_kind="float32")
+
+
+def _learn_over_kept_positions(
+    reference: Run,
+    candidate: Run,
+    work: nn.Module,
+    model: nn.Module,
+    sub: Substitution,
+    comparison: Comparison,
+    left_out: torch.Tensor,
+    *,
+    swapped: bool,
+) -> tuple[Run, Run]:
+    """Both runs' loss and gradients taken again with the loss terms of ``left_out`` (rows
+    a mixture-of-experts near-tie excused) left out (:mod:`layerswap.verify.kept_loss`).
+
+    ``work`` is the model that ran last (the candidate, or, when the user's ``model`` is
+    ``swapped``, the reference); the other runs on one more working copy of ``model``.
+    """
+    again = working_copy(model, comparison.device, comparison.dtype, trainable=True)
+    original, replaced = (work, again) if swapped else (again, work)
+    batch = comparison.batch
+    reference = relearnt(reference, forward(original, batch, backward=True, left_out=left_out))
+    cand = run_candidate(replaced, batch, sub, backward=True, left_out=left_out)
+    return reference, relearnt(candidate, cand)
 
 
 def _warn_unreached(model: nn.Module, batch: dict[str, torch.Tensor], generate: int) -> None:
@@ -235,15 +267,16 @@ def assert_equivalent(
     comparison = Comparison.prepare(reference, sub, device, dtype, tolerance, inputs)
     ref_run = forward(reference, comparison.batch, backward=backward, generate=generate)
     cand_batch = prepare_inputs(comparison.batch, candidate, *model_placement(candidate))
-    cand_run = forward(
-        candidate,
-        cand_batch,
-        backward=backward,
-        generate=generate,
-        context=candidate_context(sub),
-    )
-    if sub is not None and cand_run.gradients is not None:
-        cand_run.gradients = gradients_to_original(candidate, cand_run.gradients, sub)
+    cand_run = run_candidate(candidate, cand_batch, sub, backward=backward, generate=generate)
+    left_out = None
+    if backward:
+        left_out = left_out_positions(reference, comparison.excused(ref_run, cand_run), cand_batch)
+    if left_out is not None:
+        # the loss over the positions kept only (:mod:`layerswap.verify.kept_loss`)
+        again = forward(reference, comparison.batch, backward=True, left_out=left_out)
+        ref_run = relearnt(ref_run, again)
+        again = run_candidate(candidate, cand_batch, sub, backward=True, left_out=left_out)
+        cand_run = relearnt(cand_run, again)
     floor = (
         _fp8_floor(reference, comparison.batch, generate)
         if _calibrates(sub, dtype, tolerance)

@@ -417,6 +417,13 @@ class Comparison:
         name = substitution.name if substitution is not None else None
         return cls(name, device, dtype, tol, batch)
 
+    def excused(self, reference: Run, candidate: Run) -> Excused | None:
+        """The rows the comparison of the two runs leaves out (:mod:`layerswap.verify.excused`)."""
+        if reference.routing is None or candidate.routing is None:
+            return None
+        valid = self.batch["attention_mask"].bool()
+        return excused_rows(reference.routing, candidate.routing, valid)
+
     def report(
         self,
         reference: Run,
@@ -451,11 +458,11 @@ class Comparison:
                 local=local_gradients,
                 floor=floor.gradients if floor is not None and floor_kind == "float32" else None,
             )
+        if backward is not None and reference.loss_left_out is not None:
+            left_out = int(reference.loss_left_out.sum())
+            backward = dataclasses.replace(backward, excused_positions=left_out)
         ids = self.batch["input_ids"]
-        excused = None
-        if reference.routing is not None and candidate.routing is not None:
-            valid = self.batch["attention_mask"].bool()
-            excused = excused_rows(reference.routing, candidate.routing, valid)
+        excused = self.excused(reference, candidate)
         sequences = ~excused.sequences(int(ids.shape[0])) if excused is not None else None
         generation = _compare_decoding(reference, candidate, tolerance, floor, sequences)
         layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind, excused)

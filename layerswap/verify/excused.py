@@ -14,6 +14,8 @@ output, which no tolerance should absorb, and which says nothing about the swap.
   are their rows of the logits; a sequence whose last token is left out has its pooled
   output and its cached decoding left out (both read that token, and decoding the keys
   and values the near-tie changed);
+* with ``backward=True`` the loss learns from none of the rows left out of the output
+  (:mod:`layerswap.verify.kept_loss`);
 * everything else is compared as before, with the same tolerance: a token routed
   differently where the reference was not at a near-tie fails its layer, and a router
   computed wrong moves every token's routing weights, so the rows still compared fail.
@@ -45,6 +47,14 @@ class Excused:
     def after_last_layer(self) -> torch.Tensor:
         """The rows left out of what the model outputs (the last layer's, and its own flips)."""
         return self.rows[-1]
+
+    def output_positions(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """``[batch, seq]`` (``shape``): the positions whose rows are left out after the last
+        layer, where the model's output is read; the loss then learns from none of them
+        (see :mod:`layerswap.verify.kept_loss`)."""
+        left_out = torch.zeros(shape, dtype=torch.bool)
+        left_out[self.positions[:, 0], self.positions[:, 1]] = self.after_last_layer.cpu()
+        return left_out
 
     def sequences(self, batch: int) -> torch.Tensor:
         """``[batch]``: whether a sequence's last token is excused after the last layer. Its

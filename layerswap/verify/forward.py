@@ -53,6 +53,9 @@ class Run:
     #: per decoder layer, its mixture-of-experts routing of the valid tokens (``None`` for
     #: a dense layer); ``None`` for a model without such blocks or a pass not recording it
     routing: list[Routing | None] | None = None
+    #: ``[batch, seq]``: the positions whose loss terms the loss and gradients left out
+    #: (``forward(left_out=...)``); ``None``: it learnt from every position
+    loss_left_out: torch.Tensor | None = None
 
 
 def layer_output(output: Any) -> torch.Tensor:
@@ -123,6 +126,7 @@ def forward(
     generate: int = 0,
     context: ContextFactory = contextlib.nullcontext,
     routing: bool = True,
+    left_out: torch.Tensor | None = None,
 ) -> Run:
     """One forward pass, capturing every decoder layer's output, in ``context``.
 
@@ -132,13 +136,14 @@ def forward(
     ``torch.autograd.grad`` rather than ``loss.backward()``, which leaves every ``.grad``
     as it was. ``generate`` then greedily generates that many tokens. ``routing`` records
     each mixture-of-experts block's routing (:mod:`layerswap.verify.routing`; nothing is
-    hooked in a model without one).
+    hooked in a model without one). ``left_out`` (``[batch, seq]``) masks those
+    positions' terms out of the loss (:meth:`~layerswap.verify.model_classes.ModelTask.labels`).
     """
     task = task_of(model)
     task.check(model, batch, generate=generate)
     valid = batch["attention_mask"].bool()
     wants_loss = loss or backward
-    labels = task.labels(batch, text_config(model)) if wants_loss else {}
+    labels = task.labels(batch, text_config(model), left_out=left_out) if wants_loss else {}
     gradients = None
     loss_value: torch.Tensor | None = None
     layers = decoder_layers(model)
@@ -173,6 +178,7 @@ def forward(
         tokens=tokens,
         token_logits=token_logits,
         routing=routed,
+        loss_left_out=left_out if wants_loss else None,
     )
 
 

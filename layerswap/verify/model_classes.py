@@ -80,6 +80,12 @@ class ModelTask:
     model_class: str
 
     @property
+    def learns_per_token(self) -> bool:
+        """Whether the loss is a mean of per-token terms that :meth:`labels` can leave out
+        (``left_out=``): a causal LM's next-token and a token classifier's labels."""
+        return self.kind in ("causal-lm", "token-classification", "other")
+
+    @property
     def can_generate(self) -> bool:
         """Whether ``generate=N`` means something for this class (only a causal LM's does)."""
         return self.kind in ("causal-lm", "other")
@@ -103,17 +109,33 @@ class ModelTask:
                     "a single sequence"
                 )
 
-    def labels(self, batch: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    def labels(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        config: Any,
+        *,
+        left_out: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """The labels this class's own loss takes, for ``batch`` (deterministic).
 
         Empty for a question-answering and a base model, whose loss :meth:`loss`
-        computes from the outputs at the valid positions.
+        computes from the outputs at the valid positions. ``left_out`` (``[batch, seq]``,
+        only where :attr:`learns_per_token`) names positions whose output the loss must
+        not learn from: their loss terms are masked out.
         """
         ids, mask = batch["input_ids"], batch["attention_mask"]
+        if left_out is not None and not self.learns_per_token:
+            raise ValueError(f"a {self.kind} model's loss cannot leave out positions")
         if self.kind in ("causal-lm", "other"):
-            return {"labels": _next_token_labels(ids, mask)}
+            labels = _next_token_labels(ids, mask)
+            if left_out is not None:
+                # the model shifts its labels: position p's logits learn label p + 1
+                labels[:, 1:] = labels[:, 1:].masked_fill(left_out[:, :-1].to(ids.device), -100)
+            return {"labels": labels}
         if self.kind == "token-classification":
             labels = (ids % config.num_labels).masked_fill(mask == 0, -100)
+            if left_out is not None:
+                labels = labels.masked_fill(left_out.to(ids.device), -100)
             return {"labels": labels}
         if self.kind == "sequence-classification":
             return {"labels": _sequence_labels(ids.shape[0], config, ids.device)}

@@ -78,6 +78,9 @@ class BackwardReport:
     In streaming mode the gradients are per layer ("local"): each layer gets the
     reference's input for that layer and the same upstream gradient, so a difference
     points at that layer alone; the loss is still the whole model's.
+    ``excused_positions`` positions' loss terms were left out of the loss of both runs:
+    the output rows a mixture-of-experts near-tie excused (see
+    :mod:`layerswap.verify.kept_loss`).
     """
 
     passed: bool
@@ -90,6 +93,7 @@ class BackwardReport:
     gradients: tuple[GradientReport, ...]
     first_divergent_parameter: str | None
     local: bool = False
+    excused_positions: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,12 +221,18 @@ class VerificationReport:
         )
         last = self.layers[-1].excused_rows if self.layers else 0
         sequences = self.generation.excused_sequences if self.generation is not None else 0
+        learnt = self.backward.excused_positions if self.backward is not None else 0
         return (
             f"mixture-of-experts: {self.near_ties} token(s) routed to other experts at a "
             f"near-tie of the original's router ({per_layer}); left out from there on with "
             f"the later tokens of their sequence ({last} of the output's rows"
             + (f", {sequences} sequence(s) of decoding" if sequences else "")
             + ")"
+            + (
+                f"; loss and gradients over the other positions ({learnt} left out)"
+                if learnt
+                else ""
+            )
         )
 
     def _problems(self) -> list[str]:
