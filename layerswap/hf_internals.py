@@ -417,10 +417,13 @@ LAYER_CALL_PARAMETERS = frozenset(
 #: ``**kwargs``, typed ``TransformersKwargs``) that an original layer under sdpa or eager
 #: attention never reads: the loss's item count (Trainer), the output-capture switches
 #: (transformers' hooks read them, not the layer), and the packed-sequence metadata only
-#: flash-attention and Mamba kernels read. A replacement may take them and do nothing
+#: flash-attention and Mamba kernels read, and what a vision wrapper hands its language
+#: model along with the prompt (Aya Vision's and InternVL's ``image_sizes``). A
+#: replacement may take them and do nothing
 IGNORED_CALL_KEYWORDS = frozenset(
     {
         "num_items_in_batch",
+        "image_sizes",
         "output_hidden_states",
         "output_router_logits",
         "cu_seq_lens_q",
