@@ -1,4 +1,5 @@
-"""Write ``constraints.txt``: the exact version of everything ``layerswap[dev]`` installs.
+"""Write ``constraints.txt``: the exact version of everything ``layerswap[dev,integrations]``
+installs.
 
 CI and the README's test command install with ``-c constraints.txt``, so a new release of
 torch, transformers, peft or anything else they pull in cannot change what the tests run
@@ -26,7 +27,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "constraints.txt"
 HEADER = """\
-# Exact versions of everything `pip install -e ".[dev]"` installs, for CI and the README's
+# Exact versions of everything `pip install -e ".[dev,integrations]"` installs, for CI and the README's
 # test command (pip install -c constraints.txt ...). Regenerate with
 # `python scripts/update_constraints.py` in an environment where the tests pass.
 """
@@ -58,7 +59,7 @@ def _closure(root: str, extras: tuple[str, ...]) -> dict[str, str]:
 
 
 def render() -> str:
-    pins = _closure("layerswap", ("dev",))
+    pins = _closure("layerswap", ("dev", "integrations"))
     # torch's local label (+cpu) is left out: `==2.13.0` matches the CPU build too
     lines = [f"{name}=={version.split('+')[0]}" for name, version in sorted(pins.items())]
     return HEADER + "\n".join(lines) + "\n"
