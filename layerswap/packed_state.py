@@ -102,7 +102,9 @@ class PackedStateHook:
             if value is None:
                 continue
             shard = _packed_shard(value)
-            if shard is not None:
+            # a placeholder on the meta device (transformers reads the keys before it
+            # loads) holds nothing to reorder: no collective for it
+            if shard is not None and not value.to_local().is_meta:
                 state_dict[prefix + key] = fused_global(value, sizes, shard)
 
     def __repr__(self) -> str:
