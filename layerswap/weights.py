@@ -515,17 +515,15 @@ def _convert_sharded(
     Loading: transformers read each part sliced for this rank. Tensor parallel: the
     rank's share of every part, concatenated (a packed shard). FSDP: the parts are
     gathered from the ranks and the rank keeps its stretch of the concatenation.
-    Saving: the parameter was gathered whole; a packed one is reordered first.
+    Saving: the parameter was gathered whole from ``state_dict()``, which gives a packed
+    one in the fused layout already (:mod:`layerswap.packed_state`).
     """
     from layerswap import hf_internals, parallel
 
     assert isinstance(rule, Concat)
     sizes = rule.part_sizes(config)
     if not forward:
-        (whole,) = tensors
-        if shard.packed:
-            whole = parallel.unpack_gathered(whole, sizes, rule.dim, shard.ranks)
-        return list(rule.to_original([whole], config))
+        return list(rule.to_original(tensors, config))
     if not hf_internals.loads_sharded_on_read():
         raise ConversionError(
             f"{describe(rule)}: this transformers loads a sharded (tensor parallel or FSDP) "
