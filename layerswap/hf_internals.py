@@ -41,6 +41,7 @@ __all__ = [
     "CALL_OPTIONS",
     "SHARED_SOURCES",
     "POST_INIT_TARGET",
+    "SAVE_PRETRAINED_TARGET",
     "WEIGHT_CONVERSIONS_ATTRIBUTE",
     "LOWEST_TRANSFORMERS",
     "ROTARY_LAYOUT_CHANGES",
@@ -58,6 +59,10 @@ __all__ = [
     "loads_sharded_on_read",
     "output_capture_installed",
     "output_capture_tasks",
+    "quantization_kind",
+    "quantized_checkpoint",
+    "quantizer_of",
+    "quantizer_of_conversion_call",
     "read_layer_call",
     "register_tp_style",
     "merge_rotary_sections",
@@ -80,6 +85,10 @@ POST_INIT_TARGET = "transformers.modeling_utils:PreTrainedModel.post_init"
 #: ``modeling_utils`` imported it from ``transformers.conversion_mapping``; ``use()`` adds
 #: the replacement layers' transforms to that list.
 CONVERSION_MAPPING_TARGET = "transformers.modeling_utils:get_model_conversion_mapping"
+
+#: ``layerswap.wrap`` target writing a checkpoint (config, generation config, weight
+#: shards); layerswap's advice stages it and checks the names written (``layerswap.saving``)
+SAVE_PRETRAINED_TARGET = "transformers.modeling_utils:PreTrainedModel.save_pretrained"
 
 #: the instance attribute where ``from_pretrained`` keeps the transforms it applied and
 #: ``save_pretrained`` reads them back (reversed) to write the checkpoint's own layout
@@ -251,6 +260,47 @@ def conversion_ops_class() -> type:
 
     base: type = ConversionOps
     return base
+
+
+# --- quantized models --------------------------------------------------------------------
+# ``from_pretrained(..., quantization_config=...)`` hands its ``HfQuantizer`` to
+# ``get_model_conversion_mapping`` (third parameter) and then keeps it on the model as
+# ``hf_quantizer``; ``save_pretrained`` asks it for the state dict to write.
+
+
+def quantizer_of_conversion_call(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """The ``hf_quantizer`` a ``get_model_conversion_mapping(model, key_mapping,
+    hf_quantizer, add_legacy)`` call was given, or ``None``."""
+    if "hf_quantizer" in kwargs:
+        return kwargs["hf_quantizer"]
+    return args[2] if len(args) > 2 else None
+
+
+def quantizer_of(model: nn.Module) -> Any:
+    """The ``HfQuantizer`` ``from_pretrained`` left on ``model`` (``hf_quantizer``), or ``None``."""
+    return getattr(model, "hf_quantizer", None)
+
+
+def quantized_checkpoint(hf_quantizer: Any) -> bool:
+    """Whether ``hf_quantizer`` reads a checkpoint already quantized (``pre_quantized``),
+    rather than quantizing an unquantized one as it loads."""
+    return bool(getattr(hf_quantizer, "pre_quantized", False))
+
+
+def quantization_kind(hf_quantizer: Any) -> str:
+    """What ``hf_quantizer`` quantizes with, as ``AutoQuantizationConfig`` names it.
+
+    ``quantization_config.quant_method`` (a ``QuantizationMethod`` string enum), with
+    bitsandbytes told apart by ``load_in_4bit``: ``"bitsandbytes_4bit"``/``"_8bit"``.
+    """
+    config = getattr(hf_quantizer, "quantization_config", None)
+    method = getattr(config, "quant_method", None)
+    kind = str(getattr(method, "value", method))
+    if kind == "bitsandbytes":
+        return (
+            "bitsandbytes_4bit" if getattr(config, "load_in_4bit", False) else "bitsandbytes_8bit"
+        )
+    return kind
 
 
 # --- tensor parallelism and sharded loading -------------------------------------------------

@@ -63,7 +63,7 @@ INJECT = "peft.tuners.tuners_utils:BaseTuner.inject_adapter"
 
 _LOCK = threading.Lock()
 _GUARD: Patch | None = None
-_LAYOUT: list[Patch] = []  # layerswap.peft_io's advice, armed and taken off with _GUARD
+_LAYOUT: list[Patch] = []  # peft_io's and saving's advice, armed and taken off with _GUARD
 #: one token per swapped model alive that holds the check armed (see :func:`hold`)
 _HOLDS: set[int] = set()
 _TOKENS = itertools.count()
@@ -237,7 +237,7 @@ def guard() -> Patch:
     """The check on PEFT's injection, armed (started) if it was not. Idempotent, thread-safe.
 
     Arms with it the advice of :mod:`layerswap.peft_io` (PEFT's save and load in the
-    original layout). Held by every swap (:func:`hold`); see the module docstring. Example::
+    original layout) and of :mod:`layerswap.saving` (``save_pretrained`` checked). Held by every swap (:func:`hold`); see the module docstring. Example::
 
         layerswap.peft_targets.guard().stop()   # PEFT's injection as it was
     """
@@ -248,10 +248,13 @@ def guard() -> Patch:
 def _arm() -> Patch:
     global _GUARD
     from layerswap.peft_io import ADVICE
+    from layerswap.saving import ADVICE as SAVE_ADVICE
 
     if _GUARD is None:
         _GUARD = wrap(INJECT, _check_then_inject, lazy=True)
-        _LAYOUT.extend(wrap(target, advice, lazy=True) for target, advice in ADVICE)
+        _LAYOUT.extend(
+            wrap(target, advice, lazy=True) for target, advice in (*ADVICE, *SAVE_ADVICE)
+        )
     for patch in (_GUARD, *_LAYOUT):
         if not patch.is_active:
             patch.start()

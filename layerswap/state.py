@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["LayoutLoadHook", "fused_modules", "install_load_hook"]
+__all__ = ["LayoutLoadHook", "fused_modules", "install_load_hook", "layout_hooks"]
 
 
 class LayoutLoadHook:
@@ -73,6 +73,23 @@ class LayoutLoadHook:
 
     def __repr__(self) -> str:
         return f"<LayoutLoadHook {self.substitution.name}>"
+
+
+def layout_hooks(model: nn.Module) -> list[tuple[str, nn.Module, LayoutLoadHook]]:
+    """``(name, layer, hook)`` for every replacement layer of ``model`` carrying a load hook.
+
+    Read from the hooks, so copies and unpickled models count too. Example::
+
+        [name for name, _, _ in layout_hooks(model)]   # ['model.layers.0', ...]
+    """
+    found = []
+    for name, module in model.named_modules():
+        for wrapped in module._load_state_dict_pre_hooks.values():
+            hook = getattr(wrapped, "hook", wrapped)
+            if isinstance(hook, LayoutLoadHook):
+                found.append((name, module, hook))
+                break
+    return found
 
 
 def install_load_hook(

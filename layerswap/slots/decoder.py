@@ -51,6 +51,7 @@ from layerswap.patching import patch, wrap
 from layerswap.patching.undo import UndoLog
 from layerswap.peft_targets import hold as hold_peft_targets
 from layerswap.proof import ensure_proven
+from layerswap.quantized import check_quantized_load
 from layerswap.slots import ModelParts, Slot
 from layerswap.substitution import check_layer_call
 
@@ -350,8 +351,12 @@ class DecoderSlot(Slot):
         def with_conversions(
             wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
         ) -> Any:
-            transforms = list(wrapped(*args, **kwargs))
             model = args[0] if args else kwargs["model"]
+            if any(type(module) is replacement for module in model.modules()):
+                # a quantizer that would load the fused weights wrong: refused before it runs
+                hf_quantizer = hf_internals.quantizer_of_conversion_call(args, kwargs)
+                check_quantized_load(hf_quantizer, sub.name)
+            transforms = list(wrapped(*args, **kwargs))
             return transforms + loading_transforms(model, sub, replacement, transforms)
 
         return [

@@ -1,0 +1,165 @@
+"""``save_pretrained`` of a swapped model: the original layout written whole, or nothing.
+
+transformers writes ``config.json`` first, then the weights its revert step produced;
+nothing checks that step undid every fused name (a quantizer's own tensors, such as
+``qkv_proj._weight_qdata`` or ``qkv_proj.SCB``, escape the exact names layerswap's
+rules give it). So, on a model with swapped layers, ``PreTrainedModel.save_pretrained``
+runs under around-advice that:
+
+- refuses first a quantized model whose fused tensors do not split back
+  (:func:`layerswap.quantized.check_quantized_save`);
+- saves into a temporary directory beside the target, with quantized layers answering
+  ``state_dict`` in the original layout (:func:`layerswap.quantized.original_layout_state`);
+- reads back the names written and raises :class:`~layerswap.errors.ConversionError`
+  on a name of the replacement's layout (:func:`fused_names_written`), leaving the
+  target as it was;
+- moves the files into the target, removing stale shards as transformers does.
+
+It is armed with PEFT's target check while a swapped model exists (see
+:mod:`layerswap.peft_targets`), and passes a model without swapped layers straight
+through. ``push_to_hub=True`` saves once into the staging directory to check, then
+once more as asked. ``distributed_checkpoint=True`` (a DCP directory, not safetensors)
+is not checked here.
+
+Example::
+
+    layerswap.swap(model, backend="fused")
+    model.save_pretrained("out")      # q_proj, k_proj, ... or ConversionError, "out" untouched
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from layerswap import hf_internals
+from layerswap.errors import ConversionError
+from layerswap.quantized import check_quantized_save, original_layout_state
+from layerswap.state import fused_modules, layout_hooks
+
+__all__ = ["ADVICE", "fused_names", "fused_names_written"]
+
+_SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}\.(safetensors|bin)")
+
+
+def fused_names(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Those of ``names`` (checkpoint keys) that belong to a swapped layer's own layout.
+
+    A key under a fused module of a swapped layer (``...layers.0.self_attn.qkv_proj.*``)
+    or a key only the replacement layout has. Layer paths are matched without the
+    model's ``base_model_prefix``, so a checkpoint's own prefix does not hide them.
+
+    Example::
+
+        fused_names(model, ["model.layers.0.self_attn.qkv_proj.SCB"])   # that key
+    """
+    base = getattr(model, "base_model_prefix", "") or ""
+    under: list[str] = []  # ".layers.0.self_attn.qkv_proj.": anything below it
+    exact: list[str] = []  # ".layers.0.<a key only the replacement has>"
+    for name, _, hook in layout_hooks(model):
+        layer = name.removeprefix(f"{base}.") if base else name
+        converter = hook.substitution.converter
+        rules = getattr(converter, "rules", ())  # a converter that is not a rule list: none
+        sources = {key for rule in rules for key in rule.sources}
+        targets = {key for rule in rules for key in rule.targets}
+        under += [f".{layer}.{fused}." for fused in fused_modules(converter)]
+        exact += [f".{layer}.{key}" for key in targets - sources]
+    return [
+        key
+        for key in names
+        if any(needle in f".{key}" for needle in under)
+        or any(f".{key}".endswith(needle) for needle in exact)
+    ]
+
+
+def fused_names_written(model: nn.Module, directory: Path) -> list[str]:
+    """The fused names (:func:`fused_names`) in the safetensors files of ``directory``."""
+    from safetensors import safe_open
+
+    written: list[str] = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            written.extend(handle.keys())
+    return fused_names(model, written)
+
+
+def _bind(wrapped: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any] | None:
+    signature = inspect.signature(wrapped)
+    parameters = list(signature.parameters.values())
+    if parameters and parameters[0].name == "self":  # called through the class: self is bound
+        signature = signature.replace(parameters=parameters[1:])
+    try:
+        arguments = dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None  # a call transformers itself refuses: its error, not ours
+    arguments.update(arguments.pop("kwargs", None) or {})
+    # something else in save_pretrained's place (a test's stand-in): not ours to stage
+    return arguments if "save_directory" in arguments else None
+
+
+@contextlib.contextmanager
+def _staging(target: Path) -> Iterator[Path]:
+    parent = target.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would become the saved files' directory mode
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move(staging: Path, target: Path) -> None:
+    """The staged files into ``target``; its shards from an earlier save not rewritten go."""
+    target.mkdir(parents=True, exist_ok=True)
+    written = {path.name for path in staging.iterdir()}
+    stems = {_SHARD.sub(r"\1", name).removesuffix(".safetensors") for name in written}
+    for name in written:
+        os.replace(staging / name, target / name)
+    for old in target.iterdir():
+        shard = _SHARD.fullmatch(old.name)
+        if shard and old.name not in written and shard.group(1) in stems and old.is_file():
+            old.unlink()
+
+
+def _save_checked(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Around ``PreTrainedModel.save_pretrained`` (see the module docstring)."""
+    arguments = _bind(wrapped, args, kwargs)
+    if not isinstance(instance, nn.Module) or arguments is None or not layout_hooks(instance):
+        return wrapped(*args, **kwargs)
+    target = Path(os.fspath(arguments["save_directory"]))
+    if target.is_file():
+        return wrapped(*args, **kwargs)  # transformers logs its own error and writes nothing
+    check_quantized_save(instance)
+    with _staging(target) as staging:
+        with original_layout_state(instance):
+            result = wrapped(**{**arguments, "save_directory": staging, "push_to_hub": False})
+        stranded = fused_names_written(instance, staging)
+        if stranded:
+            raise ConversionError(
+                f"save_pretrained would write {len(stranded)} tensors under the swapped "
+                f"layers' own names ({stranded[0]!r} first), which plain transformers does "
+                f"not load; nothing was written to {str(target)!r}"
+            )
+        if arguments.get("push_to_hub"):
+            with original_layout_state(instance):
+                return wrapped(*args, **kwargs)  # the save just checked, now as asked
+        _move(staging, target)
+    return result
+
+
+#: (target, advice) armed while a swapped model exists
+ADVICE = ((hf_internals.SAVE_PRETRAINED_TARGET, _save_checked),)
