@@ -14,7 +14,7 @@ import typer
 from layerswap.cli.doctor import backend_problems, environment
 from layerswap.cli.models import Setup, build, find_family
 from layerswap.cli.options import JsonOption, ModelChoice, model_options
-from layerswap.cli.output import Chatter, Output, Progress, print_json
+from layerswap.cli.output import Chatter, Output, Progress, print_json, quiet_import_chatter
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
 from layerswap.cli.render import (
     render_adapter,
@@ -537,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     one line with exit code 2, like every other usage problem; a bare ``layerswap``
     prints the help.
     """
+    quiet_import_chatter()
     usage_error, click_exception = _click_class("UsageError"), _click_class("ClickException")
     command = typer.main.get_command(app)
     _plain_arguments(command)

@@ -17,7 +17,7 @@ from rich.text import Text
 if TYPE_CHECKING:
     from rich.status import Status
 
-__all__ = ["Chatter", "Output", "Progress", "print_json"]
+__all__ = ["Chatter", "Output", "Progress", "print_json", "quiet_import_chatter"]
 
 # wide enough that no table row is folded when output goes to a pipe or a file
 _PIPE_WIDTH = 200
@@ -62,6 +62,19 @@ class Progress:
         width = 24
         filled = width * done // max(total, 1)
         self.step(f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}")
+
+
+#: loggers of packages transformers imports while it loads (torchao, when installed, for
+#: its quantizer) whose warnings are about their own install, not the user's command
+_IMPORT_CHATTER = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_chatter() -> None:
+    """Only errors from :data:`_IMPORT_CHATTER`'s loggers: a command's refusal is one line
+    of its own on stderr, not torchao's note that its CUDA kernels cannot load on a CPU
+    machine. Imports nothing (the loggers are set before their packages load)."""
+    for name in _IMPORT_CHATTER:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class Chatter:
