@@ -18,8 +18,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Collection, Mapping
+import sys
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +76,8 @@ __all__ = [
     "transformers_version",
     "weight_converter",
     "weight_renaming",
+    "hf_deepspeed_config",
+    "zero3_switch_off",
 ]
 
 #: ``layerswap.wrap`` target run when a ``PreTrainedModel`` finishes ``__init__``: the one
@@ -738,3 +742,37 @@ def activation_in_dtype(name: str, config: Any) -> nn.Module:
     # None too, as Apertus passes it: torch's default dtype, not the class's bfloat16
     built: nn.Module = cls(**options, dtype=torch_dtype_of(config))
     return built
+
+
+# --- DeepSpeed ZeRO-3: transformers' switch ------------------------------------------------
+
+
+def hf_deepspeed_config() -> Any | None:
+    """transformers' live ``HfDeepSpeedConfig``, if any: the object behind
+    ``is_deepspeed_zero3_enabled()``, held by transformers through a weak reference
+    (``integrations.deepspeed._hf_deepspeed_config_weak_ref``, no public getter)."""
+    module = sys.modules.get("transformers.integrations.deepspeed")
+    reference = getattr(module, "_hf_deepspeed_config_weak_ref", None)
+    return reference() if reference is not None else None
+
+
+@contextlib.contextmanager
+def zero3_switch_off() -> Iterator[None]:
+    """``is_deepspeed_zero3_enabled()`` is false inside the block, and as it was after it.
+
+    ``PreTrainedModel`` construction reads that switch (``_from_config`` enters
+    ``deepspeed.zero.Init``); layerswap's own tiny models must be whole. Uses
+    ``unset_hf_deepspeed_config``/``set_hf_deepspeed_config`` (the pair transformers
+    offers tests) and restores the same object, on an exception too.
+    """
+    config = hf_deepspeed_config()
+    if config is None:
+        yield
+        return
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)

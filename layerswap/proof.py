@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from layerswap import sources, verdicts
+from layerswap import sources, verdicts, zero3
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
@@ -447,7 +447,8 @@ def prove(
             if known is not None:
                 _MEMO[key] = known
                 return known
-        verdict = _prove(sub, get_family(sub.family), config)
+        with zero3.outside_partitioning():  # tiny models stay whole inside zero.Init
+            verdict = _prove(sub, get_family(sub.family), config)
         if verdict.config == "family" and config is not None:
             warnings.warn(
                 f"{sub.name}: the proof could not build a tiny model from this config's "

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from layerswap import zero3
 from layerswap.model import layer_config
 
 if TYPE_CHECKING:
@@ -270,7 +271,7 @@ def layer_kinds(family: Family, config: PreTrainedConfig) -> list[str] | None:
     try:
         original = family.decoder_class()
         text = layer_config(config)
-        with torch.device("meta"):
+        with zero3.outside_partitioning(), torch.device("meta"):
             return [_kind(original(text, index)) for index in range(text.num_hidden_layers)]
     except Exception:  # a layer that cannot be built on meta: the caller keeps every layer
         return None

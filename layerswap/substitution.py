@@ -372,13 +372,15 @@ class Substitution:
 
         ``config`` is the model's; a multimodal wrapper's layers read its text config.
         """
-        from layerswap import hf_internals
+        from layerswap import hf_internals, zero3
 
         config = hf_internals.text_config_of(config)
-        if self.upstream is None:
-            check_call_contract(self, config)
-        else:
-            self.upstream(self, config)
+        # the probe layers are built whole, even inside deepspeed.zero.Init
+        with zero3.outside_partitioning():
+            if self.upstream is None:
+                check_call_contract(self, config)
+            else:
+                self.upstream(self, config)
 
     def __str__(self) -> str:
         return self.name

@@ -376,6 +376,48 @@ def test_an_lm_head_that_is_not_a_linear_is_refused_in_training() -> None:
         _train_pass_loss_only(model, _batch(model), {})
 
 
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        {"target_modules": ["q_proj", "lm_head"]},
+        {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+    ],
+    ids=["lora_on_lm_head", "lm_head_in_modules_to_save"],
+)
+def test_a_peft_adapter_on_lm_head_is_refused_before_the_loss(adapter: dict[str, Any]) -> None:
+    # the fused loss reads lm_head.weight: it would bypass the adapter (trl#4612's bug)
+    peft = pytest.importorskip("peft")
+    model = _model("llama.head.fused")
+    layerswap.swap(model, "llama.head.fused")
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=2, init_lora_weights=False, **adapter))
+    with pytest.raises(UnsupportedModelError, match=r"PEFT .*lm_head.*merge_and_unload"):
+        _train_pass_loss_only(tuned, _batch(model), {})
+    tuned.eval()  # inference runs the original forward, adapter included
+    assert tuned(**_batch(model)).logits is not None
+
+
+def test_a_peft_adapter_elsewhere_trains_to_the_original_loss_and_gradients() -> None:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, init_lora_weights=False, target_modules=["q_proj", "v_proj"])
+    reference = peft.get_peft_model(_model("llama.head.fused"), config)
+    swapped = _model("llama.head.fused")
+    layerswap.swap(swapped, "llama.head.fused")
+    candidate = peft.get_peft_model(swapped, config)
+    candidate.load_state_dict(reference.state_dict())
+    batch = _batch(swapped)
+    losses, grads = [], []
+    for model in (reference, candidate):
+        loss, output = _train_pass_loss_only(model, batch, {})
+        assert (output.logits is None) == (model is candidate)  # the fused loss ran
+        loss.backward()
+        losses.append(loss)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    assert grads[1].keys() == grads[0].keys() and any("lora_A" in name for name in grads[0])
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_custom_loss_function_is_refused_in_training() -> None:
     model = _model("llama.head.fused")
     layerswap.swap(model, "llama.head.fused")
@@ -482,3 +524,70 @@ def test_a_trainer_step_gives_the_original_losses(tmp_path: Path) -> None:
     want, got = losses(original, tmp_path / "a"), losses(fused, tmp_path / "b")
     assert len(got) == 2
     assert got == pytest.approx(want, rel=1e-5)
+
+
+# --- FSDP2 (fully_shard) on two CPU ranks --------------------------------------------------
+
+
+def _fsdp_head_rank(rank: int, port: int, out_dir: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from layerswap.errors import ParallelismError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        report: dict[str, Any] = {}
+        models = {"original": _model("llama.head.fused"), "fused": _model("llama.head.fused")}
+        layerswap.swap(models["fused"], "llama.head.fused")
+        batch = _batch(models["original"])
+        for label, model in models.items():
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)  # lm_head in the root unit: whole in its forward
+            loss, output = _train_pass_loss_only(model, batch, {})
+            loss.backward()
+            report[label] = (
+                loss.detach(),
+                output.logits is None,
+                {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+            )
+        own_unit = _model("llama.head.fused")
+        layerswap.swap(own_unit, "llama.head.fused")
+        fully_shard(own_unit.lm_head, mesh=mesh)
+        fully_shard(own_unit, mesh=mesh)
+        try:
+            _train_pass_loss_only(own_unit, batch, {})
+            report["own_unit"] = ""
+        except ParallelismError as exc:
+            report["own_unit"] = str(exc)
+        torch.save(report, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawned processes
+def test_fsdp2_sharded_head_trains_to_the_original_loss_and_gradients(tmp_path: Path) -> None:
+    from ranks import free_port, run_ranks
+
+    run_ranks(_fsdp_head_rank, (free_port(), str(tmp_path)), nprocs=2, timeout_s=120)
+    for rank in range(2):
+        report = torch.load(tmp_path / f"rank{rank}.pt")
+        (want_loss, kept_logits, want), (loss, skipped_logits, got) = (
+            report["original"],
+            report["fused"],
+        )
+        assert not kept_logits and skipped_logits  # the fused loss ran, not the original's
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        assert got.keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # lm_head sharded on its own: its weight is sharded where the loss reads it
+        assert "own FSDP unit" in report["own_unit"], report["own_unit"]

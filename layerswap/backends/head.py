@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layerswap import zero3
 from layerswap.backend import Implementation
 from layerswap.backends.declarations.head_slot import head_refusal, head_slot
 from layerswap.backends.per_family import class_named, family_class
@@ -288,6 +289,21 @@ class CausalLMHead(nn.Module):
 
     def _check_head(self, lm_head: nn.Module) -> None:
         name = f"{self._layerswap_family}.head.{self.backend}"
+        if _fsdp_unit(lm_head):
+            raise ParallelismError(
+                f"{name} reads lm_head's weight outside lm_head.forward, but lm_head is its "
+                "own FSDP unit (fully_shard(lm_head)), whose weight is sharded there; shard "
+                "lm_head with its parent (fully_shard(model) without fully_shard(lm_head)), "
+                "or undo the head swap"
+            )
+        if _peft_layer(lm_head):
+            raise UnsupportedModelError(
+                f"{name} computes lm_head as a plain nn.Linear from lm_head.weight, but this "
+                f"model's lm_head is a PEFT {type(lm_head).__qualname__} (an adapter on "
+                "lm_head, or lm_head in modules_to_save): the fused loss would bypass it and "
+                "train something else. Leave lm_head out of the adapter, merge it "
+                "(merge_and_unload), or undo the head swap"
+            )
         if type(lm_head) is not nn.Linear:
             raise UnsupportedModelError(
                 f"{name} computes lm_head as a plain nn.Linear, but this model's lm_head is a "
@@ -301,10 +317,12 @@ class CausalLMHead(nn.Module):
                 "lm_head's weight across ranks; shard only the decoder layers (no head "
                 "substitution), or load the model without tensor parallelism"
             )
+        # DeepSpeed ZeRO-3's own hooks gather and release the weight: the loss gathers it
         hooks = [
             hook
             for attribute in ("_forward_hooks", "_forward_pre_hooks")
             for hook in getattr(lm_head, attribute).values()
+            if not zero3.is_partitioning_hook(hook)
         ]
         if hooks:
             raise UnsupportedModelError(
@@ -338,14 +356,18 @@ class CausalLMHead(nn.Module):
             )
         lm_head = self.get_submodule("lm_head")
         assert isinstance(lm_head, nn.Linear)  # _check_head refused anything else
-        summed = self._summed_loss(
-            rows,
-            lm_head.weight,
-            lm_head.bias,
-            targets,
-            self._layerswap_contract.transforms(self),
-            ignore_index,
-        )
+        # under ZeRO-3 lm_head's weight is whole only inside lm_head.forward: gather it here
+        # (read-only; its gradient, computed in this pass, reaches the partitioned parameter)
+        tensors = [lm_head.weight] if lm_head.bias is None else [lm_head.weight, lm_head.bias]
+        with zero3.gathered(tensors):
+            summed = self._summed_loss(
+                rows,
+                lm_head.weight,
+                lm_head.bias,
+                targets,
+                self._layerswap_contract.transforms(self),
+                ignore_index,
+            )
         num_items = extra.get("num_items_in_batch")
         if num_items is None:
             return summed / (targets != ignore_index).sum()
@@ -353,6 +375,20 @@ class CausalLMHead(nn.Module):
             num_items = num_items.to(summed.device)
         result: torch.Tensor = summed / num_items
         return result
+
+
+def _fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is its own FSDP2 unit (``fully_shard(module)``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _peft_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a PEFT tuner layer or ``modules_to_save`` wrapper."""
+    return any(klass.__module__.startswith("peft.") for klass in type(module).__mro__)
 
 
 def _var_keyword(signature: inspect.Signature, bound: inspect.BoundArguments) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from layerswap import hf_internals
+from layerswap import hf_internals, zero3
 from layerswap.errors import ParallelismError, SubstitutionError, SwapWarning
 from layerswap.handle import SwapHandle
 from layerswap.layers import convert_back, convert_layer, layer_index, normal_tensors
@@ -129,14 +129,20 @@ def _swap_layer(
     config: PreTrainedConfig,
 ) -> _LayerRecord:
     parent, key = locate(root, name)
-    replacement = convert_layer(
-        layer,
-        sub,
-        config,
-        layer_idx=layer_index(layer, position),
-        where=f"layer {name!r}",
-        wrap_errors=True,
-    )
+    partitioned = next((p for p in layer.parameters() if zero3.is_partitioned(p)), None)
+    # a ZeRO-3 layer is converted from its gathered tensors; the replacement's new ones
+    # (concatenations) are then partitioned like the rest, on every rank
+    with zero3.gathered(layer.parameters()):
+        replacement = convert_layer(
+            layer,
+            sub,
+            config,
+            layer_idx=layer_index(layer, position),
+            where=f"layer {name!r}",
+            wrap_errors=True,
+        )
+    if partitioned is not None:
+        zero3.partition_like(replacement, partitioned)
     _carry_state(layer, replacement)
     name_in_owner, owner = pretrained_owner(root, name)
     installed = hf_internals.output_capture_installed(owner)
@@ -158,7 +164,12 @@ def _swap_layer(
 def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedConfig) -> None:
     replacement = record.replacement
     assert replacement is not None, "restored twice"
-    convert_back(replacement, sub, config, into=record.original, where=f"layer {record.name!r}")
+    shared = {id(param) for param in replacement.parameters()}
+    own = [param for param in record.original.parameters() if id(param) not in shared]
+    # under ZeRO-3: read the replacement gathered, write the original's own parameters
+    # gathered, and partition them again with the values written (rank 0's, equal on all)
+    with zero3.gathered(replacement.parameters()), zero3.gathered(own, modifier_rank=0):
+        convert_back(replacement, sub, config, into=record.original, where=f"layer {record.name!r}")
     record.parent._modules[record.key] = record.original
     hooked_meanwhile = not record.capture_installed and hf_internals.output_capture_installed(
         record.owner
@@ -281,6 +292,14 @@ class DecoderSlot(Slot):
                 "sharded parameter cannot be converted in place; swap before sharding "
                 "(fully_shard after swap), or load it inside layerswap.use(...) with the "
                 "distributed_config"
+            )
+        if zero3.engine_hooked(target):
+            raise ParallelismError(
+                f"{sub.name}: DeepSpeed ZeRO-3 has already taken this model "
+                "(deepspeed.initialize or a Trainer's step), and its optimizer holds the "
+                "partitions of the layers a swap would replace; swap before that (a model "
+                "partitioned by zero.Init can be swapped), or load it inside "
+                "layerswap.use(...)"
             )
         for name, layer in layers:
             if type(layer) is not original_cls:
