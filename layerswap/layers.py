@@ -24,6 +24,7 @@ from torch import nn
 
 from layerswap.errors import ConversionError, LayerswapError
 from layerswap.model import layer_config, locate, mark_substitution
+from layerswap.packed_optim import track_packed_layer
 from layerswap.packed_state import install_packed_state_hooks
 from layerswap.registry import get
 from layerswap.state import install_load_hook
@@ -147,12 +148,14 @@ def adopt_layer(layer: nn.Module, substitution: Substitution, config: PreTrained
 
     The mark is what :func:`layerswap.model.substitution_of` reads; the load hook converts
     original-layout state in ``load_state_dict`` (:mod:`layerswap.state`); under tensor
-    parallelism its packed parameters give and take state in the fused layout
-    (:mod:`layerswap.packed_state`). ``config`` is the layer's (text) config.
+    parallelism its packed parameters, and their optimizers' state, give and take state
+    in the fused layout (:mod:`layerswap.packed_state`, :mod:`layerswap.packed_optim`).
+    ``config`` is the layer's (text) config.
     """
     mark_substitution(layer, substitution)
     install_load_hook(layer, substitution, config)
     install_packed_state_hooks(layer, substitution, config)
+    track_packed_layer(layer)
 
 
 @normal_tensors

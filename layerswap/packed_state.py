@@ -47,7 +47,13 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["PackedLoadHook", "PackedStateHook", "install_packed_state_hooks", "packed_sizes"]
+__all__ = [
+    "PackedLoadHook",
+    "PackedStateHook",
+    "install_packed_state_hooks",
+    "packed_shard",
+    "packed_sizes",
+]
 
 
 def packed_sizes(substitution: Substitution, config: PreTrainedConfig) -> dict[str, list[int]]:
@@ -63,7 +69,7 @@ def packed_sizes(substitution: Substitution, config: PreTrainedConfig) -> dict[s
     }
 
 
-def _packed_shard(tensor: Any) -> parallel.Shard | None:
+def packed_shard(tensor: Any) -> parallel.Shard | None:
     """How ``tensor`` (a parameter) is packed over ranks, or ``None`` when it is not.
 
     Packed: a DTensor split along dim 0 over a tensor-parallel mesh dimension of more
@@ -101,7 +107,7 @@ class PackedStateHook:
             value = state_dict.get(prefix + key)
             if value is None:
                 continue
-            shard = _packed_shard(value)
+            shard = packed_shard(value)
             # a placeholder on the meta device (transformers reads the keys before it
             # loads) holds nothing to reorder: no collective for it
             if shard is not None and not value.to_local().is_meta:
@@ -137,7 +143,7 @@ class PackedLoadHook:
                 param = module.get_parameter(key)
             except AttributeError:
                 continue
-            shard = _packed_shard(param)
+            shard = packed_shard(param)
             if shard is None or _is_own(given, param):
                 continue
             state_dict[prefix + key] = packed_local(given, param, sizes, shard, prefix + key)
