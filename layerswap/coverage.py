@@ -40,6 +40,7 @@ from layerswap.inference import infer_family
 from layerswap.model import decoder_layers
 from layerswap.registry import backends, families, get_family, substitutions
 from layerswap.slots import ModelParts, get_slot, slot_names
+from layerswap.spans import index_spans
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -388,14 +389,7 @@ def _layer_span(names: list[str]) -> str:
     indices = [int(n.rpartition(".")[2]) for n in names if n.rpartition(".")[2].isdigit()]
     if len(indices) != len(names) or any(n.rpartition(".")[0] != prefix for n in names):
         return f"{names[0]}-{names[-1].rpartition('.')[2]}"
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    parts = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-    return f"{prefix}.{parts}"
+    return f"{prefix}.{index_spans(indices)}"
 
 
 def _holds_tensors(module: torch.nn.Module) -> bool:

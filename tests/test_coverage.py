@@ -183,3 +183,13 @@ def test_jobs_without_all_is_refused() -> None:
     result = CliRunner().invoke(app, ["list", "--jobs", "2"])
     assert result.exit_code == 2
     assert "--jobs goes with --all" in result.output
+
+
+@pytest.mark.parametrize(
+    ("indices", "written"),
+    [([3], "3"), ([0, 1, 2, 4], "0-2, 4"), ([0, 1, 2, 5, 6], "0-2, 5-6"), ([], "")],
+)
+def test_layer_indices_are_written_as_runs(indices: list[int], written: str) -> None:
+    from layerswap.spans import index_spans
+
+    assert index_spans(indices) == written

@@ -58,6 +58,7 @@ from layerswap.family import (
     stateless,
 )
 from layerswap.rotary import ROTARY_LAYOUTS, rotate
+from layerswap.spans import index_spans
 
 __all__ = [
     "CLAMP_THAT_BITES",
@@ -207,17 +208,6 @@ def _wrapper_reason(model_type: str, config_class: Any, prove: Prove | None) -> 
     )
 
 
-def _spans(indices: list[int]) -> str:
-    """``[0, 1, 2, 4]`` -> ``"0-2, 4"``."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
 def _different_layers(model_type: str, layers: Any) -> str:
     """Why a model whose decoder layers differ is not covered, naming the differences:
     the modules (two levels deep, with their classes) that only some layers have."""
@@ -237,7 +227,7 @@ def _different_layers(model_type: str, layers: Any) -> str:
         top = sorted((n, c) for n, c in own if not any(n.startswith(p + ".") for p in names if p))
         groups.setdefault(tuple(top), []).append(index)
     described = "; ".join(
-        f"layer{'s' if len(idx) > 1 else ''} {_spans(idx)}: "
+        f"layer{'s' if len(idx) > 1 else ''} {index_spans(idx)}: "
         + (", ".join(f"{n} ({c})" if n else c for n, c in diff) or "none of those")
         for diff, idx in groups.items()
     )
