@@ -288,3 +288,33 @@ def test_two_threads_making_a_familys_classes_get_the_same_ones() -> None:
     assert layer.__qualname__ == "FusedLlamaThreadsDecoderLayer"
     assert fused.FusedLlamaThreadsDecoderLayer is layer  # set in its module, by its name
     assert head.__qualname__ == "FusedLlamaForCausalLM" and head.__name__ == "LlamaForCausalLM"
+
+
+def test_a_gpu_backends_requirements_are_asked_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from layerswap.backends._runtime import GpuPackage
+
+    def hint(error: BaseException) -> str:
+        return " (try this)"
+
+    package = GpuPackage(
+        distribution="json",
+        kernels="json.no_such_kernels",
+        not_installed="not installed",
+        no_cuda="needs CUDA",
+        broken="installed but broken",
+        hint=hint,
+    )
+    missing = GpuPackage("no_such_package_here", "x", "not installed", "needs CUDA", "broken")
+    assert missing.unmet_requirement() == "not installed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert package.unmet_requirement() == "needs CUDA"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reason = package.unmet_requirement()
+    assert reason is not None
+    assert reason.startswith("installed but broken: No module named") and reason.endswith(
+        "(try this)"
+    )
+    good = GpuPackage("json", "json.decoder", "not installed", "needs CUDA", "broken")
+    assert good.unmet_requirement() is None

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from layerswap.backends._runtime import GpuPackage
 from layerswap.errors import RequirementError
 
 if TYPE_CHECKING:
@@ -28,11 +28,14 @@ _FUNCTIONAL = "liger_kernel.transformers.functional"
 # --- requirements ------------------------------------------------------------------------
 
 
-def _installed() -> bool:
-    try:
-        return importlib.util.find_spec("liger_kernel") is not None
-    except (ImportError, ValueError):  # a broken or half-imported package
-        return False
+#: liger-kernel, its questions asked the way every GPU backend's are
+PACKAGE = GpuPackage(
+    distribution="liger_kernel",
+    kernels=_FUNCTIONAL,
+    not_installed=NOT_INSTALLED,
+    no_cuda=NO_CUDA,
+    broken="liger-kernel is installed but its kernels cannot be imported",
+)
 
 
 def unmet_requirement() -> str | None:
@@ -46,17 +49,7 @@ def unmet_requirement() -> str | None:
         from layerswap.backends import liger_runtime
         liger_runtime.unmet_requirement()   # "liger-kernel is not installed (pip install ...)"
     """
-    if not _installed():
-        return NOT_INSTALLED
-    import torch
-
-    if not torch.cuda.is_available():
-        return NO_CUDA
-    try:
-        importlib.import_module(_FUNCTIONAL)
-    except Exception as exc:  # no triton, or a triton that does not fit this torch
-        return f"liger-kernel is installed but its kernels cannot be imported: {exc}"
-    return None
+    return PACKAGE.unmet_requirement()
 
 
 @functools.cache

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.util
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from layerswap.backends._runtime import GpuPackage
 from layerswap.errors import RequirementError
 
 if TYPE_CHECKING:
@@ -49,11 +49,30 @@ _RECIPES: dict[str, tuple[str, tuple[int, int]]] = {
 # --- requirements ------------------------------------------------------------------------
 
 
-def _installed() -> bool:
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):  # a broken or half-imported package
-        return False
+def _import_hint(exc: BaseException) -> str:
+    """What to do about a known import failure of ``transformer_engine.pytorch``."""
+    message = str(exc)
+    if "undefined symbol" in message and "cudnn" in message.lower():
+        # Seen on a GPU machine with a system cuDNN beside torch's nvidia-cudnn wheel: once
+        # torch had run a cuDNN kernel (SDPA's cuDNN attention), TE's import bound the
+        # system's libcudnn_cnn to torch's already loaded libcudnn_graph.
+        return (
+            " (two cuDNN builds were mixed: import transformer_engine.pytorch before the "
+            "first model runs on the GPU, or put torch's nvidia/cudnn/lib first on "
+            "LD_LIBRARY_PATH)"
+        )
+    return ""
+
+
+#: TransformerEngine, its questions asked the way every GPU backend's are
+PACKAGE = GpuPackage(
+    distribution="transformer_engine",
+    kernels="transformer_engine.pytorch",
+    not_installed=NOT_INSTALLED,
+    no_cuda=NO_CUDA,
+    broken="TransformerEngine is installed but cannot be imported",
+    hint=_import_hint,
+)
 
 
 def unmet_requirement() -> str | None:
@@ -68,32 +87,7 @@ def unmet_requirement() -> str | None:
         from layerswap.backends import te
         te.unmet_requirement()    # "TransformerEngine is not installed (pip install ...)"
     """
-    if not _installed():
-        return NOT_INSTALLED
-    import torch
-
-    if not torch.cuda.is_available():
-        return NO_CUDA
-    try:
-        importlib.import_module("transformer_engine.pytorch")
-    except Exception as exc:  # an ABI mismatch raises OSError or RuntimeError, not ImportError
-        return f"TransformerEngine is installed but cannot be imported: {exc}{_import_hint(exc)}"
-    return None
-
-
-def _import_hint(exc: BaseException) -> str:
-    """What to do about a known import failure of ``transformer_engine.pytorch``."""
-    message = str(exc)
-    if "undefined symbol" in message and "cudnn" in message.lower():
-        # Seen on a GPU machine with a system cuDNN beside torch's nvidia-cudnn wheel: once
-        # torch had run a cuDNN kernel (SDPA's cuDNN attention), TE's import bound the
-        # system's libcudnn_cnn to torch's already loaded libcudnn_graph.
-        return (
-            " (two cuDNN builds were mixed: import transformer_engine.pytorch before the "
-            "first model runs on the GPU, or put torch's nvidia/cudnn/lib first on "
-            "LD_LIBRARY_PATH)"
-        )
-    return ""
+    return PACKAGE.unmet_requirement()
 
 
 def _te() -> Any:
@@ -198,7 +192,7 @@ def fp8_autocast(
         loss.backward()
     """
     if not enabled:
-        if not _installed():
+        if not PACKAGE.installed():
             return contextlib.nullcontext()
         return _autocast(_te(), enabled=False, recipe=None)
     reason = unmet_requirement()
