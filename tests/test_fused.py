@@ -341,9 +341,9 @@ def test_attention_sinks_with_grouped_keys_on_the_expanding_path(
     and values are expanded to every head before attention; with sinks they already are,
     and expanding them again broke every padded call (flint on an H100: "size of tensor a
     (8) must match ... (32)"). The tiny models share each key head among 4 query heads."""
-    from layerswap.backends import fused
+    from layerswap.backends import _layer
 
-    monkeypatch.setattr(fused, "_SDPA_GQA", False)
+    monkeypatch.setattr(_layer, "_SDPA_GQA", False)
     family = layerswap.families()[name]
     config = family.tiny_config()
     assert config.num_attention_heads // config.num_key_value_heads > 1

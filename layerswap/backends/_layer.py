@@ -54,7 +54,7 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from layerswap import hf_internals
-from layerswap.backends.per_family import family_class
+from layerswap.backends.per_family import class_named, family_class
 from layerswap.errors import RequirementError, SwapWarning, UpstreamDriftError
 from layerswap.family import Family
 from layerswap.rotary import rotate_half, rotate_interleaved
@@ -71,7 +71,11 @@ __all__ = [
     "Layout",
     "attention_weights_sink",
     "causal_call",
+    "causal_keys",
+    "check_mask",
+    "sdpa",
     "family_layer_class",
+    "layer_class_named",
     "rotate_half",
     "rotate_interleaved",
     "local_sizes",
@@ -334,6 +338,82 @@ def causal_call(default: bool, cache: LayerCache | None) -> bool:
     return default if asked is None else asked
 
 
+# enable_gqa arrived in torch 2.5
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def check_mask(mask: Any, backend: str, config: Any) -> None:
+    """:class:`RequirementError` unless ``mask`` is what the layers read: a 4-D tensor
+    (sdpa or eager attention) or ``None``."""
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+        raise RequirementError(
+            f"the {backend} layer reads 4-D attention masks (attn_implementation 'sdpa' or "
+            f"'eager'); it got {type(mask).__name__} from attn_implementation "
+            f"{getattr(config, '_attn_implementation', None)!r}"
+        )
+
+
+def causal_keys(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """SDPA's ``is_causal`` for this call, and the keys and values it attends to.
+
+    No mask means plain causal attention where ``causal`` (the model drops the mask when
+    that is exact); SDPA's flag is top-left aligned, so a static cache's unused slots are
+    dropped. (batch, heads, seq, head_dim) tensors.
+    """
+    query_length = query.shape[2]
+    is_causal = causal and mask is None and query_length > 1
+    if isinstance(is_causal, torch.Tensor):
+        # torch.jit.trace records shapes as tensors; SDPA takes a bool (as transformers
+        # does, the trace keeps the flag of the traced length)
+        is_causal = bool(is_causal)
+    if is_causal and key.shape[2] > query_length:
+        key, value = key[:, :, :query_length], value[:, :, :query_length]
+    return is_causal, key, value
+
+
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` over (batch, heads, seq, head_dim), grouped keys and
+    values (fewer heads than the queries) expanded the fastest way the call allows."""
+    extra: dict[str, Any] = {}
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        # measured: on CPU enable_gqa beats expanding k/v with or without a mask; on
+        # GPUs a mask with enable_gqa falls back to the slow math kernel;
+        # the TorchScript ONNX exporter cannot convert enable_gqa
+        native = _SDPA_GQA and not torch.onnx.is_in_onnx_export()
+        if native and (mask is None or query.device.type == "cpu"):
+            extra["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+    output: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=is_causal,
+        scale=scale,
+        **extra,
+    )
+    return output
+
+
 def split_heads(
     projected: torch.Tensor, sizes: Sequence[int], head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -439,3 +519,21 @@ def family_layer_class(base: type[LayerT], family: Family) -> type[LayerT]:
         return made
 
     return family_class(base, family, make, factory=family_layer_class, export=name)
+
+
+def layer_class_named(base: type[LayerT], name: str) -> type[LayerT]:
+    """The per-family class of ``base`` called ``name`` (``FusedQwen3DecoderLayer``), made
+    on demand: a backend module's ``__getattr__``, so the class imports by its name in a
+    process that has not made it yet (:class:`AttributeError` when no family's is so named).
+
+    Example::
+
+        def __getattr__(name):
+            return layer_class_named(FusedDecoderLayer, name)
+    """
+    return class_named(
+        base,
+        name,
+        lambda family: _class_name(base, family),
+        lambda family: family_layer_class(base, family),
+    )

@@ -59,9 +59,6 @@ __all__ = [
     "original_mlp",
 ]
 
-# enable_gqa arrived in torch 2.5
-_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-
 #: original q/k/v -> ``self_attn.qkv_proj``, gate/up -> ``mlp.gate_up_proj``; biases when present.
 #: Every other tensor keeps its name, so this one converter serves every family whose
 #: original has separate projections (:func:`converter_for` drops the rest).
@@ -333,49 +330,17 @@ class FusedAttention(nn.Module):
         (``output_attentions=True``), the attention weights, computed for that call the
         way transformers' eager attention computes them. ``causal``: whether attention
         without a mask is causal (:func:`~layerswap.backends._layer.causal_call`)."""
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
-            raise RequirementError(
-                "the fused layer reads 4-D attention masks (attn_implementation 'sdpa' or "
-                f"'eager'); it got {type(mask).__name__} from attn_implementation "
-                f"{getattr(self.config, '_attn_implementation', None)!r}"
-            )
-        query_length = query.shape[2]
-        # no mask means plain causal attention (the model drops the mask when that is
-        # exact); SDPA's flag is top-left aligned, so drop unused static-cache slots
-        is_causal = causal and mask is None and query_length > 1
-        if isinstance(is_causal, torch.Tensor):
-            # torch.jit.trace records shapes as tensors; SDPA takes a bool (as transformers
-            # does, the trace keeps the flag of the traced length)
-            is_causal = bool(is_causal)
-        if is_causal and key.shape[2] > query_length:
-            key, value = key[:, :, :query_length], value[:, :, :query_length]
+        _layer.check_mask(mask, "fused", self.config)
+        is_causal, key, value = _layer.causal_keys(query, key, value, mask, causal)
         if weights or self.softcap is not None:
             return self._attend_eagerly(query, key, value, mask, is_causal)
         if self.sinks is not None:
+            # grouped keys and values expanded, and the causal mask made explicit, here
             key, value, mask = self._with_sinks(query, key, value, mask, is_causal)
             is_causal = False
-        extra: dict[str, Any] = {}
-        # grouped keys and values are expanded once: _with_sinks has done it already
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:
-            # measured: on CPU enable_gqa beats expanding k/v with or without a mask; on
-            # GPUs a mask with enable_gqa falls back to the slow math kernel
-            # the TorchScript ONNX exporter cannot convert enable_gqa
-            native = _SDPA_GQA and not torch.onnx.is_in_onnx_export()
-            if native and (mask is None or query.device.type == "cpu"):
-                extra["enable_gqa"] = True
-            else:
-                key = key.repeat_interleave(groups, dim=1)
-                value = value.repeat_interleave(groups, dim=1)
-        output: torch.Tensor = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.scaling,
-            **extra,
+        dropout = self.attention_dropout if self.training else 0.0
+        output = _layer.sdpa(
+            query, key, value, mask, is_causal=is_causal, scale=self.scaling, dropout=dropout
         )
         return output, None
 
@@ -555,3 +520,9 @@ def layer_class(family: Family) -> type[FusedDecoderLayer]:
     (``layerswap.backends.fused:FusedLlamaDecoderLayer``); a pickle holds how to make it again.
     """
     return _layer.family_layer_class(FusedDecoderLayer, family)
+
+
+def __getattr__(name: str) -> Any:
+    # a per-family class imported by its name (``from layerswap.backends.fused import ...``)
+    # before this process made it: made now
+    return _layer.layer_class_named(FusedDecoderLayer, name)

@@ -38,7 +38,6 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from layerswap.backends import _layer
@@ -93,9 +92,6 @@ GATED_KERNELS = {
 
 #: the original layer's weights are the replacement's: no tensor is renamed or fused
 CONVERTER = Converter()
-
-# enable_gqa arrived in torch 2.5
-_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 # --- what the layer can express ------------------------------------------------------------
@@ -270,37 +266,12 @@ class LigerAttention(nn.Module):
     ) -> torch.Tensor:
         """SDPA over (batch, heads, seq, head_dim); the mask is the model's 4-D mask or None;
         ``causal``: whether attention without a mask is causal."""
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4):
-            raise RequirementError(
-                "the liger layer reads 4-D attention masks (attn_implementation 'sdpa' or "
-                f"'eager'); it got {type(mask).__name__} from attn_implementation "
-                f"{getattr(self.config, '_attn_implementation', None)!r}"
-            )
-        query_length = query.shape[2]
-        # no mask means plain causal attention (the model drops the mask when that is
-        # exact); SDPA's flag is top-left aligned, so drop unused static-cache slots
-        is_causal = causal and mask is None and query_length > 1
-        if is_causal and key.shape[2] > query_length:
-            key, value = key[:, :, :query_length], value[:, :, :query_length]
-        extra: dict[str, Any] = {}
-        if self.num_key_value_groups > 1:
-            # on GPUs a mask with enable_gqa falls back to the slow math kernel
-            if _SDPA_GQA and mask is None:
-                extra["enable_gqa"] = True
-            else:
-                key = key.repeat_interleave(self.num_key_value_groups, dim=1)
-                value = value.repeat_interleave(self.num_key_value_groups, dim=1)
-        output: torch.Tensor = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.scaling,
-            **extra,
+        _layer.check_mask(mask, "liger", self.config)
+        is_causal, key, value = _layer.causal_keys(query, key, value, mask, causal)
+        dropout = self.attention_dropout if self.training else 0.0
+        return _layer.sdpa(
+            query, key, value, mask, is_causal=is_causal, scale=self.scaling, dropout=dropout
         )
-        return output
 
 
 class LigerMLP(nn.Module):
@@ -388,3 +359,9 @@ def layer_class(family: Family) -> type[LigerDecoderLayer]:
 def converter_for(family: Family) -> Converter:
     """The liger layer's converter: none needed (the original's weights, unrenamed)."""
     return CONVERTER
+
+
+def __getattr__(name: str) -> Any:
+    # a per-family class imported by its name (``from layerswap.backends.liger import ...``)
+    # before this process made it: made now
+    return _layer.layer_class_named(LigerDecoderLayer, name)

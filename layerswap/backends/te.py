@@ -357,3 +357,9 @@ def layer_class(family: Family) -> type[TEDecoderLayer]:
     class needs no TransformerEngine; building a layer does.
     """
     return _layer.family_layer_class(TEDecoderLayer, family)
+
+
+def __getattr__(name: str) -> Any:
+    # a per-family class imported by its name (``from layerswap.backends.te import ...``)
+    # before this process made it: made now
+    return _layer.layer_class_named(TEDecoderLayer, name)
