@@ -11,7 +11,11 @@ the same weights:
 1. forward on a left-padded batch (the logits at every real token),
 2. prefill and greedy decoding with a dynamic cache (every step's logits),
 3. the same with a static cache,
-4. a backward pass (the loss and the gradients of the embeddings and the head).
+4. a backward pass (the loss and the gradients of the embeddings and the head),
+
+each run and judged as :func:`layerswap.verify` runs and judges
+(:mod:`layerswap.verify.first_difference`), within
+:meth:`~layerswap.verify.tolerance.Tolerance.scaled` ``1e-4`` on a CPU, ``2e-3`` on a GPU.
 
 The verdict is stored (:mod:`layerswap.verdicts`), so the cost, well under a second per
 family on a laptop CPU, is paid once. A failed check raises
@@ -52,6 +56,8 @@ from layerswap.registry import backend_of, get, get_family
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.slots import get_slot
 from layerswap.tokens import avoid_tokens, media_tokens
+from layerswap.verify.first_difference import decoding_differs, gradients_differ, outputs_differ
+from layerswap.verify.tolerance import Tolerance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -251,114 +257,24 @@ def _batch(config: PreTrainedConfig, device: torch.device) -> dict[str, torch.Te
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _differs(reference: torch.Tensor, candidate: torch.Tensor, tolerance: float) -> str | None:
-    if reference.shape != candidate.shape:
-        return f"shapes {tuple(reference.shape)} and {tuple(candidate.shape)}"
-    error = float((reference - candidate).abs().max()) if reference.numel() else 0.0
-    scale = float(reference.abs().max()) if reference.numel() else 0.0
-    if not error <= tolerance * (1.0 + scale):  # NaN fails too
-        return f"max abs difference {error:.3g}"
-    return None
-
-
-def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(**batch).logits
-    real: torch.Tensor = logits[batch["attention_mask"].bool()]
-    return real
-
-
-def _decode(model: nn.Module, batch: dict[str, torch.Tensor], cache: str | None) -> Any:
-    # disable_compile: on a GPU, generate() with a static cache compiles the forward
-    # (transformers' auto-compile); the proof compares what the layers compute, eagerly, the
-    # same on every device (TransformerEngine 2.20's attention cannot be traced by torch
-    # 2.11's dynamo: compiling would refuse te for a reason that is not the layer contract)
-    options: dict[str, Any] = {"disable_compile": True}
-    if cache:
-        options["cache_implementation"] = cache
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(  # type: ignore[operator]
-            **batch,
-            max_new_tokens=_NEW_TOKENS,
-            min_new_tokens=_NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=int(batch["input_ids"][1, 0]),
-            **options,
-        )
-
-
-def _compare_decoding(
-    reference: nn.Module, candidate: nn.Module, batch: dict[str, torch.Tensor], cache: str | None
-) -> str | None:
-    try:
-        expected = _decode(reference, batch, cache)
-    except Exception:  # the original cannot decode this way: nothing to compare
-        return None
-    try:
-        actual = _decode(candidate, batch, cache)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    for step, (want, got) in enumerate(zip(expected.logits, actual.logits, strict=False)):
-        problem = _differs(want, got, _tolerance(want))
-        if problem:
-            return f"new token {step + 1}: {problem}"
-    if not torch.equal(expected.sequences, actual.sequences):
-        return "different tokens generated"
-    return None
-
-
-def _gradients(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    # no loss term predicted from a padded position (the one before the first real token
-    # included): what a layer computes there is unspecified
-    mask = batch["attention_mask"]
-    before = torch.cat((torch.ones_like(mask[:, :1]), mask[:, :-1]), dim=1)
-    labels = batch["input_ids"].masked_fill((mask == 0) | (before == 0), -100)
-    loss = model(**batch, labels=labels).loss
-    loss.backward()
-    found = [loss.detach().reshape(1)]
-    for module in (model.get_input_embeddings(), model.get_output_embeddings()):  # type: ignore[operator]
-        grad = None if module is None else module.weight.grad
-        if grad is not None:
-            found.append(grad.detach().clone())
-    model.zero_grad(set_to_none=True)
-    return found
-
-
-def _tolerance(reference: torch.Tensor) -> float:
-    return 1e-4 if reference.device.type == "cpu" else 2e-3
-
-
-def _compare_forward(
-    reference: nn.Module, candidate: nn.Module, batch: dict[str, torch.Tensor]
-) -> str | None:
-    expected = _forward(reference, batch)
-    return _differs(expected, _forward(candidate, batch), _tolerance(expected))
-
-
-def _compare_backward(
-    reference: nn.Module, candidate: nn.Module, batch: dict[str, torch.Tensor]
-) -> str | None:
-    names = ("loss", "embedding gradient", "head gradient")
-    pairs = zip(_gradients(reference, batch), _gradients(candidate, batch), strict=True)
-    for name, (want, got) in zip(names, pairs, strict=False):
-        problem = _differs(want, got, _tolerance(want))
-        if problem is not None:
-            return f"{name}: {problem}"
-    return None
+def _tolerance(device: torch.device) -> Tolerance:
+    # float32 on both sides: a swap only reorders roundings, and a GPU's kernels reorder more
+    return Tolerance.scaled(1e-4 if device.type == "cpu" else 2e-3)
 
 
 def _run_checks(
     reference: nn.Module, candidate: nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[str | None, str]:
+    """The first of :data:`CHECKS` that differs and how, else ``None``: run and judged
+    as :func:`layerswap.verify` runs and judges (:mod:`layerswap.verify.first_difference`)."""
+    tol = _tolerance(batch["input_ids"].device)
     steps: tuple[Callable[[], str | None], ...] = (
-        lambda: _compare_forward(reference, candidate, batch),
-        lambda: _compare_decoding(reference, candidate, batch, None),
-        lambda: _compare_decoding(reference, candidate, batch, "static"),
-        lambda: _compare_backward(reference, candidate, batch),
+        lambda: outputs_differ(reference, candidate, batch, tol),
+        lambda: decoding_differs(reference, candidate, batch, tol, new_tokens=_NEW_TOKENS),
+        lambda: decoding_differs(
+            reference, candidate, batch, tol, new_tokens=_NEW_TOKENS, cache="static"
+        ),
+        lambda: gradients_differ(reference, candidate, batch, tol),
     )
     for check, step in zip(CHECKS, steps, strict=True):
         try:

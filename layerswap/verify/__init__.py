@@ -36,7 +36,9 @@ with what it reaches, and counted in the report), ``kept_loss`` (with ``backward
 both models learn again from the positions still compared, on one more working copy,
 only where a near-tie left some out), and
 ``placement`` and ``candidate`` (device and dtype, the working copy, the substitution
-checked for this machine), which :mod:`layerswap.bench` shares.
+checked for this machine), which :mod:`layerswap.bench` shares, and ``first_difference``
+(two models run and judged the same way, the first difference named), which the proof
+(:mod:`layerswap.proof`) runs its checks with.
 
 Example::
 
@@ -49,8 +51,10 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from layerswap.verify.candidate import SubstitutionLike as SubstitutionLike
-from layerswap.verify.checks import assert_equivalent, verify
 from layerswap.verify.inputs import InputsLike as InputsLike
 from layerswap.verify.inputs import default_inputs
 from layerswap.verify.placement import DTYPE_CHOICES as DTYPE_CHOICES
@@ -66,6 +70,9 @@ from layerswap.verify.report import (
 )
 from layerswap.verify.tolerance import Tolerance
 
+if TYPE_CHECKING:
+    from layerswap.verify.checks import assert_equivalent, verify
+
 __all__ = [
     "BackwardReport",
     "GenerationReport",
@@ -79,3 +86,17 @@ __all__ = [
     "resolve_dtype",
     "verify",
 ]
+
+#: the checks swap a copy of the model, so they sit above :func:`layerswap.swap`, and the
+#: swap sits above the proof (:mod:`layerswap.proof`), which runs and judges its tiny models
+#: with this package's modules (``forward``, ``compare``, ``first_difference``): importing
+#: those must not import the checks, so they are imported on first use (PEP 562)
+_CHECKS = ("assert_equivalent", "verify")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CHECKS:
+        raise AttributeError(f"module 'layerswap.verify' has no attribute {name!r}")
+    value = getattr(importlib.import_module("layerswap.verify.checks"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value

@@ -127,6 +127,7 @@ def forward(
     context: ContextFactory = contextlib.nullcontext,
     routing: bool = True,
     left_out: torch.Tensor | None = None,
+    layer_outputs: bool = True,
 ) -> Run:
     """One forward pass, capturing every decoder layer's output, in ``context``.
 
@@ -138,6 +139,8 @@ def forward(
     each mixture-of-experts block's routing (:mod:`layerswap.verify.routing`; nothing is
     hooked in a model without one). ``left_out`` (``[batch, seq]``) masks those
     positions' terms out of the loss (:meth:`~layerswap.verify.model_classes.ModelTask.labels`).
+    ``layer_outputs=False`` captures no layer's output (``Run.layers`` is empty): a check of
+    the model's outputs alone does not pay for a copy of every layer's.
     """
     task = task_of(model)
     task.check(model, batch, generate=generate)
@@ -148,7 +151,10 @@ def forward(
     loss_value: torch.Tensor | None = None
     layers = decoder_layers(model)
     recording = capture_routing(layers, valid) if routing else contextlib.nullcontext(None)
-    with capture_layers(layers, valid) as captured, recording as routed, evaluation(model):
+    capturing: contextlib.AbstractContextManager[list[tuple[str, torch.Tensor]]] = (
+        capture_layers(layers, valid) if layer_outputs else contextlib.nullcontext([])
+    )
+    with capturing as captured, recording as routed, evaluation(model):
         if not backward:
             with torch.no_grad(), context():
                 output = model(**batch, **labels, use_cache=False)
@@ -187,13 +193,24 @@ def generate_tokens(
     batch: Mapping[str, torch.Tensor],
     new_tokens: int,
     context: ContextFactory = contextlib.nullcontext,
+    *,
+    cache: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_tokens`` greedily generated tokens per sequence, and the logits each was
     chosen from (``[batch, new_tokens, vocab]``), on the host.
 
     ``generate`` runs the prompt once and then one token at a time with the KV cache, as
     users decode: a layer that mishandles the cache shows here, not in a forward pass.
+    ``cache`` is the cache implementation (``"static"``; ``None``: the model's default,
+    a dynamic cache).
     """
+    # disable_compile: on a GPU, generate() with a static cache compiles the forward
+    # (transformers' auto-compile); what is compared is what the layers compute, eagerly,
+    # the same on every device (TransformerEngine 2.20's attention cannot be traced by
+    # torch 2.11's dynamo: compiling would refuse te for a reason that is not the layer's)
+    options: dict[str, Any] = {"disable_compile": True}
+    if cache is not None:
+        options["cache_implementation"] = cache
     config = text_config(model)
     generate = getattr(model, "generate", None)
     if generate is None:
@@ -211,6 +228,7 @@ def generate_tokens(
             pad_token_id=pad_token_id(config),
             output_logits=True,
             return_dict_in_generate=True,
+            **options,
         )
     tokens: torch.Tensor = sequences.sequences[:, batch["input_ids"].shape[1] :].detach().cpu()
     logits = torch.stack([step.detach().float().cpu() for step in sequences.logits], dim=1)

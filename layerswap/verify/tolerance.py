@@ -100,6 +100,20 @@ class Tolerance:
         return _DEFAULT_TOLERANCES.get(dtype_name(resolved), _DEFAULT_TOLERANCES["float32"])
 
     @classmethod
+    def scaled(cls, value: float) -> Tolerance:
+        """``max|candidate - reference| <= value * (1 + max|reference|)`` for every tensor,
+        gradients and the loss included, with no cosine threshold; every generated token the
+        same. The proof's tolerance (:mod:`layerswap.proof`): two float32 models that must
+        compute the same thing.
+
+        Example::
+
+            >>> Tolerance.scaled(1e-4).allows(2e-4, 1.0)
+            True
+        """
+        return cls(atol=value, rtol=value, min_cosine=-1.0, gradient_rtol=value)
+
+    @classmethod
     def coerce(cls, tolerance: float | Tolerance | None, dtype: DTypeLike) -> Tolerance:
         """A :class:`Tolerance` from ``None`` (dtype default), a number or a Tolerance.
 

@@ -1,0 +1,127 @@
+"""Two models run the same way and held to one tolerance: the first output that differs, in words.
+
+The proof (:mod:`layerswap.proof`) asks of its tiny models no report, only where they
+first differ and how (``"new token 2: max abs difference 2.23"``). Each check here runs
+both models through the passes :func:`~layerswap.verify.verify` runs
+(:func:`~layerswap.verify.forward.forward`,
+:func:`~layerswap.verify.forward.generate_tokens`) and judges them with its comparisons
+(:func:`~layerswap.verify.compare.diff`,
+:func:`~layerswap.verify.compare.compare_gradients`) under a :class:`Tolerance`; each
+returns ``None`` where the two agree.
+
+Example::
+
+    tolerance = Tolerance.scaled(1e-4)
+    outputs_differ(reference, candidate, batch, tolerance)                 # None
+    decoding_differs(reference, candidate, batch, tolerance, new_tokens=3, cache="static")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from layerswap.verify.compare import Diff, compare_gradients, diff
+from layerswap.verify.forward import forward, generate_tokens
+from layerswap.verify.tolerance import Tolerance
+
+__all__ = ["decoding_differs", "gradients_differ", "outputs_differ"]
+
+Batch = Mapping[str, torch.Tensor]
+
+
+def _described(difference: Diff) -> str:
+    return f"max abs difference {difference.max_abs_error:.3g}"
+
+
+def outputs_differ(
+    reference: nn.Module, candidate: nn.Module, batch: Batch, tolerance: Tolerance
+) -> str | None:
+    """How the outputs at every real token differ (no layer's output is captured)."""
+    expected = forward(reference, batch, routing=False, layer_outputs=False)
+    actual = forward(candidate, batch, routing=False, layer_outputs=False)
+    difference = diff(expected.logits, actual.logits, rowwise=True)
+    return None if difference.passes(tolerance) else _described(difference)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # generate()'s advice on a tiny random model's generation settings says nothing about
+    # the layers compared
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def decoding_differs(
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: Batch,
+    tolerance: Tolerance,
+    *,
+    new_tokens: int,
+    cache: str | None = None,
+) -> str | None:
+    """How greedy decoding of ``new_tokens`` tokens with ``cache`` (``"static"``; ``None``:
+    dynamic) differs: every step's logits, then the tokens. ``None`` also where the
+    reference cannot decode this way: there is nothing to compare."""
+    try:
+        expected_tokens, expected_logits = generate_tokens(
+            reference, batch, new_tokens, _quiet, cache=cache
+        )
+    except Exception:
+        return None
+    try:
+        actual_tokens, actual_logits = generate_tokens(
+            candidate, batch, new_tokens, _quiet, cache=cache
+        )
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    for step in range(min(expected_logits.shape[1], actual_logits.shape[1])):
+        difference = diff(expected_logits[:, step], actual_logits[:, step], rowwise=True)
+        if not difference.passes(tolerance):
+            return f"new token {step + 1}: {_described(difference)}"
+    if not torch.equal(expected_tokens, actual_tokens):
+        return "different tokens generated"
+    return None
+
+
+def _loss_and_ends(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss, and the gradients of the input embeddings and the head (one tensor where
+    they are tied), by what they are."""
+    run = forward(model, batch, backward=True, routing=False, layer_outputs=False)
+    assert run.loss is not None and run.gradients is not None
+    names = {id(param): name for name, param in model.named_parameters()}
+    ends = {
+        "embedding gradient": model.get_input_embeddings(),  # type: ignore[operator]
+        "head gradient": model.get_output_embeddings(),  # type: ignore[operator]
+    }
+    found = {}
+    for label, module in ends.items():
+        name = names.get(id(getattr(module, "weight", None)))
+        if name is not None and name in run.gradients:
+            found[label] = run.gradients[name]
+    return run.loss, found
+
+
+def gradients_differ(
+    reference: nn.Module, candidate: nn.Module, batch: Batch, tolerance: Tolerance
+) -> str | None:
+    """How the loss, or the gradients of the input embeddings and the head, differ.
+
+    The layers' own gradients, in two layouts, are not compared (:func:`~layerswap.verify.verify`
+    maps them back); a layer whose backward is wrong passes a wrong gradient down to the
+    embeddings."""
+    loss_expected, expected = _loss_and_ends(reference, batch)
+    loss_actual, actual = _loss_and_ends(candidate, batch)
+    report = compare_gradients(expected, actual, loss_expected, loss_actual, tolerance, local=False)
+    if not tolerance.allows(report.loss_abs_error, abs(report.loss_reference)):
+        return f"loss: max abs difference {report.loss_abs_error:.3g}"
+    for gradient in report.gradients:
+        if not gradient.passed:
+            return f"{gradient.name}: max abs difference {gradient.max_abs_error:.3g}"
+    return None
