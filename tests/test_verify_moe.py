@@ -15,7 +15,7 @@ from layerswap.errors import VerificationError
 from layerswap.registry import get, get_family
 from layerswap.substitution import Substitution
 from layerswap.verify import assert_equivalent, checks, routing, verify
-from layerswap.verify.excused import excused_rows
+from layerswap.verify.excused import decoding_excused_from, excused_rows
 from layerswap.verify.model_classes import ModelTask
 from layerswap.verify.routing import Routing, moe_block, near_ties
 
@@ -271,3 +271,68 @@ def test_hy_v3_fused_in_bfloat16_passes_with_gradients() -> None:
     report = verify(model, "hy_v3.decoder.fused", dtype=torch.bfloat16, backward=True)
 
     assert report.passed, report.summary()
+
+
+#: prompts whose tokens route clear of the tied experts at :data:`TIED_LAYER`, while the
+#: first token the first one generates sits at their exact tie (found by search; asserted)
+_DECODE_TIE_PROMPTS = [[355, 137, 421, 458, 324], [429, 113, 68, 503, 417]]
+
+
+def test_a_generated_token_routed_otherwise_at_a_near_tie_leaves_out_the_rest_of_its_decoding(
+    tied: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = torch.tensor(_DECODE_TIE_PROMPTS)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    report = verify(tied, _nudging(1 + 1e-5), inputs=inputs, generate=4)
+
+    assert report.passed, report.summary()
+    assert report.near_ties == 0  # the prompt: nothing routed otherwise
+    assert report.generation is not None
+    assert report.generation.excused_steps == ((0, 1),)  # sequence 0, from its 2nd step
+    assert report.generation.excused_sequences == 1
+    assert "(sequence 0 at decode step 1)" in report.summary()
+    # the rule switched off: that step's logits differ by an expert's output
+    monkeypatch.setattr(routing, "NEAR_TIE_EPSILONS", -1)
+    off = verify(tied, _nudging(1 + 1e-5), inputs=inputs, generate=4)
+    assert not off.passed and off.first_divergent_layer is None
+    assert off.generation is not None and not off.generation.logits_passed
+    assert off.generation.excused_steps == ()
+
+
+def test_a_router_computed_wrong_still_fails_with_those_prompts(tied: Any) -> None:
+    ids = torch.tensor(_DECODE_TIE_PROMPTS)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    candidate = copy.deepcopy(tied)
+    gate = _gate(candidate, 1)
+    with torch.no_grad():
+        gate.weight[[2, 3]] = gate.weight[[3, 2]].clone()  # no near-tie at layer 1
+
+    with pytest.raises(VerificationError, match="first divergent layer: 1 "):
+        assert_equivalent(tied, candidate, inputs=inputs, generate=4)
+
+
+def test_decoding_is_left_out_from_the_step_a_generated_token_flips_at_a_near_tie() -> None:
+    # two sequences, the second left-padded by one: the prompt's 5 valid rows at step 0
+    prompt = torch.tensor([[True, True, True], [False, True, True]])
+    tokens = torch.tensor([[7, 8, 9, 10], [7, 8, 9, 10]])
+    parted = torch.tensor([[7, 8, 9, 10], [7, 5, 9, 10]])  # sequence 1 parts at step 1
+    clear = [_routing([[0, 1]] * 5, [False] * 5)]
+    step = [_routing([[0, 1]] * 2, [True, True])]
+    flipped = [_routing([[0, 2], [0, 2]], [True, True])]
+    reference = [clear, step, step, step]
+    candidate = [clear, step, flipped, step]  # both sequences flip at step 2
+
+    from_step = decoding_excused_from(reference, candidate, tokens, tokens, prompt)
+    assert from_step is not None and from_step.tolist() == [2, 2]
+    # sequence 1 generated another token before: its routing at step 2 is not excused
+    from_step = decoding_excused_from(reference, candidate, tokens, parted, prompt)
+    assert from_step is not None and from_step.tolist() == [2, 4]
+    assert decoding_excused_from(reference, reference, tokens, tokens, prompt) is None
+    assert decoding_excused_from(None, candidate, tokens, tokens, prompt) is None
+    # a prompt token flipping while decoding runs the prompt: the whole sequence
+    prompt_flip = [_routing([[0, 1], [0, 2], [0, 1], [0, 1], [0, 1]], [True] * 5)]
+    from_step = decoding_excused_from(
+        [prompt_flip, *reference[1:]], [clear, *reference[1:]], tokens, tokens, prompt
+    )
+    assert from_step is not None and from_step.tolist() == [0, 4]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import VerificationError
-from layerswap.verify.excused import Excused, excused_rows
+from layerswap.verify.excused import Excused, decoding_excused_from, excused_rows
 from layerswap.verify.forward import Run
 from layerswap.verify.fp8 import FLOOR_FACTOR, FLOOR_SLACK
 from layerswap.verify.inputs import InputsLike, prepare_inputs
@@ -84,14 +84,18 @@ def diff(reference: torch.Tensor, candidate: torch.Tensor, *, rowwise: bool) -> 
     return Diff(max_abs, max_rel, cosine, scale)
 
 
-def _agreement(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, int | None]:
-    """The share of positions where two generations agree, and the first that differs."""
+def _agreement(
+    reference: torch.Tensor, candidate: torch.Tensor, kept: torch.Tensor | None = None
+) -> tuple[float, int | None]:
+    """The share of positions where two generations agree, and the first that differs
+    (of the steps ``kept``, ``[batch, new_tokens]``; ``None``: all of them)."""
     width = min(reference.shape[1], candidate.shape[1])
     same = reference[:, :width] == candidate[:, :width]
-    agreement = float(same.float().mean()) if same.numel() else 1.0
+    compared = kept[:, :width] if kept is not None else torch.ones_like(same)
+    agreement = float(same[compared].float().mean()) if compared.any() else 1.0
     if reference.shape != candidate.shape:
         agreement = min(agreement, width / max(reference.shape[1], candidate.shape[1]))
-    mismatched = (~same).any(dim=0).nonzero()
+    mismatched = ((~same) & compared).any(dim=0).nonzero()
     first_mismatch = int(mismatched[0]) if len(mismatched) else None
     if first_mismatch is None and reference.shape != candidate.shape:
         first_mismatch = width
@@ -99,11 +103,23 @@ def _agreement(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float,
 
 
 def _stepped_logits(
-    reference: torch.Tensor, candidate: torch.Tensor, first_mismatch: int | None, width: int
+    reference: torch.Tensor,
+    candidate: torch.Tensor,
+    first_mismatch: int | None,
+    width: int,
+    kept: torch.Tensor | None = None,
 ) -> Diff:
-    """The logits of every decoding step up to the first mismatch (same prefixes)."""
+    """The logits of every decoding step up to the first mismatch (same prefixes), of the
+    steps ``kept`` (``None``: all of them)."""
     steps = width if first_mismatch is None else first_mismatch + 1
-    return diff(reference[:, :steps], candidate[:, :steps], rowwise=True)
+    if kept is None:
+        return diff(reference[:, :steps], candidate[:, :steps], rowwise=True)
+    rows = kept[:, :steps]
+    return diff(
+        reference[:, :steps][rows.to(reference.device)],
+        candidate[:, :steps][rows.to(candidate.device)],
+        rowwise=True,
+    )
 
 
 def _parts_at_a_near_tie(
@@ -112,10 +128,14 @@ def _parts_at_a_near_tie(
     reference_logits: torch.Tensor,
     candidate_logits: torch.Tensor,
     step: int,
+    kept: torch.Tensor | None = None,
 ) -> bool:
     """Whether every row that differs at ``step`` chose between two tokens whose reference
     logits are within twice the runs' largest logit difference at that step."""
-    rows = (reference[:, step] != candidate[:, step]).nonzero().flatten()
+    differs = reference[:, step] != candidate[:, step]
+    if kept is not None:
+        differs &= kept[:, step]
+    rows = differs.nonzero().flatten()
     ref_step = reference_logits[rows, step].to(torch.float64)
     cand_step = candidate_logits[rows, step].to(device=ref_step.device, dtype=torch.float64)
     ours = ref_step.gather(1, reference[rows, step].unsqueeze(1).to(ref_step.device))
@@ -133,6 +153,7 @@ def compare_generation(
     candidate_logits: torch.Tensor | None = None,
     *,
     floor: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    kept: torch.Tensor | None = None,
 ) -> GenerationReport:
     """Token agreement of two greedy generations (``[batch, new_tokens]`` each), and the
     logits of every step up to the first mismatch (each computed from the same prefix).
@@ -146,30 +167,36 @@ def compare_generation(
     its own token exceeds that of the candidate's by no more than twice the largest
     difference between the two runs' logits there (a rounding flip; after it the
     prefixes differ and nothing more can be compared).
+
+    ``kept`` (``[batch, new_tokens]``) is the steps compared, tokens and logits (``None``:
+    all of them): a sequence's steps from a mixture-of-experts near-tie in decoding on are
+    left out (:func:`~layerswap.verify.excused.decoding_excused_from`).
     """
     width = min(reference.shape[1], candidate.shape[1])
-    agreement, first_mismatch = _agreement(reference, candidate)
+    if kept is not None:
+        kept = kept.cpu()
+    agreement, first_mismatch = _agreement(reference, candidate, kept)
     exact = first_mismatch is None
     if floor is not None:
         floor_tokens, floor_logits = floor
-        floor_agreement, floor_mismatch = _agreement(reference, floor_tokens)
+        floor_agreement, floor_mismatch = _agreement(reference, floor_tokens, kept)
         tolerance = dataclasses.replace(
             tolerance,
             min_token_agreement=min(tolerance.min_token_agreement, floor_agreement),
         )
         if reference_logits is not None and floor_logits is not None:
-            measured = _stepped_logits(reference_logits, floor_logits, floor_mismatch, width)
+            measured = _stepped_logits(reference_logits, floor_logits, floor_mismatch, width, kept)
             tolerance = tolerance.widened(
                 measured.max_rel_error, measured.cosine, FLOOR_FACTOR, FLOOR_SLACK
             )
     logits_error, logits_passed = None, True
     tie = False
     if reference_logits is not None and candidate_logits is not None:
-        stepped = _stepped_logits(reference_logits, candidate_logits, first_mismatch, width)
+        stepped = _stepped_logits(reference_logits, candidate_logits, first_mismatch, width, kept)
         logits_error, logits_passed = stepped.max_abs_error, stepped.passes(tolerance)
         if floor is not None and first_mismatch is not None and first_mismatch < width:
             tie = _parts_at_a_near_tie(
-                reference, candidate, reference_logits, candidate_logits, first_mismatch
+                reference, candidate, reference_logits, candidate_logits, first_mismatch, kept
             )
     return GenerationReport(
         passed=(exact or tie or agreement >= tolerance.min_token_agreement) and logits_passed,
@@ -366,10 +393,34 @@ def _compare_decoding(
     tolerance: Tolerance,
     floor: Run | None,
     sequences: torch.Tensor | None,
+    prompt: torch.Tensor,
 ) -> GenerationReport | None:
-    """Cached decoding compared, of the sequences kept (``None``: all of them)."""
+    """Cached decoding compared, of the sequences kept (``None``: all of them), each up to
+    the step a mixture-of-experts near-tie in decoding leaves out
+    (:func:`~layerswap.verify.excused.decoding_excused_from`; ``prompt`` is the prompt's
+    valid positions)."""
     if reference.tokens is None or candidate.tokens is None:
         return None
+    batch, new = reference.tokens.shape
+    from_step = decoding_excused_from(
+        reference.decode_routing,
+        candidate.decode_routing,
+        reference.tokens,
+        candidate.tokens,
+        prompt,
+    )
+    # the sequences a near-tie in decoding left out, and the step it left them out from
+    decoded: list[tuple[int, int]] = []
+    if from_step is not None:
+        for row in range(batch):
+            if int(from_step[row]) < new and (sequences is None or bool(sequences[row])):
+                decoded.append((row, int(from_step[row])))
+        whole = from_step == 0
+        sequences = ~whole if sequences is None else sequences & ~whole.to(sequences.device)
+    steps = None
+    if from_step is not None:
+        steps = torch.arange(new).unsqueeze(0) < from_step.unsqueeze(1)
+        steps = _kept(steps, sequences)
 
     def kept(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return tensor if tensor is None else _kept(tensor, sequences)
@@ -384,10 +435,13 @@ def _compare_decoding(
         kept(reference.token_logits),
         kept(candidate.token_logits),
         floor=floored,
+        kept=steps,
     )
-    if sequences is None:
+    if sequences is None and not decoded:
         return report
-    return dataclasses.replace(report, excused_sequences=int((~sequences).sum()))
+    wholly = int((~sequences).sum()) if sequences is not None else 0
+    left_out = wholly + sum(1 for _, step in decoded if step > 0)
+    return dataclasses.replace(report, excused_sequences=left_out, excused_steps=tuple(decoded))
 
 
 @dataclass(frozen=True)
@@ -464,7 +518,8 @@ class Comparison:
         ids = self.batch["input_ids"]
         excused = self.excused(reference, candidate)
         sequences = ~excused.sequences(int(ids.shape[0])) if excused is not None else None
-        generation = _compare_decoding(reference, candidate, tolerance, floor, sequences)
+        prompt = self.batch["attention_mask"].bool()
+        generation = _compare_decoding(reference, candidate, tolerance, floor, sequences, prompt)
         layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind, excused)
         keep = _output_rows(excused, reference.logits, int(ids.shape[0]))
         ref_logits = _kept(reference.logits, keep)

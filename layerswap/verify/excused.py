@@ -14,6 +14,11 @@ output, which no tolerance should absorb, and which says nothing about the swap.
   are their rows of the logits; a sequence whose last token is left out has its pooled
   output and its cached decoding left out (both read that token, and decoding the keys
   and values the near-tie changed);
+* in cached decoding (:func:`decoding_excused_from`), a token the candidate routes
+  differently at a reference near-tie while decoding (the prompt at step 0, the token
+  generated at step ``t - 1`` at step ``t``), its sequence having generated the same
+  tokens before, leaves out that step of its sequence and every later one: their logits,
+  and their tokens (greedy decoding reads each from the step's logits);
 * with ``backward=True`` the loss learns from none of the rows left out of the output
   (:mod:`layerswap.verify.kept_loss`);
 * everything else is compared as before, with the same tolerance: a token routed
@@ -30,7 +35,7 @@ import torch
 
 from layerswap.verify.routing import Routing
 
-__all__ = ["Excused", "excused_rows"]
+__all__ = ["Excused", "decoding_excused_from", "excused_rows"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +114,51 @@ def excused_rows(
     if not any(counts):
         return None
     return Excused(rows, counts, positions)
+
+
+def decoding_excused_from(
+    reference: Sequence[Sequence[Routing | None]] | None,
+    candidate: Sequence[Sequence[Routing | None]] | None,
+    reference_tokens: torch.Tensor,
+    candidate_tokens: torch.Tensor,
+    prompt: torch.Tensor,
+) -> torch.Tensor | None:
+    """``[batch]``: per sequence, the first step of cached decoding left out (the number of
+    steps where none is), or ``None`` where nothing is.
+
+    Step ``t`` (:attr:`~layerswap.verify.forward.Run.decode_routing`; step 0 routes the
+    prompt's valid positions, ``prompt`` ``[batch, seq]``, step ``t > 0`` the token each
+    sequence generated at step ``t - 1``) is left out of a sequence where, at any layer,
+    the candidate routes one of that step's tokens of the sequence to other experts at a
+    near-tie of the reference's: the step's logits then differ by an expert's output, and
+    so may every later token (greedy) and logit. Only where the sequence generated the
+    same tokens before that step in both runs: a token routed otherwise after the tokens
+    parted routes another input, and is the comparison's to judge.
+    """
+    if reference is None or candidate is None:
+        return None
+    batch, new = reference_tokens.shape[0], reference_tokens.shape[1]
+    sequences_of_prompt = prompt.cpu().nonzero()[:, 0]
+    width = min(new, candidate_tokens.shape[1])
+    same = (
+        reference_tokens[:, :width] == candidate_tokens[:, :width].to(reference_tokens.device)
+    ).cpu()
+    # same_before[:, t]: the sequence generated the same tokens at steps 0 .. t - 1
+    same_before = torch.ones(batch, width + 1, dtype=torch.bool)
+    same_before[:, 1:] = same.cumprod(dim=1).bool()
+    first = torch.full((batch,), new, dtype=torch.long)
+    for step, (ref_layers, cand_layers) in enumerate(zip(reference, candidate, strict=False)):
+        if step >= new or step > width:
+            break
+        rows_to_sequences = sequences_of_prompt if step == 0 else torch.arange(batch)
+        for ref, cand in zip(ref_layers, cand_layers, strict=False):
+            if ref is None or cand is None:
+                continue
+            flips = _flipped_at_a_near_tie(ref, cand)
+            if flips is None or flips.shape[0] != rows_to_sequences.shape[0]:
+                continue
+            hit = torch.zeros(batch, dtype=torch.bool)
+            hit[rows_to_sequences[flips]] = True
+            hit &= same_before[:, step]
+            first[hit] = torch.minimum(first[hit], torch.tensor(step))
+    return first if bool((first < new).any()) else None

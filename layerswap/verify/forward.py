@@ -15,7 +15,7 @@ from layerswap.errors import UnsupportedModelError
 from layerswap.model import decoder_layers
 from layerswap.verify.inputs import pad_token_id, text_config
 from layerswap.verify.model_classes import task_of
-from layerswap.verify.routing import Routing, capture_routing
+from layerswap.verify.routing import Routing, capture_decode_routing, capture_routing
 
 __all__ = [
     "ContextFactory",
@@ -53,6 +53,10 @@ class Run:
     #: per decoder layer, its mixture-of-experts routing of the valid tokens (``None`` for
     #: a dense layer); ``None`` for a model without such blocks or a pass not recording it
     routing: list[Routing | None] | None = None
+    #: per step of cached decoding (step 0: the prompt; step ``t``: the token generated at
+    #: step ``t - 1``), per decoder layer, its mixture-of-experts routing
+    #: (:func:`~layerswap.verify.routing.capture_decode_routing`); ``None``: not recorded
+    decode_routing: list[list[Routing | None]] | None = None
     #: ``[batch, seq]``: the positions whose loss terms the loss and gradients left out
     #: (``forward(left_out=...)``); ``None``: it learnt from every position
     loss_left_out: torch.Tensor | None = None
@@ -172,8 +176,10 @@ def forward(
                 for (name, param), grad in zip(params, grads, strict=True)
             }
     compared, is_logits = task.compared(output, valid)
-    tokens, token_logits = (
-        generate_tokens(model, batch, generate, context) if generate else (None, None)
+    tokens, token_logits, decode_routing = (
+        _generate(model, batch, generate, context, routing=routing)
+        if generate
+        else (None, None, None)
     )
     return Run(
         compared.detach(),
@@ -184,6 +190,7 @@ def forward(
         tokens=tokens,
         token_logits=token_logits,
         routing=routed,
+        decode_routing=decode_routing,
         loss_left_out=left_out if wants_loss else None,
     )
 
@@ -204,6 +211,21 @@ def generate_tokens(
     ``cache`` is the cache implementation (``"static"``; ``None``: the model's default,
     a dynamic cache).
     """
+    tokens, logits, _ = _generate(model, batch, new_tokens, context, cache=cache)
+    return tokens, logits
+
+
+def _generate(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    new_tokens: int,
+    context: ContextFactory = contextlib.nullcontext,
+    *,
+    cache: str | None = None,
+    routing: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[Routing | None]] | None]:
+    """:func:`generate_tokens`, and with ``routing`` each decoding step's mixture-of-experts
+    routing (:func:`~layerswap.verify.routing.capture_decode_routing`)."""
     # disable_compile: on a GPU, generate() with a static cache compiles the forward
     # (transformers' auto-compile); what is compared is what the layers compute, eagerly,
     # the same on every device (TransformerEngine 2.20's attention cannot be traced by
@@ -217,7 +239,12 @@ def generate_tokens(
         raise UnsupportedModelError(
             f"{type(model).__name__} cannot generate; use generate=0 or a *ForCausalLM model"
         )
-    with evaluation(model), torch.no_grad(), context():
+    recording = (
+        capture_decode_routing(decoder_layers(model), batch["attention_mask"].bool())
+        if routing
+        else contextlib.nullcontext(None)
+    )
+    with recording as decode_routing, evaluation(model), torch.no_grad(), context():
         sequences = generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
@@ -232,4 +259,4 @@ def generate_tokens(
         )
     tokens: torch.Tensor = sequences.sequences[:, batch["input_ids"].shape[1] :].detach().cpu()
     logits = torch.stack([step.detach().float().cpu() for step in sequences.logits], dim=1)
-    return tokens, logits
+    return tokens, logits, decode_routing

@@ -104,7 +104,10 @@ class GenerationReport:
     ``max_abs_error`` is that of the logits each token was chosen from, up to the first
     mismatch; ``logits_passed`` whether those are within tolerance. ``excused_sequences``
     sequences were left out: a token of theirs was routed to other experts at a near-tie
-    of the reference's (see :mod:`layerswap.verify.excused`).
+    of the reference's (see :mod:`layerswap.verify.excused`), in the prompt (the whole
+    sequence) or while decoding (from that step on). ``excused_steps`` is, for the latter,
+    each such sequence (its index in the batch) and its decoding step (0: the prompt as
+    decoding ran it; ``t``: the token generated at step ``t - 1``).
     """
 
     passed: bool
@@ -116,6 +119,7 @@ class GenerationReport:
     max_abs_error: float | None = None
     logits_passed: bool = True
     excused_sequences: int = 0
+    excused_steps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,16 @@ class VerificationReport:
             )
         if self.near_ties:
             lines.append(self._near_ties_line())
+        if self.generation is not None and self.generation.excused_steps:
+            steps = ", ".join(
+                f"sequence {row} at decode step {step}"
+                for row, step in self.generation.excused_steps
+            )
+            lines.append(
+                "mixture-of-experts: cached decoding routed a token to other experts at a "
+                f"near-tie of the original's router ({steps}); left out from that step on "
+                "with the later steps of its sequence (logits and tokens)"
+            )
         lines.extend(self._problems())
         return "\n".join(lines)
 
@@ -220,7 +234,10 @@ class VerificationReport:
             f"layer {layer.index}: {layer.near_ties}" for layer in self.layers if layer.near_ties
         )
         last = self.layers[-1].excused_rows if self.layers else 0
-        sequences = self.generation.excused_sequences if self.generation is not None else 0
+        sequences = 0
+        if self.generation is not None:
+            decoded = sum(1 for _, step in self.generation.excused_steps if step > 0)
+            sequences = self.generation.excused_sequences - decoded
         learnt = self.backward.excused_positions if self.backward is not None else 0
         return (
             f"mixture-of-experts: {self.near_ties} token(s) routed to other experts at a "

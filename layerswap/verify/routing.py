@@ -24,7 +24,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["NEAR_TIE_EPSILONS", "Routing", "capture_routing", "moe_block", "near_ties"]
+__all__ = [
+    "NEAR_TIE_EPSILONS",
+    "Routing",
+    "capture_decode_routing",
+    "capture_routing",
+    "moe_block",
+    "near_ties",
+]
 
 #: a token's top-k choice is a near-tie when the scores of its k-th and (k+1)-th experts
 #: are within this many machine epsilons of the block's dtype, times the token's largest
@@ -116,12 +123,15 @@ def _routing(
     indices: torch.Tensor,
     rankings: Sequence[tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
 ) -> Routing | None:
     """The routing of the valid tokens, with near-ties from the ``topk`` that chose
-    ``indices``; ``None`` when the block saw other than one row per position of ``valid``."""
+    ``indices``; ``None`` when the block saw other than one row per position of ``valid``
+    (``valid`` ``None``: every row it saw is kept)."""
     k = indices.shape[-1]
     chosen = indices.detach().reshape(-1, k).sort(dim=-1).values
+    if valid is None:
+        valid = torch.ones(chosen.shape[0], dtype=torch.bool)
     if chosen.shape[0] != valid.numel():
         return None
     tie = next(
@@ -138,19 +148,21 @@ def _routing(
     return Routing(chosen[flat], tie[flat.to(tie.device)] if tie is not None else None)
 
 
+#: called with a decoder layer's position, its block's expert indices, the ``topk`` seen
+#: while it routed, and its dtype: each time the block routes
+_Routed = Callable[
+    [int, torch.Tensor, Sequence[tuple[torch.Tensor, torch.Tensor]], torch.dtype], None
+]
+
+
 @contextlib.contextmanager
-def capture_routing(
-    layers: Sequence[tuple[str, nn.Module]], valid: torch.Tensor
-) -> Iterator[list[Routing | None] | None]:
-    """Record each decoder layer's mixture-of-experts routing (one entry per layer, ``None``
-    for a dense layer); hooks removed on exit. A model without such a block gets no hook
-    and ``None``: its pass is exactly what it was. Only a block's first call is kept."""
-    blocks = [moe_block(layer) for _, layer in layers]
-    if all(found is None for found in blocks):
-        yield None
-        return
-    routed: list[Routing | None] = [None] * len(layers)
-    seen = [False] * len(layers)
+def _watching(
+    blocks: Sequence[tuple[nn.Module, nn.Module] | None],
+    routed: _Routed,
+    wanted: Callable[[int], bool],
+) -> Iterator[None]:
+    """Hook every block: while one routes (and ``wanted(position)``), a recorder of its
+    ``topk``; at its ``experts`` call, ``routed(...)``. Hooks removed on exit."""
     # the recorder open while a block routes, and the stack that closes it
     open_recorder: list[tuple[_RankingRecorder, contextlib.ExitStack]] = []
     handles: list[RemovableHandle] = []
@@ -164,18 +176,17 @@ def capture_routing(
 
     def watch(position: int, block: nn.Module, experts: nn.Module) -> None:
         def start(module: nn.Module, args: Any) -> None:
-            if not seen[position] and not open_recorder:
+            if wanted(position) and not open_recorder:
                 stack = contextlib.ExitStack()
                 open_recorder.append((stack.enter_context(_RankingRecorder()), stack))
 
         def routed_to(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             rankings = close()
             indices = _expert_indices(args, kwargs)
-            if seen[position] or indices is None or not args:
+            if not wanted(position) or indices is None or not args:
                 return
-            seen[position] = True
             dtype = args[0].dtype if isinstance(args[0], torch.Tensor) else torch.float32
-            routed[position] = _routing(indices, rankings, dtype, valid)
+            routed(position, indices, rankings, dtype)
 
         def end(module: nn.Module, args: Any, output: Any) -> None:
             close()  # routed without calling experts, or raised: never leave the mode open
@@ -188,8 +199,77 @@ def capture_routing(
         for position, found in enumerate(blocks):
             if found is not None:
                 watch(position, *found)
-        yield routed
+        yield
     finally:
         close()
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def capture_routing(
+    layers: Sequence[tuple[str, nn.Module]], valid: torch.Tensor
+) -> Iterator[list[Routing | None] | None]:
+    """Record each decoder layer's mixture-of-experts routing (one entry per layer, ``None``
+    for a dense layer); hooks removed on exit. A model without such a block gets no hook
+    and ``None``: its pass is exactly what it was. Only a block's first call is kept."""
+    blocks = [moe_block(layer) for _, layer in layers]
+    if all(found is None for found in blocks):
+        yield None
+        return
+    routed: list[Routing | None] = [None] * len(layers)
+    seen = [False] * len(layers)
+
+    def record(
+        position: int,
+        indices: torch.Tensor,
+        rankings: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        dtype: torch.dtype,
+    ) -> None:
+        seen[position] = True
+        routed[position] = _routing(indices, rankings, dtype, valid)
+
+    with _watching(blocks, record, lambda position: not seen[position]):
+        yield routed
+
+
+@contextlib.contextmanager
+def capture_decode_routing(
+    layers: Sequence[tuple[str, nn.Module]], prompt: torch.Tensor
+) -> Iterator[list[list[Routing | None]] | None]:
+    """Record each decoder layer's mixture-of-experts routing at every step of cached
+    decoding: one entry per step (per layer, as :func:`capture_routing`). Step 0 runs the
+    prompt (its valid positions: ``prompt``, ``[batch, seq]``); every later step one token
+    per sequence, the one generated at the step before (its rows: the batch's sequences).
+    ``None`` for a model without such blocks (nothing hooked)."""
+    blocks = [moe_block(layer) for _, layer in layers]
+    if all(found is None for found in blocks):
+        yield None
+        return
+    calls: list[list[Routing | None]] = [[] for _ in layers]
+
+    def record(
+        position: int,
+        indices: torch.Tensor,
+        rankings: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        dtype: torch.dtype,
+    ) -> None:
+        valid = prompt if not calls[position] else None
+        calls[position].append(_routing(indices, rankings, dtype, valid))
+
+    steps: list[list[Routing | None]] = []
+    try:
+        with _watching(blocks, record, lambda position: True):
+            yield steps
+    finally:
+        # per step, every layer's routing (a dense layer, or a step a block missed: None)
+        count = max(len(layer_calls) for layer_calls in calls)
+        steps.extend(
+            [
+                layer_calls[step]
+                if blocks[position] is not None and step < len(layer_calls)
+                else None
+                for position, layer_calls in enumerate(calls)
+            ]
+            for step in range(count)
+        )
