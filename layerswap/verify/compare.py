@@ -475,8 +475,14 @@ class Comparison:
         """The rows the comparison of the two runs leaves out (:mod:`layerswap.verify.excused`)."""
         if reference.routing is None or candidate.routing is None:
             return None
-        valid = self.batch["attention_mask"].bool()
-        return excused_rows(reference.routing, candidate.routing, valid)
+        return excused_rows(reference.routing, candidate.routing, self.valid_tokens())
+
+    def valid_tokens(self) -> torch.Tensor:
+        """Which prompt tokens are real (the batch's attention mask; every token where it
+        has none), (batch, seq) bool."""
+        mask = self.batch.get("attention_mask")
+        ids = self.batch["input_ids"]
+        return torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
 
     def report(
         self,
@@ -518,7 +524,7 @@ class Comparison:
         ids = self.batch["input_ids"]
         excused = self.excused(reference, candidate)
         sequences = ~excused.sequences(int(ids.shape[0])) if excused is not None else None
-        prompt = self.batch["attention_mask"].bool()
+        prompt = self.valid_tokens()
         generation = _compare_decoding(reference, candidate, tolerance, floor, sequences, prompt)
         layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind, excused)
         keep = _output_rows(excused, reference.logits, int(ids.shape[0]))
