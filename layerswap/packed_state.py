@@ -40,7 +40,7 @@ from torch import nn
 
 from layerswap import parallel
 from layerswap.errors import ConversionError
-from layerswap.weights import Concat
+from layerswap.weights import row_concats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -62,11 +62,7 @@ def packed_sizes(substitution: Substitution, config: PreTrainedConfig) -> dict[s
     from layerswap import hf_internals
 
     config = hf_internals.text_config_of(config)
-    return {
-        rule.target: rule.part_sizes(config)
-        for rule in getattr(substitution.converter, "rules", ())
-        if isinstance(rule, Concat) and rule.dim == 0
-    }
+    return {rule.target: rule.part_sizes(config) for rule in row_concats(substitution.converter)}
 
 
 def packed_shard(tensor: Any) -> parallel.Shard | None:

@@ -46,7 +46,7 @@ from torch import nn
 from layerswap import hf_internals
 from layerswap.errors import ConversionError, RequirementError
 from layerswap.state import fused_modules, layout_hooks
-from layerswap.weights import Concat
+from layerswap.weights import row_concats
 
 __all__ = [
     "LAYOUTS",
@@ -215,11 +215,7 @@ class _SplitFused:
         self.layout = layout
         self.config = hf_internals.text_config_of(config)
         self.fused = fused_modules(substitution.converter)
-        self.rules = [
-            rule
-            for rule in getattr(substitution.converter, "rules", ())
-            if isinstance(rule, Concat) and rule.dim == 0
-        ]
+        self.rules = row_concats(substitution.converter)
 
     def __call__(
         self,

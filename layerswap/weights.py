@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Concat",
+    "row_concats",
     "Converter",
     "Custom",
     "LayoutConverter",
@@ -230,6 +231,20 @@ class Concat:
         # clone: the parts must neither keep the fused storage alive nor alias each other
         # (safetensors refuses to save tensors that share memory)
         return [part.clone() for part in torch.split(fused, expected, dim=self.dim)]
+
+
+def row_concats(converter: Any) -> list[Concat]:
+    """The rules of ``converter`` that pack tensors along rows (dim 0: q/k/v into
+    ``qkv_proj``, gate/up into ``gate_up_proj``): what a sharded or quantized fused weight
+    holds part by part. Example::
+
+        [rule.target for rule in row_concats(sub.converter)]   # ['self_attn.qkv_proj.weight', ...]
+    """
+    return [
+        rule
+        for rule in getattr(converter, "rules", ())
+        if isinstance(rule, Concat) and rule.dim == 0
+    ]
 
 
 @dataclass(frozen=True)
