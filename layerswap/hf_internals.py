@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 from collections.abc import Collection, Iterator, Mapping
@@ -652,16 +653,19 @@ def text_config_of(config: Any) -> Any:
     """The config a decoder layer reads: a composite (multimodal) config's text config,
     by transformers' ``get_text_config()``, else ``config`` itself.
 
-    Its ``dtype``, where a name stands there, is made the torch dtype it names, in
-    place: ``save_pretrained`` leaves ``"float32"`` in the model's own config, and a
-    layer that builds tensors in ``config.dtype`` (Apertus's xIELU) cannot be built
-    from that -- by transformers or by layerswap's checks (:func:`torch_dtype_of`).
+    The user's config is never changed. Where its ``dtype`` is a name
+    (``save_pretrained`` leaves ``"float32"`` in the model's own config), a shallow copy
+    whose ``dtype`` is the torch dtype it names is returned instead: a layer that builds
+    tensors in ``config.dtype`` (Apertus's xIELU) cannot be built from a name -- by
+    transformers or by layerswap's checks (:func:`torch_dtype_of`).
     """
     get_text_config = getattr(config, "get_text_config", None)
     text = get_text_config() if callable(get_text_config) else config
     named = getattr(text, "dtype", None)
-    if isinstance(named, str) and torch_dtype_of(text) is not None:
-        text.dtype = torch_dtype_of(text)
+    dtype = torch_dtype_of(text)
+    if isinstance(named, str) and dtype is not None:
+        text = copy.copy(text)
+        text.dtype = dtype
     return text
 
 

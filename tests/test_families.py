@@ -227,6 +227,23 @@ def test_an_activation_with_learned_parameters_is_built_in_the_models_dtype(
     assert plain.act_fn.alpha_p.dtype == torch.bfloat16
 
 
+def test_a_config_dtype_given_as_a_name_is_read_and_left_as_it_is() -> None:
+    """``save_pretrained`` leaves ``dtype="float32"`` (a name) in the model's own config:
+    the swap builds Apertus's xIELU in the dtype it names, and the user's config keeps
+    its name (layerswap changes no config of the user's)."""
+    apertus = get_family("apertus")
+    model = apertus.build(seed=0)
+    model.config.dtype = "float32"
+    ids = torch.randint(1, text_vocab(apertus.tiny_config()), (2, 9))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    with layerswap.swap(model, "apertus.decoder.fused"):
+        assert model.model.layers[0].mlp.act_fn.alpha_p.dtype == torch.float32
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, expected)
+    assert model.config.dtype == "float32"
+
+
 def test_a_mixture_of_experts_block_under_its_own_name_is_kept_there() -> None:
     """GraniteMoE's layer holds its block as ``block_sparse_moe``: the swapped layer keeps
     it under that name, so the checkpoint's keys and the model's logits stay the same."""
