@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import SubstitutionError, UnsupportedFamilyError
 from layerswap.family import Family
-from layerswap.slots import slot_names
+from layerswap.slots import get_slot, slot_names
 from layerswap.substitution import (
     UNPROVEN_TENSOR_PARALLEL,
+    Parts,
     Substitution,
     UpstreamCheck,
     check_structure,
@@ -230,8 +231,9 @@ class Backend:
             context=implementation.context,
             tensor_parallel=self.tensor_parallel,
         )
+        parts = Parts(family, get_slot(slot), self)
         if variant is None:
-            return sub
+            return sub.bound(parts)
         chosen = next((v for v in self.variants if v.name == variant), None)
         if chosen is None or slot not in chosen.slots:
             known = [v.name for v in self.variants if slot in v.slots]
@@ -246,7 +248,7 @@ class Backend:
             backend=f"{self.name}_{chosen.name}",
             description=description,
             variant=chosen,
-        )
+        ).bound(parts)
 
     def substitutions(self, family: Family) -> list[Substitution]:
         """Every substitution this backend offers for ``family``: each supported slot, each variant."""

@@ -30,7 +30,8 @@ from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubs
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family
 from layerswap.plugins import BACKEND_ENTRY_POINT_GROUP, ENTRY_POINT_GROUP, load_group
-from layerswap.substitution import Substitution
+from layerswap.slots import get_slot
+from layerswap.substitution import Parts, Substitution, resolve_parts_with
 from layerswap.suggestions import did_you_mean
 
 __all__ = ["REGISTRY", "Offer", "Registry"]
@@ -512,7 +513,7 @@ class Registry:
                 )
             self._registered[sub.name] = sub
             self._removed.discard(sub.name)
-        return sub
+        return self.resolved(sub)
 
     def unregister(self, name: str) -> Substitution:
         self.ensure_loaded()
@@ -528,9 +529,27 @@ class Registry:
             self._made.pop(name, None)
             return existing
 
+    def parts_of(self, sub: Substitution) -> Parts:
+        """What ``sub``'s names stand for: its family (one this thread sees), slot and
+        backend; :class:`UnknownSubstitutionError` for a family nobody registered."""
+        return Parts(self.get_family(sub.family), get_slot(sub.slot), self.backend_of(sub))
+
+    def resolved(self, sub: Substitution) -> Substitution:
+        """``sub``, holding its parts (resolved now where it holds none, or other ones
+        than its names say: the family or slot was changed, or registered anew)."""
+        parts = sub.resolution()
+        if (
+            parts is None
+            or parts.family is not self.family(sub.family)
+            or parts.slot.name != sub.slot
+        ):
+            return sub.bound(self.parts_of(sub))
+        return sub
+
     def get(self, name: str | Substitution) -> Substitution:
         if isinstance(name, Substitution):
-            return name
+            self.ensure_loaded()
+            return self.resolved(name)
         if not isinstance(name, str):
             raise TypeError(f"get() takes a name or a Substitution, not {type(name).__name__}")
         self.ensure_loaded()
@@ -574,3 +593,5 @@ class Registry:
 
 #: the registry the module's functions act on
 REGISTRY = Registry()
+# a substitution made outside the registry finds its parts here when first asked
+resolve_parts_with(REGISTRY.parts_of)

@@ -52,9 +52,8 @@ from layerswap import sources, verdicts, zero3
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
-from layerswap.registry import backend_of, get, get_family
+from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
-from layerswap.slots import get_slot
 from layerswap.tokens import avoid_tokens, media_tokens
 from layerswap.verify.first_difference import decoding_differs, gradients_differ, outputs_differ
 from layerswap.verify.tolerance import Tolerance
@@ -201,7 +200,7 @@ def comparing() -> Iterator[None]:
 
 
 def _device(sub: Substitution) -> torch.device:
-    backend = backend_of(sub)
+    backend = sub.parts.backend
     on_cpu = backend is None or "cpu" in backend.devices
     return torch.device("cpu" if on_cpu or not torch.cuda.is_available() else "cuda")
 
@@ -364,7 +363,7 @@ def prove(
                 _MEMO[key] = known
                 return known
         with zero3.outside_partitioning():  # tiny models stay whole inside zero.Init
-            verdict = _prove(sub, get_family(sub.family), config)
+            verdict = _prove(sub, sub.parts.family, config)
         if verdict.config == "family" and config is not None:
             warnings.warn(
                 f"{sub.name}: the proof could not build a tiny model from this config's "
@@ -428,7 +427,7 @@ def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
 
         ensure_proven(layerswap.get("llama.decoder.fused"), model.config)
     """
-    if not get_slot(sub.slot).proven_at_first_use or sub.upstream is None or _PROVING.get():
+    if not sub.parts.slot.proven_at_first_use or sub.upstream is None or _PROVING.get():
         return  # replace_decoder's classes take no converted weights: nothing to compare
     verdict = prove(sub, config)
     if verdict.passed:
@@ -451,7 +450,7 @@ def _family_like(sub: Substitution, config: PreTrainedConfig) -> PreTrainedConfi
     chosen = {name: getattr(text, name, None) for name in CODE_PATHS}
     if all(value is None for value in chosen.values()):
         return None
-    tiny = get_family(sub.family).tiny_config()
+    tiny = sub.parts.family.tiny_config()
     for name, value in chosen.items():
         if value is not None:
             setattr(layer_config(tiny), name, value)

@@ -16,10 +16,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from layerswap.errors import (
@@ -36,11 +37,13 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedConfig
 
-    from layerswap.backend import Variant
+    from layerswap.backend import Backend, Variant
+    from layerswap.slots import Slot
     from layerswap.weights import LayoutConverter
 
 __all__ = [
     "UNPROVEN_TENSOR_PARALLEL",
+    "Parts",
     "Substitution",
     "UpstreamCheck",
     "check_call_contract",
@@ -146,7 +149,7 @@ def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = Non
     supported, why = hf_internals.transformers_support(version)
     if not supported:
         raise UpstreamDriftError(f"{sub.name}: transformers {version} is {why}")
-    get_slot(sub.slot).check_call(sub, config)
+    sub.parts.slot.check_call(sub, config)
 
 
 def check_layer_call(sub: Substitution, config: PreTrainedConfig | None = None) -> None:
@@ -260,6 +263,29 @@ def check_structure(sub: Substitution, config: PreTrainedConfig) -> None:
 
 
 @dataclass(frozen=True)
+class Parts:
+    """What a substitution's names stand for: its family, slot and backend (``None`` for
+    one registered by hand under a backend name nobody declared). The registry resolves
+    them once (:meth:`Substitution.bound`); everything below takes them from here."""
+
+    family: Family
+    slot: Slot
+    backend: Backend | None
+
+
+#: how a substitution nobody resolved yet finds its parts: the registry's, given when it
+#: loads (:func:`resolve_parts_with`), so that nothing here imports the registry
+_RESOLVE_PARTS: Callable[[Substitution], Parts] | None = None
+
+
+def resolve_parts_with(resolver: Callable[[Substitution], Parts]) -> None:
+    """Where :attr:`Substitution.parts` resolves a substitution the registry has not seen
+    (one made with ``dataclasses.replace`` and used at once): the registry's resolver."""
+    global _RESOLVE_PARTS
+    _RESOLVE_PARTS = resolver
+
+
+@dataclass(frozen=True)
 class Substitution:
     """One reversible layer substitution, as data. Derive variants with ``dataclasses.replace``.
 
@@ -297,6 +323,39 @@ class Substitution:
     #: translated by :mod:`layerswap.parallel`), or ``None`` when it may: proven only
     #: for layers tested sharded, so refused unless the backend declares otherwise
     tensor_parallel: str | None = UNPROVEN_TENSOR_PARALLEL
+    #: what the names stand for, and the classes, resolved once (not compared, not copied
+    #: by ``dataclasses.replace``: a changed substitution is resolved again)
+    _parts: Parts | None = field(default=None, init=False, compare=False, repr=False)
+    _classes: dict[str, type[torch.nn.Module]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+
+    def bound(self, parts: Parts) -> Substitution:
+        """This substitution, holding ``parts`` (the registry's resolution of its names)."""
+        object.__setattr__(self, "_parts", parts)
+        return self
+
+    def resolution(self) -> Parts | None:
+        """Its parts where they are resolved already, else ``None`` (nothing is looked up)."""
+        return self._parts
+
+    @property
+    def parts(self) -> Parts:
+        """Its family, slot and backend, as objects (resolved once, by the registry).
+
+        Example::
+
+            sub = layerswap.get("llama.decoder.fused")
+            sub.parts.family.decoder, sub.parts.slot.name     # ("LlamaDecoderLayer", "decoder")
+        """
+        parts = self._parts
+        if parts is None:
+            if _RESOLVE_PARTS is None:  # the registry resolves, and has not loaded yet
+                importlib.import_module("layerswap.registry")
+            assert _RESOLVE_PARTS is not None
+            parts = _RESOLVE_PARTS(self)
+            object.__setattr__(self, "_parts", parts)
+        return parts
 
     def unmet_requirement(self) -> str | None:
         """Why this substitution cannot run here, or ``None`` when it can."""
@@ -344,14 +403,20 @@ class Substitution:
         return dataclasses.replace(self, variant=self.variant.with_options(**options))
 
     def original_class(self) -> type[torch.nn.Module]:
-        """The original layer class; :class:`UpstreamDriftError` if transformers lost it."""
+        """The original layer class (found once); :class:`UpstreamDriftError` if
+        transformers lost it."""
+        found = self._classes.get("original")
+        if found is not None:
+            return found
         try:
-            return resolve(self.original)  # type: ignore[no-any-return]
+            found = resolve(self.original)
         except (ImportError, AttributeError) as exc:
             raise UpstreamDriftError(
                 f"{self.family}: {self.original} cannot be found in transformers "
                 f"{transformers_version()} ({exc}); {self.name} needs it"
             ) from exc
+        self._classes["original"] = found
+        return found  # type: ignore[no-any-return]
 
     def replacement_class(self) -> type[torch.nn.Module]:
         """The replacement layer class; :class:`RequirementError` if it cannot run here."""
@@ -360,12 +425,17 @@ class Substitution:
             raise RequirementError(f"{self.name} cannot run here: {reason}")
         if not isinstance(self.replacement, str):
             return self.replacement
+        found = self._classes.get("replacement")
+        if found is not None:
+            return found
         try:
-            return resolve(self.replacement)  # type: ignore[no-any-return]
+            found = resolve(self.replacement)
         except (ImportError, AttributeError) as exc:
             raise RequirementError(
                 f"{self.name} cannot run here: {self.replacement} cannot be imported ({exc})"
             ) from exc
+        self._classes["replacement"] = found
+        return found  # type: ignore[no-any-return]
 
     def check_upstream(self, config: PreTrainedConfig) -> None:
         """Raise :class:`UpstreamDriftError` if the original no longer fits the converter.

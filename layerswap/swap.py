@@ -28,7 +28,6 @@ from layerswap.handle import SwapHandle
 from layerswap.layers import build_replacement_layer
 from layerswap.model import decoder_layers, family_of, substitution_of, unwrap
 from layerswap.registry import get
-from layerswap.slots import get_slot
 from layerswap.slots.decoder import LayerSwapHandle
 from layerswap.substitution import Substitution
 
@@ -59,7 +58,7 @@ def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int
     """
     sub = _choose(substitution, None, family_of(model))
     target = unwrap(model, parallel=False)
-    return get_slot(sub.slot).rebuild_originals(target, sub)
+    return sub.parts.slot.rebuild_originals(target, sub)
 
 
 def _choose(
@@ -110,4 +109,4 @@ def swap(
             f"({type(target).__name__}); use {family.name}.{sub.slot}.{sub.backend} "
             "or swap(model, backend=...)"
         )
-    return get_slot(sub.slot).swap(target, sub)
+    return sub.parts.slot.swap(target, sub)

@@ -19,7 +19,6 @@ import torch
 
 from layerswap.patching import PatchGroup, Scoped, active_patches
 from layerswap.registry import families, get, get_family
-from layerswap.slots import get_slot
 from layerswap.substitution import Substitution, original_of
 from layerswap.weights import Converter
 
@@ -72,7 +71,7 @@ def use(substitution: str | Substitution) -> SubstitutionUse:
         model.save_pretrained(out)      # loadable by plain transformers
     """
     sub = get(substitution)
-    return SubstitutionUse(sub, get_slot(sub.slot).construction(sub))
+    return SubstitutionUse(sub, sub.parts.slot.construction(sub))
 
 
 def _infer_family(decoder_cls: type) -> str:

@@ -12,7 +12,6 @@ from torch import nn
 from layerswap.errors import SwapWarning, VerificationError
 from layerswap.model import decoder_layers, unwrap
 from layerswap.proof import comparing
-from layerswap.slots import get_slot
 from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
 from layerswap.verify.compare import Comparison
@@ -143,7 +142,7 @@ def verify(
         raise ValueError(
             "generate= needs the whole swapped model; use streaming=False to compare generation"
         )
-    already_swapped = get_slot(sub.slot).swapped_by(model) is not None
+    already_swapped = sub.parts.slot.swapped_by(model) is not None
     if already_swapped and streaming:
         raise ValueError(
             "streaming mode compares an original model with its swap; this model's layers "
