@@ -24,7 +24,6 @@ from layerswap.layers import adopt_layer
 from layerswap.model import layer_config, substitution_of
 from layerswap.parallel import tp_plan_of
 from layerswap.peft_targets import hold as hold_peft_targets
-from layerswap.proof import ensure_proven
 from layerswap.substitution import Substitution
 
 __all__ = [
@@ -119,8 +118,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
     fresh = [(name, layer) for name, layer in layers if substitution_of(layer) is None]
     if fresh:
         config = layer_config(model.config)
-        sub.check_upstream(config)
-        ensure_proven(sub, config)
+        sub.parts.slot.prepare(sub, config)  # contract, structure, proof: before any change
         original_cls = sub.original_class()
         for _, layer in fresh:
             adopt_layer(layer, sub, config)

@@ -47,7 +47,7 @@ __all__ = [
     "Substitution",
     "UpstreamCheck",
     "check_call_contract",
-    "check_layer_call",
+    "call_parameters",
     "check_signature",
     "check_structure",
     "handled_parameters",
@@ -80,7 +80,7 @@ def runs_anywhere(*args: Any, **options: Any) -> str | None:
     return None
 
 
-def _named_parameters(function: Callable[..., Any]) -> list[str]:
+def call_parameters(function: Callable[..., Any]) -> list[str]:
     """The parameters of ``function`` a caller can name, ``self`` and ``*args``/``**kwargs`` left out."""
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     return [
@@ -102,31 +102,7 @@ def handled_parameters(replacement: type) -> frozenset[str]:
     declared = getattr(replacement, "handles", None)
     if declared is not None:
         return frozenset(declared)
-    return frozenset(_named_parameters(replacement.forward))  # type: ignore[attr-defined]
-
-
-def _passes_on(replacement: type, original: type) -> bool:
-    """A subclass of ``original`` whose ``forward`` takes ``**kwargs`` and declares no
-    ``handles`` (it hands what it is given to the original's ``forward``)."""
-    if not issubclass(replacement, original) or getattr(replacement, "handles", None):
-        return False
-    kinds = {p.kind for p in inspect.signature(replacement.forward).parameters.values()}  # type: ignore[attr-defined]
-    return inspect.Parameter.VAR_KEYWORD in kinds
-
-
-def _attention_class(original: type, config: PreTrainedConfig | None) -> type | None:
-    """The class of the original layer's ``self_attn`` (built on the meta device), if any."""
-    if config is None:
-        return None
-    import torch
-
-    try:
-        with torch.device("meta"):
-            layer = original(config, 0)
-    except Exception:  # a config this class cannot take: the structure check says why
-        return None
-    attention = getattr(layer, "self_attn", None)
-    return None if attention is None else type(attention)
+    return frozenset(call_parameters(replacement.forward))  # type: ignore[attr-defined]
 
 
 def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = None) -> None:
@@ -150,49 +126,6 @@ def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = Non
     if not supported:
         raise UpstreamDriftError(f"{sub.name}: transformers {version} is {why}")
     sub.parts.slot.check_call(sub, config)
-
-
-def check_layer_call(sub: Substitution, config: PreTrainedConfig | None = None) -> None:
-    """The decoder slot's part of :func:`check_call_contract`: the layer's (and its
-    attention's) call parameters, each handled by the replacement."""
-    version = transformers_version()
-    original = sub.original_class()
-    taken = _named_parameters(original.forward)
-    if "position_embeddings" not in taken:
-        raise UpstreamDriftError(
-            f"{sub.family}: {original.__name__}.forward in transformers {version} no longer "
-            f"takes position_embeddings (it takes {taken}); {sub.name} follows the older "
-            "contract"
-        )
-    if sub.unmet_requirement() is not None:
-        return  # cannot run here anyway: the requirement error says why, when it is used
-    replacement = sub.replacement_class()
-    if _passes_on(replacement, original):
-        return  # a subclass of the original hands its call to the original's forward
-    handled = handled_parameters(replacement)
-    declared = getattr(replacement, "family", None)  # a backend's per-family class
-    ignored = frozenset(getattr(declared, "ignored_arguments", ()))
-    callees: list[type] = [original]
-    if getattr(replacement, "replaces_attention", False):
-        attention = _attention_class(original, config)
-        if attention is not None:
-            callees.append(attention)
-    for callee in callees:
-        taken = _named_parameters(callee.forward)  # type: ignore[attr-defined]
-        unknown = [
-            name
-            for name in taken
-            if name not in handled and not (callee is original and name in ignored)
-        ]
-        if unknown:
-            names = ", ".join(repr(name) for name in unknown)
-            raise UpstreamDriftError(
-                f"{sub.family}: {callee.__name__}.forward in transformers {version} takes "
-                f"{names}, which {replacement.__name__} ({sub.name}) does not handle: the "
-                "layer contract changed since this layerswap was made, and the swapped "
-                "model would compute something else. Upgrade layerswap, or install a "
-                "transformers release it supports (docs/compatibility.md)"
-            )
 
 
 #: the earlier name of :func:`check_call_contract`

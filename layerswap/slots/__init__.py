@@ -85,6 +85,13 @@ class Slot:
         """The name of the substitution of this slot ``model`` runs, ``None`` for the original."""
         raise NotImplementedError
 
+    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
+        """Everything checked before ``sub`` changes a model of ``config``, in order: the
+        call contract and the structure (:meth:`Substitution.check_upstream`, on the text
+        config, unwrapped once there), then what the slot adds (the decoder slot: the
+        first-use proof). Raises; changes nothing."""
+        sub.check_upstream(config)
+
     def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
         """Raise :class:`~layerswap.errors.UpstreamDriftError` when transformers calls the
         original with something the replacement does not handle (default: nothing to check)."""

@@ -41,7 +41,6 @@ from layerswap.loading import (
 )
 from layerswap.model import (
     decoder_layers,
-    layer_config,
     locate,
     pretrained_ancestors,
     pretrained_owner,
@@ -53,7 +52,7 @@ from layerswap.peft_targets import hold as hold_peft_targets
 from layerswap.proof import ensure_proven
 from layerswap.quantized import check_quantized_load
 from layerswap.slots import ModelParts, Slot
-from layerswap.substitution import check_layer_call
+from layerswap.slots.layer_call import check_layer_call
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -310,8 +309,7 @@ class DecoderSlot(Slot):
                 )
         if not layers:
             raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
-        sub.check_upstream(layer_config(config))
-        ensure_proven(sub, config)  # before any layer changes: a drifted contract refuses here
+        self.prepare(sub, config)  # before any layer changes: a drifted contract refuses here
         names = [name for name, _ in layers]
         records: list[_LayerRecord] = []
         changes = UndoLog()
@@ -390,6 +388,11 @@ class DecoderSlot(Slot):
             if owner is not None:
                 return owner.name
         return None
+
+    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
+        """The call contract and structure, then the first-use proof for ``config``."""
+        super().prepare(sub, config)
+        ensure_proven(sub, config)
 
     def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
         check_layer_call(sub, config)

@@ -68,7 +68,7 @@ def _check_swappable(model: nn.Module, sub: Substitution) -> type[nn.Module]:
     config = getattr(model, "config", None)
     if config is None:
         raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
-    sub.check_upstream(config)
+    sub.parts.slot.prepare(sub, config)
     return sub.replacement_class()
 
 
