@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -283,9 +282,11 @@ class Substitution:
         """
         parts = self._parts
         if parts is None:
-            if _RESOLVE_PARTS is None:  # the registry resolves, and has not loaded yet
-                importlib.import_module("layerswap.registry")
-            assert _RESOLVE_PARTS is not None
+            if _RESOLVE_PARTS is None:
+                raise SubstitutionError(
+                    f"{self.name} is not resolved, and the registry has not loaded: pass it "
+                    "through layerswap.get() first (swap, use and verify do)"
+                )
             parts = _RESOLVE_PARTS(self)
             object.__setattr__(self, "_parts", parts)
         return parts
@@ -333,7 +334,8 @@ class Substitution:
         """
         if self.variant is None:
             raise SubstitutionError(f"{self.name} has no variant, so no options to set")
-        return dataclasses.replace(self, variant=self.variant.with_options(**options))
+        changed = dataclasses.replace(self, variant=self.variant.with_options(**options))
+        return changed if self._parts is None else changed.bound(self._parts)
 
     def original_class(self) -> type[torch.nn.Module]:
         """The original layer class (found once); :class:`UpstreamDriftError` if

@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import copyreg
-import importlib
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -107,10 +106,13 @@ def class_named(
         # loading this very module: no registry lookup for dunder names
         raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
     if _registered is None:
-        # a class imported by its name before anything loaded the registry: loading it
-        # gives its families here (a call-time import by name, as declarations name layers)
-        importlib.import_module("layerswap.registry")
-    families = _registered() if _registered is not None else {}
+        # a class imported by its name before anything loaded the registry: only the
+        # builtin families are registered then (a family registered by hand loaded it)
+        from layerswap.families import BUILTIN_FAMILIES
+
+        families: Mapping[str, Family] = {family.name: family for family in BUILTIN_FAMILIES}
+    else:
+        families = _registered()
     for family in families.values():
         if name_of(family) == name:
             return make(family)
