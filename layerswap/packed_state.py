@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from layerswap import parallel
+from layerswap import shards
 from layerswap.errors import ConversionError
 from layerswap.weights import row_concats
 
@@ -65,14 +65,14 @@ def packed_sizes(substitution: Substitution, config: PreTrainedConfig) -> dict[s
     return {rule.target: rule.part_sizes(config) for rule in row_concats(substitution.converter)}
 
 
-def packed_shard(tensor: Any) -> parallel.Shard | None:
+def packed_shard(tensor: Any) -> shards.Shard | None:
     """How ``tensor`` (a parameter) is packed over ranks, or ``None`` when it is not.
 
     Packed: a DTensor split along dim 0 over a tensor-parallel mesh dimension of more
     than one rank. Refused: any other split besides it (FSDP2 over TP), which this module
     does not reorder.
     """
-    shard = parallel.parameter_shard(tensor, 0)
+    shard = shards.parameter_shard(tensor, 0)
     if shard is None or not shard.packed or shard.ranks == 1:
         return None
     others = [p for p in tensor.placements if not p.is_replicate()]
@@ -169,7 +169,7 @@ def install_packed_state_hooks(
 # --- the two conversions --------------------------------------------------------------------
 
 
-def fused_global(param: Any, sizes: list[int], shard: parallel.Shard) -> Any:
+def fused_global(param: Any, sizes: list[int], shard: shards.Shard) -> Any:
     """A DTensor ``Shard(0)`` of the fused layout holding what packed ``param`` holds.
 
     A collective over ``shard.group``: each part is gathered whole, and this rank keeps
@@ -179,9 +179,9 @@ def fused_global(param: Any, sizes: list[int], shard: parallel.Shard) -> Any:
 
     with torch.no_grad():
         local = param.to_local()
-        parts = torch.split(local, parallel.local_part_sizes(sizes, shard), dim=0)
-        whole = torch.cat(parallel.gather_parts(parts, sizes, 0, shard), dim=0)
-        start, length = parallel.stretch(whole.shape[0], shard)
+        parts = torch.split(local, shards.local_part_sizes(sizes, shard), dim=0)
+        whole = torch.cat(shards.gather_parts(parts, sizes, 0, shard), dim=0)
+        start, length = shards.stretch(whole.shape[0], shard)
         mine = whole.narrow(0, start, length).clone()
     return DTensor.from_local(
         mine,
@@ -193,7 +193,7 @@ def fused_global(param: Any, sizes: list[int], shard: parallel.Shard) -> Any:
     )
 
 
-def packed_local(given: Any, param: Any, sizes: list[int], shard: parallel.Shard, name: str) -> Any:
+def packed_local(given: Any, param: Any, sizes: list[int], shard: shards.Shard, name: str) -> Any:
     """``given`` (the fused layout: a DTensor read by its placements, or a whole tensor)
     as a DTensor holding this rank's packed shard, placed like ``param``."""
     from torch.distributed.tensor import DTensor
@@ -208,7 +208,7 @@ def packed_local(given: Any, param: Any, sizes: list[int], shard: parallel.Shard
     with torch.no_grad():
         pieces = []
         for part in torch.split(whole, sizes, dim=0):
-            start, length = parallel.stretch(part.shape[0], shard)
+            start, length = shards.stretch(part.shape[0], shard)
             pieces.append(part.narrow(0, start, length))
         local = torch.cat(pieces, dim=0).to(device=param.to_local().device)
     return DTensor.from_local(

@@ -497,7 +497,7 @@ def _sharded_target(rule: Rule, forward: bool, kwargs: dict[str, Any]) -> Any:
     parameter is a DTensor when ``from_pretrained`` shards the model (tensor parallel,
     FSDP loading).
     """
-    from layerswap import parallel
+    from layerswap import shards
 
     model, name = kwargs.get("model"), kwargs.get("full_layer_name")
     if model is None or not isinstance(name, str):
@@ -519,7 +519,7 @@ def _sharded_target(rule: Rule, forward: bool, kwargs: dict[str, Any]) -> Any:
                 "concatenations and renames; load this model whole"
             )
         return None
-    return parallel.parameter_shard(param, rule.dim)
+    return shards.parameter_shard(param, rule.dim)
 
 
 def _convert_sharded(
@@ -533,7 +533,7 @@ def _convert_sharded(
     Saving: the parameter was gathered whole from ``state_dict()``, which gives a packed
     one in the fused layout already (:mod:`layerswap.packed_state`).
     """
-    from layerswap import hf_internals, parallel
+    from layerswap import hf_internals, shards
 
     assert isinstance(rule, Concat)
     sizes = rule.part_sizes(config)
@@ -545,7 +545,7 @@ def _convert_sharded(
             "model without slicing each checkpoint tensor as it reads it; layerswap converts "
             "sharded loads from transformers 5.24 on. Load the model whole, or upgrade"
         )
-    local = parallel.local_part_sizes(sizes, shard)
+    local = shards.local_part_sizes(sizes, shard)
     for name, tensor, size in zip(rule.sources, tensors, local, strict=True):
         if tensor.dim() <= rule.dim or tensor.shape[rule.dim] != size:
             raise ConversionError(
@@ -555,6 +555,6 @@ def _convert_sharded(
             )
     if shard.packed:
         return [torch.cat(tensors, dim=rule.dim)]
-    whole = torch.cat(parallel.gather_parts(tensors, sizes, rule.dim, shard), dim=rule.dim)
-    start, length = parallel.stretch(whole.shape[rule.dim], shard)
+    whole = torch.cat(shards.gather_parts(tensors, sizes, rule.dim, shard), dim=rule.dim)
+    start, length = shards.stretch(whole.shape[rule.dim], shard)
     return [whole.narrow(rule.dim, start, length).clone()]
