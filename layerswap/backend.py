@@ -28,7 +28,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import SubstitutionError, UnsupportedFamilyError
@@ -39,8 +39,8 @@ from layerswap.substitution import (
     Parts,
     Substitution,
     UpstreamCheck,
+    Variant,
     check_structure,
-    original_of,
     runs_anywhere,
 )
 
@@ -49,7 +49,15 @@ if TYPE_CHECKING:
 
     from layerswap.weights import LayoutConverter
 
-__all__ = ["Backend", "Dependency", "Implementation", "Lazy", "Variant", "every_family"]
+__all__ = [
+    "Backend",
+    "Dependency",
+    "Implementation",
+    "Lazy",
+    "Variant",
+    "every_family",
+    "original_of",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,17 @@ class Lazy:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, _, name = self.target.partition(":")
         return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+def original_of(family: Family, slot: str) -> str:
+    """``"module:Class"`` of what ``slot`` replaces in ``family``.
+
+    Example::
+
+        original_of(layerswap.get_family("llama"), "head")
+        # "transformers.models.llama.modeling_llama:LlamaForCausalLM"
+    """
+    return get_slot(slot).original(family)
 
 
 def every_family(family: Family) -> str | None:
@@ -96,48 +115,6 @@ class Implementation:
     supports: Callable[[Family], str | None] = every_family
     upstream: UpstreamCheck | None = check_structure
     context: Callable[[], AbstractContextManager[Any]] | None = None
-
-
-@dataclass(frozen=True)
-class Variant:
-    """The same layers and weights, run another way: a forward context and its requirement.
-
-    Its substitutions are named ``<family>.<slot>.<backend>_<name>``. ``context(**options)``
-    is what the swapped model's forward passes run in (``te.fp8_autocast``),
-    ``requirement(**options)`` why it cannot run here; ``options`` are the defaults a
-    substitution can change with :meth:`Substitution.with_options`. ``precision`` names
-    the default verification tolerance (``"fp8"``) when it is not the parameters' dtype.
-
-    Example::
-
-        sub = layerswap.get("llama.decoder.te_fp8").with_options(recipe="delayed")
-    """
-
-    name: str
-    context: Callable[..., AbstractContextManager[Any]]
-    requirement: Callable[..., str | None] = runs_anywhere
-    options: Mapping[str, Any] = field(default_factory=dict)
-    precision: str | None = None
-    slots: tuple[str, ...] = ("decoder",)
-    description: str = ""
-
-    def forward_context(self) -> AbstractContextManager[Any]:
-        """The context its forward passes run in, with its options."""
-        return self.context(**self.options)
-
-    def unmet_requirement(self) -> str | None:
-        """Why it cannot run here with its options, or ``None``."""
-        return self.requirement(**self.options)
-
-    def with_options(self, **options: Any) -> Variant:
-        """The variant with ``options`` changed; unknown option names raise."""
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            raise SubstitutionError(
-                f"variant {self.name!r} has no option {', '.join(map(repr, unknown))} "
-                f"(its options: {', '.join(map(repr, self.options)) or 'none'})"
-            )
-        return dataclasses.replace(self, options={**self.options, **options})
 
 
 @dataclass(frozen=True)
@@ -230,8 +207,9 @@ class Backend:
             slot=slot,
             context=implementation.context,
             tensor_parallel=self.tensor_parallel,
+            devices=self.devices,
         )
-        parts = Parts(family, get_slot(slot), self)
+        parts = Parts(family, get_slot(slot))
         if variant is None:
             return sub.bound(parts)
         chosen = next((v for v in self.variants if v.name == variant), None)

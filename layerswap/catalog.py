@@ -530,9 +530,9 @@ class Registry:
             return existing
 
     def parts_of(self, sub: Substitution) -> Parts:
-        """What ``sub``'s names stand for: its family (one this thread sees), slot and
-        backend; :class:`UnknownSubstitutionError` for a family nobody registered."""
-        return Parts(self.get_family(sub.family), get_slot(sub.slot), self.backend_of(sub))
+        """What ``sub``'s names stand for: its family (one this thread sees) and slot;
+        :class:`UnknownSubstitutionError` for a family nobody registered."""
+        return Parts(self.get_family(sub.family), get_slot(sub.slot))
 
     def resolved(self, sub: Substitution) -> Substitution:
         """``sub``, holding its parts (resolved now where it holds none, or other ones

@@ -200,8 +200,7 @@ def comparing() -> Iterator[None]:
 
 
 def _device(sub: Substitution) -> torch.device:
-    backend = sub.parts.backend
-    on_cpu = backend is None or "cpu" in backend.devices
+    on_cpu = "cpu" in sub.devices
     return torch.device("cpu" if on_cpu or not torch.cuda.is_available() else "cuda")
 
 

@@ -1,10 +1,18 @@
-"""A substitution: family x slot x backend, as data, and the upstream checks.
+"""A substitution: family x slot x backend, as data; the slot it fills, the handle its
+swap returns, and the upstream checks.
 
 A :class:`Substitution` names an original (a decoder layer, or a causal LM for the
 ``head`` slot), its replacement, the weight layout converter between them, a
 requirement check, an upstream-structure check, and the context its forward runs in.
 The registry derives them from families x backends (:mod:`layerswap.backend`); other
 packages add theirs through the entry-point group ``layerswap.substitutions``.
+
+The declarations that name each other live here together: a substitution holds its
+:class:`Slot` (what it replaces, and how a swap is made and undone), a slot's swap
+returns a :class:`SwapHandle` holding the substitution, and a :class:`Variant` (the same
+layers run another way) belongs to one. The slot registry is :mod:`layerswap.slots`;
+the handles and slots themselves are in :mod:`layerswap.slots.decoder` and
+:mod:`layerswap.slots.head`.
 
 Example::
 
@@ -17,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -29,28 +37,32 @@ from layerswap.errors import (
     UpstreamDriftError,
 )
 from layerswap.family import Family, resolve
-from layerswap.slots import get_slot
 from layerswap.versions import transformers_version
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     import torch
+    from torch import nn
     from transformers import PreTrainedConfig
 
-    from layerswap.backend import Backend, Variant
-    from layerswap.slots import Slot
+    from layerswap.patching import Scoped
     from layerswap.weights import LayoutConverter
 
 __all__ = [
     "UNPROVEN_TENSOR_PARALLEL",
+    "ModelParts",
     "Parts",
+    "Slot",
     "Substitution",
+    "SwapHandle",
     "UpstreamCheck",
+    "Variant",
     "check_call_contract",
     "call_parameters",
     "check_signature",
     "check_structure",
     "handled_parameters",
-    "original_of",
     "runs_anywhere",
 ]
 
@@ -61,17 +73,6 @@ UNPROVEN_TENSOR_PARALLEL = (
 )
 
 UpstreamCheck: TypeAlias = "Callable[[Substitution, PreTrainedConfig], None]"
-
-
-def original_of(family: Family, slot: str) -> str:
-    """``"module:Class"`` of what ``slot`` replaces in ``family``.
-
-    Example::
-
-        original_of(layerswap.get_family("llama"), "head")
-        # "transformers.models.llama.modeling_llama:LlamaForCausalLM"
-    """
-    return get_slot(slot).original(family)
 
 
 def runs_anywhere(*args: Any, **options: Any) -> str | None:
@@ -195,14 +196,172 @@ def check_structure(sub: Substitution, config: PreTrainedConfig) -> None:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """The same layers and weights, run another way: a forward context and its requirement.
+
+    Its substitutions are named ``<family>.<slot>.<backend>_<name>``. ``context(**options)``
+    is what the swapped model's forward passes run in (``te.fp8_autocast``),
+    ``requirement(**options)`` why it cannot run here; ``options`` are the defaults a
+    substitution can change with :meth:`Substitution.with_options`. ``precision`` names
+    the default verification tolerance (``"fp8"``) when it is not the parameters' dtype.
+
+    Example::
+
+        sub = layerswap.get("llama.decoder.te_fp8").with_options(recipe="delayed")
+    """
+
+    name: str
+    context: Callable[..., AbstractContextManager[Any]]
+    requirement: Callable[..., str | None] = runs_anywhere
+    options: Mapping[str, Any] = field(default_factory=dict)
+    precision: str | None = None
+    slots: tuple[str, ...] = ("decoder",)
+    description: str = ""
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """The context its forward passes run in, with its options."""
+        return self.context(**self.options)
+
+    def unmet_requirement(self) -> str | None:
+        """Why it cannot run here with its options, or ``None``."""
+        return self.requirement(**self.options)
+
+    def with_options(self, **options: Any) -> Variant:
+        """The variant with ``options`` changed; unknown option names raise."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise SubstitutionError(
+                f"variant {self.name!r} has no option {', '.join(map(repr, unknown))} "
+                f"(its options: {', '.join(map(repr, self.options)) or 'none'})"
+            )
+        return dataclasses.replace(self, options={**self.options, **options})
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """A model as coverage describes it: its decoder layers and the rest, as readable text."""
+
+    model: Any  # the causal LM, built on the meta device
+    family: Family
+    layers: list[tuple[str, Any]]  # (qualified name, module) per decoder layer
+    layers_text: str  # "model.layers.0-3 (LlamaDecoderLayer)"
+    outside: tuple[str, ...]  # the modules outside the layers that hold tensors
+
+
+class Slot:
+    """One kind of model part a substitution replaces; subclasses say how.
+
+    Every method takes the substitution it acts for; the slot holds no state of its own.
+    """
+
+    #: the slot's name, the middle part of ``<family>.<slot>.<backend>``
+    name: str = ""
+    #: what it replaces, in a few words (``layerswap list``)
+    description: str = ""
+    #: whether a substitution of this slot is compared with its original at first use on
+    #: a transformers release (:func:`layerswap.proof.ensure_proven`)
+    proven_at_first_use: bool = False
+
+    def original(self, family: Family) -> str:
+        """``"module:Class"`` of what this slot replaces in ``family``."""
+        raise NotImplementedError
+
+    def swap(self, model: Any, sub: Substitution) -> SwapHandle:
+        """Put ``sub`` into the built ``model`` (of ``sub``'s family), reversibly."""
+        raise NotImplementedError
+
+    def rebuild_originals(self, model: Any, sub: Substitution) -> int:
+        """Put originals holding the converted weights where ``sub``'s parts are; how many."""
+        raise NotImplementedError
+
+    def construction(self, sub: Substitution) -> list[Scoped]:
+        """The patches :func:`layerswap.use` starts so that models are built with ``sub``."""
+        raise NotImplementedError
+
+    def swapped_by(self, model: Any) -> str | None:
+        """The name of the substitution of this slot ``model`` runs, ``None`` for the original."""
+        raise NotImplementedError
+
+    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
+        """Everything checked before ``sub`` changes a model of ``config``, in order: the
+        call contract and the structure (:meth:`Substitution.check_upstream`, on the text
+        config, unwrapped once there), then what the slot adds (the decoder slot: the
+        first-use proof). Raises; changes nothing."""
+        sub.check_upstream(config)
+
+    def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
+        """Raise :class:`~layerswap.errors.UpstreamDriftError` when transformers calls the
+        original with something the replacement does not handle (default: nothing to check)."""
+
+    def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(what a substitution of this slot replaces, what stays the original's)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Slot {self.name}>"
+
+
+class SwapHandle:
+    """A swap in effect: what was swapped, and the way back.
+
+    ``undo()`` puts the originals back; a second ``undo()`` does nothing. As a context
+    manager the swap is undone on exit, on any exception too.
+
+    Example::
+
+        with layerswap.swap(model, backend="fused") as handle:
+            print(handle.report())
+    """
+
+    model: nn.Module
+    substitution: Substitution
+    _active: bool
+
+    @property
+    def active(self) -> bool:
+        """Whether the swap is still in effect."""
+        return self._active
+
+    @property
+    def swapped(self) -> list[tuple[str, type[nn.Module], type[nn.Module]]]:
+        """(qualified module name, original class, replacement class) per swapped module."""
+        raise NotImplementedError
+
+    def undo(self) -> None:
+        """Put the originals back (a no-op when already undone)."""
+        raise NotImplementedError
+
+    def report(self) -> str:
+        """A readable summary: the substitution and what it swapped."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[tuple[str, type[nn.Module], type[nn.Module]]]:
+        return iter(self.swapped)
+
+    def __len__(self) -> int:
+        return len(self.swapped)
+
+    def __enter__(self) -> SwapHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.undo()
+
+
+@dataclass(frozen=True)
 class Parts:
-    """What a substitution's names stand for: its family, slot and backend (``None`` for
-    one registered by hand under a backend name nobody declared). The registry resolves
-    them once (:meth:`Substitution.bound`); everything below takes them from here."""
+    """What a substitution's names stand for: its family and its slot. The registry
+    resolves them once (:meth:`Substitution.bound`); everything below takes them from
+    here (what it needs of its backend, the substitution holds as data: its requirement,
+    devices, variant, tensor-parallel reason)."""
 
     family: Family
     slot: Slot
-    backend: Backend | None
 
 
 #: how a substitution nobody resolved yet finds its parts: the registry's, given when it
@@ -255,6 +414,8 @@ class Substitution:
     #: translated by :mod:`layerswap.parallel`), or ``None`` when it may: proven only
     #: for layers tested sharded, so refused unless the backend declares otherwise
     tensor_parallel: str | None = UNPROVEN_TENSOR_PARALLEL
+    #: the device types its layers run on (its backend's ``devices``)
+    devices: tuple[str, ...] = ("cpu", "cuda")
     #: what the names stand for, and the classes, resolved once (not compared, not copied
     #: by ``dataclasses.replace``: a changed substitution is resolved again)
     _parts: Parts | None = field(default=None, init=False, compare=False, repr=False)
@@ -278,7 +439,7 @@ class Substitution:
         Example::
 
             sub = layerswap.get("llama.decoder.fused")
-            sub.parts.family.decoder, sub.parts.slot.name     # ("LlamaDecoderLayer", "decoder")
+            sub.parts.family.decoder, sub.parts.slot.name   # ("LlamaDecoderLayer", "decoder")
         """
         parts = self._parts
         if parts is None:

@@ -17,9 +17,10 @@ from collections.abc import Iterable
 
 import torch
 
+from layerswap.backend import original_of
 from layerswap.patching import PatchGroup, Scoped, active_patches
 from layerswap.registry import families, get, get_family
-from layerswap.substitution import Substitution, original_of
+from layerswap.substitution import Substitution
 from layerswap.weights import Converter
 
 __all__ = ["SubstitutionUse", "applied", "replace_decoder", "use"]

@@ -24,84 +24,11 @@ from __future__ import annotations
 
 import importlib
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import SubstitutionError
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
-
-    from layerswap.family import Family
-    from layerswap.handle import SwapHandle
-    from layerswap.patching import Scoped
-    from layerswap.substitution import Substitution
+from layerswap.substitution import ModelParts, Slot
 
 __all__ = ["ModelParts", "Slot", "get_slot", "register_slot", "slot_names", "unregister_slot"]
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """A model as coverage describes it: its decoder layers and the rest, as readable text."""
-
-    model: Any  # the causal LM, built on the meta device
-    family: Family
-    layers: list[tuple[str, Any]]  # (qualified name, module) per decoder layer
-    layers_text: str  # "model.layers.0-3 (LlamaDecoderLayer)"
-    outside: tuple[str, ...]  # the modules outside the layers that hold tensors
-
-
-class Slot:
-    """One kind of model part a substitution replaces; subclasses say how.
-
-    Every method takes the substitution it acts for; the slot holds no state of its own.
-    """
-
-    #: the slot's name, the middle part of ``<family>.<slot>.<backend>``
-    name: str = ""
-    #: what it replaces, in a few words (``layerswap list``)
-    description: str = ""
-    #: whether a substitution of this slot is compared with its original at first use on
-    #: a transformers release (:func:`layerswap.proof.ensure_proven`)
-    proven_at_first_use: bool = False
-
-    def original(self, family: Family) -> str:
-        """``"module:Class"`` of what this slot replaces in ``family``."""
-        raise NotImplementedError
-
-    def swap(self, model: Any, sub: Substitution) -> SwapHandle:
-        """Put ``sub`` into the built ``model`` (of ``sub``'s family), reversibly."""
-        raise NotImplementedError
-
-    def rebuild_originals(self, model: Any, sub: Substitution) -> int:
-        """Put originals holding the converted weights where ``sub``'s parts are; how many."""
-        raise NotImplementedError
-
-    def construction(self, sub: Substitution) -> list[Scoped]:
-        """The patches :func:`layerswap.use` starts so that models are built with ``sub``."""
-        raise NotImplementedError
-
-    def swapped_by(self, model: Any) -> str | None:
-        """The name of the substitution of this slot ``model`` runs, ``None`` for the original."""
-        raise NotImplementedError
-
-    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
-        """Everything checked before ``sub`` changes a model of ``config``, in order: the
-        call contract and the structure (:meth:`Substitution.check_upstream`, on the text
-        config, unwrapped once there), then what the slot adds (the decoder slot: the
-        first-use proof). Raises; changes nothing."""
-        sub.check_upstream(config)
-
-    def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
-        """Raise :class:`~layerswap.errors.UpstreamDriftError` when transformers calls the
-        original with something the replacement does not handle (default: nothing to check)."""
-
-    def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(what a substitution of this slot replaces, what stays the original's)."""
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"<Slot {self.name}>"
 
 
 #: the builtin slots, imported when first asked for
