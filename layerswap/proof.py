@@ -40,7 +40,7 @@ import json
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,7 +55,7 @@ from layerswap.model import decoder_layers, layer_config, locate
 from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.tokens import avoid_tokens, media_tokens
-from layerswap.verify.first_difference import decoding_differs, gradients_differ, outputs_differ
+from layerswap.verify.first_difference import CHECKS, first_difference
 from layerswap.verify.tolerance import Tolerance
 
 if TYPE_CHECKING:
@@ -76,13 +76,6 @@ __all__ = [
     "shrunk_config",
 ]
 
-#: the checks, in the order they run
-CHECKS = (
-    "forward on a left-padded batch",
-    "prefill and decode with a dynamic cache",
-    "prefill and decode with a static cache",
-    "backward",
-)
 _NEW_TOKENS = 3
 _SEQUENCE = 8
 _PADDING = 3
@@ -260,30 +253,6 @@ def _tolerance(device: torch.device) -> Tolerance:
     return Tolerance.scaled(1e-4 if device.type == "cpu" else 2e-3)
 
 
-def _run_checks(
-    reference: nn.Module, candidate: nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[str | None, str]:
-    """The first of :data:`CHECKS` that differs and how, else ``None``: run and judged
-    as :func:`layerswap.verify` runs and judges (:mod:`layerswap.verify.first_difference`)."""
-    tol = _tolerance(batch["input_ids"].device)
-    steps: tuple[Callable[[], str | None], ...] = (
-        lambda: outputs_differ(reference, candidate, batch, tol),
-        lambda: decoding_differs(reference, candidate, batch, tol, new_tokens=_NEW_TOKENS),
-        lambda: decoding_differs(
-            reference, candidate, batch, tol, new_tokens=_NEW_TOKENS, cache="static"
-        ),
-        lambda: gradients_differ(reference, candidate, batch, tol),
-    )
-    for check, step in zip(CHECKS, steps, strict=True):
-        try:
-            problem = step()
-        except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        if problem is not None:
-            return check, problem
-    return None, f"{len(CHECKS)} checks equal"
-
-
 @normal_tensors
 def _prove(sub: Substitution, family: Family, config: PreTrainedConfig | None) -> Verdict:
     started = time.perf_counter()
@@ -321,7 +290,9 @@ def _prove(sub: Substitution, family: Family, config: PreTrainedConfig | None) -
         else:
             candidate = _swapped_copy(reference, sub, proven)
             batch = _batch(proven, device)
-            check, detail = _run_checks(reference, candidate, batch)
+            check, detail = first_difference(
+                reference, candidate, batch, _tolerance(device), new_tokens=_NEW_TOKENS
+            )
     return Verdict(
         substitution=sub.name,
         passed=check is None,

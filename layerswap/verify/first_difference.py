@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -29,7 +29,13 @@ from layerswap.verify.compare import Diff, compare_gradients, diff
 from layerswap.verify.forward import forward, generate_tokens
 from layerswap.verify.tolerance import Tolerance
 
-__all__ = ["decoding_differs", "gradients_differ", "outputs_differ"]
+__all__ = [
+    "CHECKS",
+    "decoding_differs",
+    "first_difference",
+    "gradients_differ",
+    "outputs_differ",
+]
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -125,3 +131,46 @@ def gradients_differ(
         if not gradient.passed:
             return f"{gradient.name}: max abs difference {gradient.max_abs_error:.3g}"
     return None
+
+
+#: the checks :func:`first_difference` runs, in order
+CHECKS = (
+    "forward on a left-padded batch",
+    "prefill and decode with a dynamic cache",
+    "prefill and decode with a static cache",
+    "backward",
+)
+
+
+def first_difference(
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: Batch,
+    tolerance: Tolerance,
+    *,
+    new_tokens: int,
+) -> tuple[str | None, str]:
+    """The first of :data:`CHECKS` that differs and how, else ``(None, "4 checks equal")``;
+    a check that raises differs, with the exception as its detail.
+
+    Example::
+
+        first_difference(reference, candidate, batch, Tolerance.scaled(1e-4), new_tokens=3)
+        # ("prefill and decode with a static cache", "new token 2: max abs difference 2.23")
+    """
+    steps: tuple[Callable[[], str | None], ...] = (
+        lambda: outputs_differ(reference, candidate, batch, tolerance),
+        lambda: decoding_differs(reference, candidate, batch, tolerance, new_tokens=new_tokens),
+        lambda: decoding_differs(
+            reference, candidate, batch, tolerance, new_tokens=new_tokens, cache="static"
+        ),
+        lambda: gradients_differ(reference, candidate, batch, tolerance),
+    )
+    for check, step in zip(CHECKS, steps, strict=True):
+        try:
+            problem = step()
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem is not None:
+            return check, problem
+    return None, f"{len(CHECKS)} checks equal"
