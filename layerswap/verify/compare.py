@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -393,6 +393,65 @@ def _compare_decoding(
     return dataclasses.replace(report, excused_sequences=left_out, excused_steps=tuple(decoded))
 
 
+def _compare_backward(
+    reference: Run,
+    candidate: Run,
+    tolerance: Tolerance,
+    *,
+    local: bool,
+    floor: Mapping[str, torch.Tensor] | None,
+) -> BackwardReport | None:
+    """The losses and gradients compared, where both runs took them, with the positions
+    the loss left out counted (:func:`compare_gradients`)."""
+    if reference.gradients is None or candidate.gradients is None:
+        return None
+    assert reference.loss is not None and candidate.loss is not None
+    backward = compare_gradients(
+        reference.gradients,
+        candidate.gradients,
+        reference.loss,
+        candidate.loss,
+        tolerance,
+        local=local,
+        floor=floor,
+    )
+    if reference.loss_left_out is not None:
+        left_out = int(reference.loss_left_out.sum())
+        backward = dataclasses.replace(backward, excused_positions=left_out)
+    return backward
+
+
+class _Logits(NamedTuple):
+    """The logits (or pooled output) compared over the kept rows, and the tolerance they
+    were held to (with the noise floor's cosine it was calibrated to, if any)."""
+
+    error: Diff
+    top1: float | None
+    kl: float | None
+    allowed: Tolerance
+    floor_cosine: float | None
+    passed: bool
+
+
+def _compare_logits(
+    reference: Run,
+    candidate: Run,
+    floor: Run | None,
+    keep: torch.Tensor | None,
+    tolerance: Tolerance,
+    floor_kind: FloorKind,
+) -> _Logits:
+    """The outputs compared on the rows ``keep`` (``None``: all), held to ``tolerance``
+    calibrated to the floor run's errors there, if any."""
+    ref_logits = _kept(reference.logits, keep)
+    cand_logits = _kept(candidate.logits, keep)
+    error = diff(ref_logits, cand_logits, rowwise=True)
+    top1, kl = _top1_and_kl(ref_logits, cand_logits, reference.is_logits)
+    floor_logits = _kept(floor.logits, keep) if floor is not None else None
+    allowed, floor_cosine = _against_floor(ref_logits, floor_logits, tolerance, floor_kind)
+    return _Logits(error, top1, kl, allowed, floor_cosine, error.passes(allowed))
+
+
 @dataclass(frozen=True)
 class Comparison:
     """What the reference and the candidate runs share: the substitution (by name),
@@ -455,21 +514,13 @@ class Comparison:
         times the reference's own rounding error, never narrowed.
         """
         tolerance = self.tolerance
-        backward = None
-        if reference.gradients is not None and candidate.gradients is not None:
-            assert reference.loss is not None and candidate.loss is not None
-            backward = compare_gradients(
-                reference.gradients,
-                candidate.gradients,
-                reference.loss,
-                candidate.loss,
-                tolerance,
-                local=local_gradients,
-                floor=floor.gradients if floor is not None and floor_kind == "float32" else None,
-            )
-        if backward is not None and reference.loss_left_out is not None:
-            left_out = int(reference.loss_left_out.sum())
-            backward = dataclasses.replace(backward, excused_positions=left_out)
+        backward = _compare_backward(
+            reference,
+            candidate,
+            tolerance,
+            local=local_gradients,
+            floor=floor.gradients if floor is not None and floor_kind == "float32" else None,
+        )
         ids = self.batch["input_ids"]
         excused = self.excused(reference, candidate)
         sequences = ~excused.sequences(int(ids.shape[0])) if excused is not None else None
@@ -477,20 +528,10 @@ class Comparison:
         generation = _compare_decoding(reference, candidate, tolerance, floor, sequences, prompt)
         layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind, excused)
         keep = _output_rows(excused, reference.logits, int(ids.shape[0]))
-        ref_logits = _kept(reference.logits, keep)
-        cand_logits = _kept(candidate.logits, keep)
-        logits = diff(ref_logits, cand_logits, rowwise=True)
-        top1, kl = _top1_and_kl(ref_logits, cand_logits, reference.is_logits)
-        logits_allowed, logits_floor = _against_floor(
-            ref_logits,
-            _kept(floor.logits, keep) if floor is not None else None,
-            tolerance,
-            floor_kind,
-        )
-        logits_passed = logits.passes(logits_allowed)
+        logits = _compare_logits(reference, candidate, floor, keep, tolerance, floor_kind)
         first = next((layer.index for layer in layers if not layer.passed), None)
         passed = (
-            logits_passed
+            logits.passed
             and first is None
             and (backward is None or backward.passed)
             and (generation is None or generation.passed)
@@ -502,20 +543,20 @@ class Comparison:
             device=str(self.device),
             dtype=dtype_name(self.dtype),
             tolerance=tolerance,
-            max_abs_error=logits.max_abs_error,
-            max_rel_error=logits.max_rel_error,
-            cosine=logits.cosine,
-            top1_agreement=top1,
-            kl=kl,
-            logits_passed=logits_passed,
+            max_abs_error=logits.error.max_abs_error,
+            max_rel_error=logits.error.max_rel_error,
+            cosine=logits.error.cosine,
+            top1_agreement=logits.top1,
+            kl=logits.kl,
+            logits_passed=logits.passed,
             layers=tuple(layers),
             first_divergent_layer=first,
             batch=int(ids.shape[0]),
             seq_len=int(ids.shape[1]),
             backward=backward,
             generation=generation,
-            logits_min_cosine=logits_allowed.min_cosine,
-            logits_rtol=logits_allowed.rtol,
-            logits_floor_cosine=logits_floor,
+            logits_min_cosine=logits.allowed.min_cosine,
+            logits_rtol=logits.allowed.rtol,
+            logits_floor_cosine=logits.floor_cosine,
             floor=floor_kind if floor is not None else None,
         )
