@@ -40,7 +40,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -814,8 +814,19 @@ class _Subject:
         return layer
 
 
-def _subject(model_type: str, prove: Prove | None) -> _Subject:
-    """The classes of ``model_type``, a tiny config, and the model built on the meta device."""
+class _Classes(NamedTuple):
+    """What transformers has for a model type, imported (:func:`_classes`)."""
+
+    module_name: str  # the modeling module's
+    module: Any
+    causal_lm_name: str  # as the auto mapping names it
+    causal_lm: Any
+    config_class: type  # the class that builds the causal LM's config
+
+
+def _classes(model_type: str) -> _Classes:
+    """The modeling module, causal LM and config class of ``model_type``; a model type
+    they cannot be imported for is refused."""
     module_name, causal_lm_name, config_name = _auto_names(model_type)
     try:
         module = importlib.import_module(module_name)
@@ -830,6 +841,11 @@ def _subject(model_type: str, prove: Prove | None) -> _Subject:
     own_config = getattr(causal_lm, "config_class", None)
     if isinstance(own_config, type) and own_config is not config_class:
         config_class = own_config
+    return _Classes(module_name, module, causal_lm_name, causal_lm, config_class)
+
+
+def _tiny_config(model_type: str, causal_lm: Any, config_class: type) -> tuple[Any, str | None]:
+    """The tiny config the layers are probed on, and the family's ``query_scale``."""
     try:
         config = tiny_config_for(config_class)
     except Exception as exc:
@@ -850,6 +866,14 @@ def _subject(model_type: str, prove: Prove | None) -> _Subject:
     )
     if query_scale is not None:  # the layer reads both fields: the tiny config keeps them
         config.rope_parameters = _scaled_rope(config.rope_parameters, default_rope)
+    return config, query_scale
+
+
+def _decoder_layers(
+    model_type: str, causal_lm: Any, config_class: type, config: Any, prove: Prove | None
+) -> tuple[nn.Module, Any]:
+    """The tiny model, built on the meta device, and its decoder layers (one class), else
+    the reason: a multimodal wrapper's, or what stops the model building."""
     with torch.device("meta"):
         try:
             model = causal_lm(config)
@@ -864,10 +888,17 @@ def _subject(model_type: str, prove: Prove | None) -> _Subject:
             _wrapper_reason(model_type, config_class, prove)
             or f"{model_type}: no model.layers of decoder layers"
         )
-    kinds = {type(layer) for layer in layers}
-    if len(kinds) != 1:
+    if len({type(layer) for layer in layers}) != 1:
         raise UnsupportedFamilyError(_different_layers(model_type, layers))
-    decoder = next(iter(kinds))
+    return model, layers
+
+
+def _subject(model_type: str, prove: Prove | None) -> _Subject:
+    """The classes of ``model_type``, a tiny config, and the model built on the meta device."""
+    module_name, module, causal_lm_name, causal_lm, config_class = _classes(model_type)
+    config, query_scale = _tiny_config(model_type, causal_lm, config_class)
+    model, layers = _decoder_layers(model_type, causal_lm, config_class, config, prove)
+    decoder = type(layers[0])
     if decoder.__module__ != module_name:
         raise UnsupportedFamilyError(
             f"{model_type}: its decoder layer lives in {decoder.__module__}"
