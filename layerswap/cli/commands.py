@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from layerswap.cli.doctor import backend_problems, environment
-from layerswap.cli.models import Setup, build, find_family
+from layerswap.cli.models import build, find_family
 from layerswap.cli.options import JsonOption, ModelChoice, model_options
 from layerswap.cli.output import Chatter, Output, Progress, print_json, quiet_import_chatter
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
@@ -24,16 +23,11 @@ from layerswap.cli.render import (
     render_environment,
     render_header,
     render_model_coverage,
+    render_patch,
     render_substitutions,
     render_verification,
 )
-
-if TYPE_CHECKING:
-    import torch
-
-    from layerswap.bench import BenchReport
-    from layerswap.cli.saving import SaveTarget
-    from layerswap.verify.report import VerificationReport
+from layerswap.cli.runs import patch_json, patch_model, run_bench
 
 __all__ = ["app", "main"]
 
@@ -45,35 +39,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-
-def _run_bench(
-    setup: Setup,
-    progress: Progress,
-    *,
-    batch: int,
-    seq: int,
-    steps: int,
-    warmup: int,
-    backward: bool,
-    seed: int,
-) -> BenchReport:
-    from layerswap.bench import bench
-
-    def on_step(done: int, total: int) -> None:
-        progress.step(f"benchmarking: step {done}/{total}")
-
-    return bench(
-        setup.model,
-        setup.substitution,
-        batch=batch,
-        seq=seq,
-        steps=steps,
-        warmup=warmup,
-        backward=backward,
-        seed=seed,
-        on_step=on_step,
-    )
 
 
 @app.command("list")
@@ -230,133 +195,15 @@ def patch(
 ) -> None:
     """Build a model, swap its decoder layers, verify against the original, report."""
     with exit_codes(), Progress(not json_output) as progress:
-        patched = _patch_model(
+        patched = patch_model(
             choice, progress, verify=verify, bench=bench, save=save, overwrite=overwrite
         )
     if json_output:
-        print_json(_patch_json(patched))
+        print_json(patch_json(patched))
     else:
-        _render_patch(Output(), patched)
+        render_patch(Output(), patched)
     if not patched.passed:
         raise typer.Exit(1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Patched:
-    """What ``layerswap patch`` did: the model it built, its verification and bench reports
-    (``None`` where not asked for), the layers it swapped (module, original class,
-    replacement class) and where it saves the swapped model, in which dtype."""
-
-    setup: Setup
-    report: VerificationReport | None
-    bench_report: BenchReport | None
-    swapped: list[tuple[str, str, str]]
-    target: SaveTarget | None
-    saved_dtype: torch.dtype
-
-    @property
-    def passed(self) -> bool:
-        return self.report is None or self.report.passed
-
-    @property
-    def saved_to(self) -> Path | None:
-        """Where the swapped model was written: ``None`` unless ``--save`` was given and
-        verification passed."""
-        return self.target.path if self.target is not None and self.passed else None
-
-
-def _patch_model(
-    choice: ModelChoice,
-    progress: Progress,
-    *,
-    verify: bool,
-    bench: bool,
-    save: Path | None,
-    overwrite: bool,
-) -> _Patched:
-    """Build the model, verify and time it if asked, swap it, and save it if it passed."""
-    from layerswap.cli.saving import save_target
-
-    if overwrite and save is None:
-        raise UsageProblem("--overwrite applies to --save: pass --save DIR")
-    target = save_target(save, overwrite) if save is not None else None
-    setup = build(choice, progress)
-    from layerswap.proof import comparing
-    from layerswap.swap import swap
-    from layerswap.verify import verify as run_verification
-    from layerswap.verify.inputs import inputs_for
-
-    report = None
-    if verify:
-        progress.step("verifying against the original")
-        inputs = inputs_for(setup.model, seed=choice.seed)
-        report = run_verification(setup.model, setup.substitution, inputs)
-    bench_report = None
-    if bench:
-        bench_report = _run_bench(
-            setup, progress, batch=2, seq=64, steps=5, warmup=2, backward=True, seed=choice.seed
-        )
-    progress.step("swapping")
-    # verified: the report is the verdict (a failed one exits 1 below); else the
-    # behaviour proof runs in swap and refuses a substitution that does not hold
-    with comparing() if report is not None else contextlib.nullcontext():
-        handle = swap(setup.model, setup.substitution)
-    swapped = [(name, old.__name__, new.__name__) for name, old, new in handle.swapped]
-    patched = _Patched(
-        setup, report, bench_report, swapped, target, setup.checkpoint_dtype or setup.dtype
-    )
-    if target is not None and patched.passed:
-        progress.step(f"saving to {target.path}")
-        target.write(setup.model, patched.saved_dtype)
-    return patched
-
-
-def _patch_json(patched: _Patched) -> dict[str, Any]:
-    """``layerswap patch --json``'s document."""
-    from layerswap.verify.placement import dtype_name
-
-    setup, report, bench_report = patched.setup, patched.report, patched.bench_report
-    return {
-        "command": "patch",
-        "passed": patched.passed,
-        "substitution": setup.substitution.name,
-        "device": str(setup.device),
-        "dtype": dtype_name(setup.dtype),
-        "model": setup.describe(),
-        "swapped": [
-            {"module": name, "original": old, "replacement": new}
-            for name, old, new in patched.swapped
-        ],
-        "verification": report.to_dict() if report is not None else None,
-        "bench": bench_report.to_dict() if bench_report is not None else None,
-        "saved": str(patched.saved_to) if patched.saved_to is not None else None,
-        "saved_dtype": dtype_name(patched.saved_dtype) if patched.saved_to is not None else None,
-    }
-
-
-def _render_patch(console: Output, patched: _Patched) -> None:
-    """``layerswap patch``'s report for a reader: what was swapped, verified, timed, saved."""
-    from layerswap.verify.placement import dtype_name
-
-    kinds = sorted({(old, new) for _, old, new in patched.swapped})
-    render_header(
-        console,
-        patched.setup,
-        "patch",
-        f"{len(patched.swapped)} layers swapped: "
-        + ", ".join(f"{old} -> {new}" for old, new in kinds),
-    )
-    if patched.report is not None:
-        render_verification(console, patched.report)
-    if patched.bench_report is not None:
-        render_bench(console, patched.bench_report)
-    if patched.saved_to is not None:
-        console.print(
-            f"saved the swapped model in the original layout to {patched.saved_to} "
-            f"({dtype_name(patched.saved_dtype)})"
-        )
-    elif patched.target is not None:
-        console.print(f"not saved to {patched.target.path}: verification failed")
 
 
 @app.command("verify")
@@ -444,7 +291,7 @@ def bench_command(
     """Time the original and the swapped model (interleaved runs, medians, ratios)."""
     with exit_codes(), Progress(not json_output) as progress:
         setup = build(choice, progress)
-        report = _run_bench(
+        report = run_bench(
             setup,
             progress,
             batch=batch,
