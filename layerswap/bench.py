@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from torch import nn
 from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 from layerswap.verify.forward import ContextFactory
 from layerswap.verify.inputs import inputs_for, text_config
-from layerswap.verify.model_classes import task_of
+from layerswap.verify.model_classes import ModelTask, task_of
 from layerswap.verify.placement import (
     DeviceLike,
     DTypeLike,
@@ -46,6 +46,9 @@ from layerswap.verify.placement import (
     target_placement,
     working_copy,
 )
+
+if TYPE_CHECKING:
+    from layerswap.substitution import Substitution
 
 __all__ = ["NOISY_SPREAD", "BenchReport", "BenchResult", "bench"]
 
@@ -250,6 +253,130 @@ def _parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@dataclass
+class _Contestants:
+    """The original and the swapped working copies, what they are fed and what they run in.
+
+    The swapped layers may need a context to run in (an FP8 autocast, say); the loss is
+    the model's own head's: a classifier learns from class labels, a base model (no head)
+    from a fixed projection of its output.
+    """
+
+    models: dict[str, nn.Module]
+    contexts: Mapping[str, ContextFactory]
+    inputs: dict[str, torch.Tensor]
+    labels: dict[str, torch.Tensor]
+    task: ModelTask
+    device: torch.device
+
+    def forward_step(self, name: str) -> Callable[[], None]:
+        def run() -> None:
+            module = self.models[name]
+            module.eval()
+            with torch.no_grad(), self.contexts[name]():
+                module(**self.inputs, use_cache=False)
+
+        return run
+
+    def train_step(self, name: str) -> Callable[[], None]:
+        def run() -> None:
+            module = self.models[name]
+            module.train()
+            with self.contexts[name]():
+                loss = self.task.loss(
+                    module(**self.inputs, **self.labels, use_cache=False), self.inputs
+                )
+            loss.backward()  # type: ignore[no-untyped-call]
+            module.zero_grad(set_to_none=True)
+
+        return run
+
+    def timed(self, step: Callable[[], None]) -> float:
+        """Milliseconds ``step`` takes, the device synchronised on both sides."""
+        _synchronize(self.device)
+        start = time.perf_counter()
+        step()
+        _synchronize(self.device)
+        return (time.perf_counter() - start) * 1000.0
+
+
+def _contestants(
+    model: nn.Module,
+    sub: Substitution,
+    *,
+    batch: int,
+    seq: int,
+    backward: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+) -> _Contestants:
+    """Two working copies of ``model``, one swapped by ``sub``, and one batch for both."""
+    from layerswap.swap import swap
+
+    original = working_copy(model, device, dtype, trainable=backward)
+    swapped = copy.deepcopy(original)
+    swap(swapped, sub)
+    inputs = inputs_for(original, batch=batch, seq_len=seq, padding=0, seed=seed, device=device)
+    task = task_of(original)
+    task.check(original, inputs, generate=0)
+    labels = task.labels(inputs, text_config(original))
+    contexts: Mapping[str, ContextFactory] = {
+        "original": contextlib.nullcontext,
+        "swapped": candidate_context(sub),
+    }
+    models = {"original": original, "swapped": swapped}
+    return _Contestants(models, contexts, inputs, labels, task, device)
+
+
+def _interleaved_samples(
+    runs: _Contestants,
+    *,
+    steps: int,
+    warmup: int,
+    backward: bool,
+    on_step: Callable[[int, int], None] | None,
+) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds per recorded step, by model and by ``"forward"``/``"train"``: the two
+    models alternate, the order flipping every step; warm-up steps are not recorded."""
+    total = warmup + steps
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"forward": [], "train": []} for name in runs.models
+    }
+    for index in range(total):
+        order = ("original", "swapped") if index % 2 == 0 else ("swapped", "original")
+        for name in order:
+            forward_ms = runs.timed(runs.forward_step(name))
+            train_ms = runs.timed(runs.train_step(name)) if backward else None
+            if index >= warmup:
+                samples[name]["forward"].append(forward_ms)
+                if train_ms is not None:
+                    samples[name]["train"].append(train_ms)
+        if on_step is not None:
+            on_step(index + 1, total)
+    return samples
+
+
+def _result(
+    module: nn.Module, samples: dict[str, list[float]], *, peak: int, tokens: int, backward: bool
+) -> BenchResult:
+    """One model's figures: the medians of its samples, and its peak memory."""
+    forward_ms = statistics.median(samples["forward"])
+    train_ms = statistics.median(samples["train"]) if backward else None
+    return BenchResult(
+        forward_ms=forward_ms,
+        forward_tokens_per_s=tokens / (forward_ms / 1000.0),
+        forward_backward_ms=train_ms,
+        forward_backward_tokens_per_s=(
+            tokens / (train_ms / 1000.0) if train_ms is not None else None
+        ),
+        peak_memory_bytes=peak,
+        parameter_bytes=_parameter_bytes(module),
+        forward_samples_ms=tuple(samples["forward"]),
+        forward_backward_samples_ms=tuple(samples["train"]),
+    )
+
+
 def bench(
     model: nn.Module,
     substitution: SubstitutionLike,
@@ -280,89 +407,30 @@ def bench(
         raise ValueError("bench needs steps >= 1, warmup >= 0, batch >= 1 and seq >= 1")
     sub = resolve_substitution(substitution)
     target_device, target_dtype = target_placement(model, device, dtype)
-
-    from layerswap.swap import swap
-
-    original = working_copy(model, target_device, target_dtype, trainable=backward)
-    swapped = copy.deepcopy(original)
-    swap(swapped, sub)
-    inputs = inputs_for(
-        original, batch=batch, seq_len=seq, padding=0, seed=seed, device=target_device
+    runs = _contestants(
+        model,
+        sub,
+        batch=batch,
+        seq=seq,
+        backward=backward,
+        device=target_device,
+        dtype=target_dtype,
+        seed=seed,
     )
-    # the loss of the model's own head: a classifier learns from class labels, a base
-    # model (no head) from a fixed projection of its output
-    task = task_of(original)
-    task.check(original, inputs, generate=0)
-    labels = task.labels(inputs, text_config(original))
-    # the swapped layers may need a context to run in (an FP8 autocast, say)
-    contexts: Mapping[str, ContextFactory] = {
-        "original": contextlib.nullcontext,
-        "swapped": candidate_context(sub),
-    }
-    models = {"original": original, "swapped": swapped}
-
-    def forward_step(name: str) -> Callable[[], None]:
-        def run() -> None:
-            module = models[name]
-            module.eval()
-            with torch.no_grad(), contexts[name]():
-                module(**inputs, use_cache=False)
-
-        return run
-
-    def train_step(name: str) -> Callable[[], None]:
-        def run() -> None:
-            module = models[name]
-            module.train()
-            with contexts[name]():
-                loss = task.loss(module(**inputs, **labels, use_cache=False), inputs)
-            loss.backward()  # type: ignore[no-untyped-call]
-            module.zero_grad(set_to_none=True)
-
-        return run
-
-    def timed(step: Callable[[], None]) -> float:
-        _synchronize(target_device)
-        start = time.perf_counter()
-        step()
-        _synchronize(target_device)
-        return (time.perf_counter() - start) * 1000.0
-
-    total = warmup + steps
-    samples: dict[str, dict[str, list[float]]] = {
-        name: {"forward": [], "train": []} for name in models
-    }
-    for index in range(total):
-        order = ("original", "swapped") if index % 2 == 0 else ("swapped", "original")
-        for name in order:
-            forward_ms = timed(forward_step(name))
-            train_ms = timed(train_step(name)) if backward else None
-            if index >= warmup:
-                samples[name]["forward"].append(forward_ms)
-                if train_ms is not None:
-                    samples[name]["train"].append(train_ms)
-        if on_step is not None:
-            on_step(index + 1, total)
-
+    samples = _interleaved_samples(
+        runs, steps=steps, warmup=warmup, backward=backward, on_step=on_step
+    )
     probe = _MemoryProbe(target_device)
-    tokens = batch * seq
-    results: dict[str, BenchResult] = {}
-    for name, module in models.items():
-        peak = probe.measure(train_step(name) if backward else forward_step(name))
-        forward_ms = statistics.median(samples[name]["forward"])
-        train_ms = statistics.median(samples[name]["train"]) if backward else None
-        results[name] = BenchResult(
-            forward_ms=forward_ms,
-            forward_tokens_per_s=tokens / (forward_ms / 1000.0),
-            forward_backward_ms=train_ms,
-            forward_backward_tokens_per_s=(
-                tokens / (train_ms / 1000.0) if train_ms is not None else None
-            ),
-            peak_memory_bytes=peak,
-            parameter_bytes=_parameter_bytes(module),
-            forward_samples_ms=tuple(samples[name]["forward"]),
-            forward_backward_samples_ms=tuple(samples[name]["train"]),
+    results = {
+        name: _result(
+            module,
+            samples[name],
+            peak=probe.measure(runs.train_step(name) if backward else runs.forward_step(name)),
+            tokens=batch * seq,
+            backward=backward,
         )
+        for name, module in runs.models.items()
+    }
     orig, new = results["original"], results["swapped"]
     return BenchReport(
         substitution=sub.name,

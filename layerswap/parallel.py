@@ -112,12 +112,7 @@ def translate_tp_plan(
     names = {_wildcard(name) for name, _ in model.named_modules()}
     names |= {_wildcard(name) for name, _ in model.named_parameters()}
     rules = getattr(sub.converter, "rules", None)
-    reason = sub.tensor_parallel
-    if reason is None and rules is None:
-        reason = (
-            f"its converter ({type(sub.converter).__name__}) declares no rules, so the "
-            "original's plan cannot be followed to its modules"
-        )
+    reason = _untranslatable(sub, rules)
     if reason is not None or rules is None:
         # layers the plan must not shard: refused whole, with the reason
         reason = f"{sub.name}: {reason}"
@@ -126,7 +121,33 @@ def translate_tp_plan(
             key: style for key, style in plan.items() if not key.startswith(tuple(layer_prefixes))
         }
         return {**kept, **dict.fromkeys(whole, REFUSED_STYLE)}, whole
-    # layer-relative source module -> (target module, number of parts)
+    concatenated, renamed = _moves(rules)
+    translated, groups = _followed(plan, layer_prefixes, concatenated, renamed)
+    packed, refused = _packed(groups, concatenated, sub.name)
+    translated.update(packed)
+    # an entry naming nothing shards nothing (the original's plan has such entries: the
+    # dense layers of a model whose tiny config has none); dropped, so the plan names
+    # only what the model has
+    translated = {key: style for key, style in translated.items() if key in names}
+    refused = {key: reason for key, reason in refused.items() if key in translated}
+    return translated, refused
+
+
+def _untranslatable(sub: Substitution, rules: Any) -> str | None:
+    """Why the original's plan cannot be followed into ``sub``'s layers (the reason it
+    declares, or a converter without ``rules``), else ``None``."""
+    reason = sub.tensor_parallel
+    if reason is None and rules is None:
+        reason = (
+            f"its converter ({type(sub.converter).__name__}) declares no rules, so the "
+            "original's plan cannot be followed to its modules"
+        )
+    return reason
+
+
+def _moves(rules: Iterable[Any]) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
+    """Where a converter's ``rules`` take each layer-relative source module: (source ->
+    (the module it is concatenated into, number of parts), source -> its new name)."""
     concatenated: dict[str, tuple[str, int]] = {}
     renamed: dict[str, str] = {}
     for rule in rules:
@@ -139,8 +160,18 @@ def translate_tp_plan(
             for source, target in zip(sources, targets, strict=True):
                 if source != target:
                     renamed[source] = target
+    return concatenated, renamed
+
+
+def _followed(
+    plan: Mapping[str, str],
+    layer_prefixes: list[str],
+    concatenated: Mapping[str, tuple[str, int]],
+    renamed: Mapping[str, str],
+) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """``plan`` with its keys in the layers renamed as the converter renames them, and the
+    entries of modules concatenated into one, grouped by that one module's key."""
     translated: dict[str, str] = {}
-    refused: dict[str, str] = {}
     groups: dict[str, dict[str, str]] = {}
     for key, style in plan.items():
         prefix = next((p for p in layer_prefixes if key.startswith(p + ".")), None)
@@ -155,6 +186,20 @@ def translate_tp_plan(
             translated[f"{prefix}.{renamed[relative]}"] = style
         else:
             translated[key] = style
+    return translated, groups
+
+
+def _packed(
+    groups: Mapping[str, Mapping[str, str]],
+    concatenated: Mapping[str, tuple[str, int]],
+    sub_name: str,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The style of each module the converter concatenates, from its parts' (``groups``:
+    the module's key -> its parts' styles): packed where every part is sharded colwise,
+    left out where every part is gathered, else refused. Returns (styles, refused:
+    the reason for each key given :data:`REFUSED_STYLE`)."""
+    styles_of: dict[str, str] = {}
+    refused: dict[str, str] = {}
     for target_key, styles in groups.items():
         relative = target_key.rpartition(".")[2]
         parts = sorted(
@@ -162,7 +207,7 @@ def translate_tp_plan(
         )
         kinds = set(styles.values())
         if len(styles) == len(parts) and kinds <= _PACKABLE and len(kinds) == 1:
-            translated[target_key] = next(iter(kinds))
+            styles_of[target_key] = next(iter(kinds))
         elif len(styles) == len(parts) and kinds <= _GATHERED:
             continue  # whole on every rank, as the original's gather left its output
         else:
@@ -171,17 +216,12 @@ def translate_tp_plan(
             reason = (
                 f"the original shards the parts of {target_key} as {shown}"
                 + (f" and leaves {', '.join(unplanned)} whole" if unplanned else "")
-                + f"; {sub.name} concatenates them into one module, which layerswap "
+                + f"; {sub_name} concatenates them into one module, which layerswap "
                 "shards only when every part is sharded colwise (packed) or gathered"
             )
-            translated[target_key] = REFUSED_STYLE
+            styles_of[target_key] = REFUSED_STYLE
             refused[target_key] = reason
-    # an entry naming nothing shards nothing (the original's plan has such entries: the
-    # dense layers of a model whose tiny config has none); dropped, so the plan names
-    # only what the model has
-    translated = {key: style for key, style in translated.items() if key in names}
-    refused = {key: reason for key, reason in refused.items() if key in translated}
-    return translated, refused
+    return styles_of, refused
 
 
 def _layer_prefixes(layer_names: Iterable[str]) -> list[str]:

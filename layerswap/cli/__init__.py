@@ -7,8 +7,9 @@ and only when stderr is a terminal; output to a pipe has no colours.
 
 One module per concern: ``commands`` (the commands and :func:`main`), ``options`` (the
 options ``patch``, ``verify`` and ``bench`` share), ``models`` (choosing the substitution
-and building the model), ``render`` (tables and lines for people), ``output`` (stdout,
-progress), ``problems`` (usage problems: exit code 2) and ``doctor``.
+and building the model), ``runs`` (what ``patch`` and ``bench`` run of the library),
+``render`` (tables and lines for people), ``output`` (stdout, progress), ``problems``
+(usage problems: exit code 2) and ``doctor``.
 
 Example::
 

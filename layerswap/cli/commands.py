@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from layerswap.cli.doctor import backend_problems, environment
-from layerswap.cli.models import Setup, build, find_family
+from layerswap.cli.models import build, find_family
 from layerswap.cli.options import JsonOption, ModelChoice, model_options
 from layerswap.cli.output import Chatter, Output, Progress, print_json, quiet_import_chatter
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
@@ -24,12 +23,11 @@ from layerswap.cli.render import (
     render_environment,
     render_header,
     render_model_coverage,
+    render_patch,
     render_substitutions,
     render_verification,
 )
-
-if TYPE_CHECKING:
-    from layerswap.bench import BenchReport
+from layerswap.cli.runs import patch_json, patch_model, run_bench
 
 __all__ = ["app", "main"]
 
@@ -41,35 +39,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-
-def _run_bench(
-    setup: Setup,
-    progress: Progress,
-    *,
-    batch: int,
-    seq: int,
-    steps: int,
-    warmup: int,
-    backward: bool,
-    seed: int,
-) -> BenchReport:
-    from layerswap.bench import bench
-
-    def on_step(done: int, total: int) -> None:
-        progress.step(f"benchmarking: step {done}/{total}")
-
-    return bench(
-        setup.model,
-        setup.substitution,
-        batch=batch,
-        seq=seq,
-        steps=steps,
-        warmup=warmup,
-        backward=backward,
-        seed=seed,
-        on_step=on_step,
-    )
 
 
 @app.command("list")
@@ -226,80 +195,14 @@ def patch(
 ) -> None:
     """Build a model, swap its decoder layers, verify against the original, report."""
     with exit_codes(), Progress(not json_output) as progress:
-        from layerswap.cli.saving import save_target
-
-        if overwrite and save is None:
-            raise UsageProblem("--overwrite applies to --save: pass --save DIR")
-        target = save_target(save, overwrite) if save is not None else None
-        setup = build(choice, progress)
-        from layerswap.proof import comparing
-        from layerswap.swap import swap
-        from layerswap.verify import verify as run_verification
-        from layerswap.verify.inputs import inputs_for
-
-        report = None
-        if verify:
-            progress.step("verifying against the original")
-            inputs = inputs_for(setup.model, seed=choice.seed)
-            report = run_verification(setup.model, setup.substitution, inputs)
-        bench_report = None
-        if bench:
-            bench_report = _run_bench(
-                setup, progress, batch=2, seq=64, steps=5, warmup=2, backward=True, seed=choice.seed
-            )
-        progress.step("swapping")
-        # verified: the report is the verdict (a failed one exits 1 below); else the
-        # behaviour proof runs in swap and refuses a substitution that does not hold
-        with comparing() if report is not None else contextlib.nullcontext():
-            handle = swap(setup.model, setup.substitution)
-        swapped = [(name, old.__name__, new.__name__) for name, old, new in handle.swapped]
-        passed = report is None or report.passed
-        saved_dtype = setup.checkpoint_dtype or setup.dtype
-        if target is not None and passed:
-            progress.step(f"saving to {target.path}")
-            target.write(setup.model, saved_dtype)
-    from layerswap.verify.placement import dtype_name
-
+        patched = patch_model(
+            choice, progress, verify=verify, bench=bench, save=save, overwrite=overwrite
+        )
     if json_output:
-        print_json(
-            {
-                "command": "patch",
-                "passed": passed,
-                "substitution": setup.substitution.name,
-                "device": str(setup.device),
-                "dtype": dtype_name(setup.dtype),
-                "model": setup.describe(),
-                "swapped": [
-                    {"module": name, "original": old, "replacement": new}
-                    for name, old, new in swapped
-                ],
-                "verification": report.to_dict() if report is not None else None,
-                "bench": bench_report.to_dict() if bench_report is not None else None,
-                "saved": str(target.path) if target is not None and passed else None,
-                "saved_dtype": dtype_name(saved_dtype) if target is not None and passed else None,
-            }
-        )
+        print_json(patch_json(patched))
     else:
-        console = Output()
-        kinds = sorted({(old, new) for _, old, new in swapped})
-        render_header(
-            console,
-            setup,
-            "patch",
-            f"{len(swapped)} layers swapped: " + ", ".join(f"{old} -> {new}" for old, new in kinds),
-        )
-        if report is not None:
-            render_verification(console, report)
-        if bench_report is not None:
-            render_bench(console, bench_report)
-        if target is not None and passed:
-            console.print(
-                f"saved the swapped model in the original layout to {target.path} "
-                f"({dtype_name(saved_dtype)})"
-            )
-        elif target is not None:
-            console.print(f"not saved to {target.path}: verification failed")
-    if not passed:
+        render_patch(Output(), patched)
+    if not patched.passed:
         raise typer.Exit(1)
 
 
@@ -388,7 +291,7 @@ def bench_command(
     """Time the original and the swapped model (interleaved runs, medians, ratios)."""
     with exit_codes(), Progress(not json_output) as progress:
         setup = build(choice, progress)
-        report = _run_bench(
+        report = run_bench(
             setup,
             progress,
             batch=batch,

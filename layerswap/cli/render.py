@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from layerswap.adapters import AdapterLayout
     from layerswap.bench import BenchReport
     from layerswap.cli.models import Setup
+    from layerswap.cli.runs import Patched
     from layerswap.verify import VerificationReport
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "render_checks",
     "render_coverage",
     "render_model_coverage",
+    "render_patch",
     "render_environment",
     "render_header",
     "render_substitutions",
@@ -263,3 +265,28 @@ def render_adapter(console: Output, directory: str, family: str, found: AdapterL
             "plain transformers + PEFT load it whole; on a swapped model "
             "PeftModel.from_pretrained converts it"
         )
+
+
+def render_patch(console: Output, patched: Patched) -> None:
+    """``layerswap patch``'s report for a reader: what was swapped, verified, timed, saved."""
+    from layerswap.verify.placement import dtype_name
+
+    kinds = sorted({(old, new) for _, old, new in patched.swapped})
+    render_header(
+        console,
+        patched.setup,
+        "patch",
+        f"{len(patched.swapped)} layers swapped: "
+        + ", ".join(f"{old} -> {new}" for old, new in kinds),
+    )
+    if patched.report is not None:
+        render_verification(console, patched.report)
+    if patched.bench_report is not None:
+        render_bench(console, patched.bench_report)
+    if patched.saved_to is not None:
+        console.print(
+            f"saved the swapped model in the original layout to {patched.saved_to} "
+            f"({dtype_name(patched.saved_dtype)})"
+        )
+    elif patched.target is not None:
+        console.print(f"not saved to {patched.target.path}: verification failed")

@@ -29,8 +29,9 @@ One module per concern: ``checks`` (:func:`verify`, :func:`assert_equivalent`),
 ``streaming``, ``forward`` (one model's pass: layer outputs, loss, gradients, generated
 tokens), ``model_classes`` (what each model class outputs and learns from: causal LM,
 sequence, token and question-answering classifiers, base model), ``compare`` (two passes
-into a report), ``gradients`` (a swapped model's gradients in the original layout),
-``report``, ``tolerance``, ``inputs``, ``routing`` and ``excused`` (a mixture-of-experts
+into a report), ``distance`` (how far one tensor is from its reference), ``gradients``
+(a swapped model's gradients in the original layout), ``report``, ``tolerance``,
+``inputs``, ``routing`` and ``excused`` (a mixture-of-experts
 token the candidate routes elsewhere at a near-tie of the reference's router is left out,
 with what it reaches, and counted in the report), ``kept_loss`` (with ``backward=True``,
 both models learn again from the positions still compared, on one more working copy,

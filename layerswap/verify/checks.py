@@ -4,7 +4,7 @@ two models."""
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -136,18 +136,7 @@ def verify(
             print(report.summary())      # names the first divergent layer
     """
     sub = resolve_substitution(substitution)
-    if generate is not None and generate < 0:
-        raise ValueError(f"generate must be >= 0, got {generate}")
-    if streaming and generate:
-        raise ValueError(
-            "generate= needs the whole swapped model; use streaming=False to compare generation"
-        )
-    already_swapped = sub.parts.slot.swapped_by(model) is not None
-    if already_swapped and streaming:
-        raise ValueError(
-            "streaming mode compares an original model with its swap; this model's layers "
-            "are already swapped (built inside use()?): use streaming=False"
-        )
+    already_swapped = _swapped_already(model, sub, generate=generate, streaming=streaming)
     generate = decode_tokens(model, generate, streaming=streaming)
     target_device, target_dtype = target_placement(model, device, dtype)
     comparison = Comparison.prepare(model, sub, target_device, target_dtype, tolerance, inputs)
@@ -157,24 +146,16 @@ def verify(
 
     work = working_copy(model, target_device, target_dtype, trainable=backward)
     batch = comparison.batch
-    calibrate = _calibrates(sub, target_dtype, tolerance)
-    if already_swapped:
-        # built inside use(): the copy runs as the candidate, then gets original layers
-        # holding its weights converted back, and runs again as the reference
-        candidate = run_candidate(work, batch, sub, backward=backward, generate=generate)
-        rebuild_originals(work, sub)
-        reference = forward(work, batch, backward=backward, generate=generate)
-        floor = _fp8_floor(work, batch, generate) if calibrate else None
-        original: nn.Module = work
-    else:
-        # the copy runs as the reference, is swapped in place, and runs again as the
-        # candidate, which therefore holds exactly the reference's weights, converted
-        reference = forward(work, batch, backward=backward, generate=generate)
-        floor = _fp8_floor(work, batch, generate) if calibrate else None
-        with comparing():  # this comparison is the proof: it reports, rather than refuses
-            swap(work, sub)
-        candidate = run_candidate(work, batch, sub, backward=backward, generate=generate)
-        original = model
+    reference, candidate, floor, original = _run_both(
+        model,
+        work,
+        batch,
+        sub,
+        already_swapped=already_swapped,
+        backward=backward,
+        generate=generate,
+        calibrate=_calibrates(sub, target_dtype, tolerance),
+    )
     left_out = None
     if backward:
         left_out = left_out_positions(work, comparison.excused(reference, candidate), batch)
@@ -192,6 +173,67 @@ def verify(
         original, batch, target_device, backward=backward, generate=generate, left_out=left_out
     )
     return comparison.report(reference, candidate, mode="full", floor=exact, floor_kind="float32")
+
+
+def _swapped_already(
+    model: nn.Module, sub: Substitution, *, generate: int | None, streaming: bool
+) -> bool:
+    """Whether ``model``'s layers are swapped by ``sub`` already (built inside
+    :func:`layerswap.use`), once the options :func:`verify` cannot honour are refused: a
+    negative ``generate``, or ``streaming`` with decoding or with such a model."""
+    if generate is not None and generate < 0:
+        raise ValueError(f"generate must be >= 0, got {generate}")
+    if streaming and generate:
+        raise ValueError(
+            "generate= needs the whole swapped model; use streaming=False to compare generation"
+        )
+    already_swapped = sub.parts.slot.swapped_by(model) is not None
+    if already_swapped and streaming:
+        raise ValueError(
+            "streaming mode compares an original model with its swap; this model's layers "
+            "are already swapped (built inside use()?): use streaming=False"
+        )
+    return already_swapped
+
+
+class _BothRuns(NamedTuple):
+    reference: Run
+    candidate: Run
+    #: the original run on FP8-rounded operands (:func:`_fp8_floor`), where calibrated
+    floor: Run | None
+    #: the model holding original layers, for a float32 run (:func:`_float32_floor`)
+    original: nn.Module
+
+
+def _run_both(
+    model: nn.Module,
+    work: nn.Module,
+    batch: dict[str, torch.Tensor],
+    sub: Substitution,
+    *,
+    already_swapped: bool,
+    backward: bool,
+    generate: int,
+    calibrate: bool,
+) -> _BothRuns:
+    """The reference and the candidate run on ``work`` (a working copy of ``model``), one
+    after the other, so both hold exactly the same weights."""
+    if already_swapped:
+        # built inside use(): the copy runs as the candidate, then gets original layers
+        # holding its weights converted back, and runs again as the reference
+        candidate = run_candidate(work, batch, sub, backward=backward, generate=generate)
+        rebuild_originals(work, sub)
+        reference = forward(work, batch, backward=backward, generate=generate)
+        floor = _fp8_floor(work, batch, generate) if calibrate else None
+        return _BothRuns(reference, candidate, floor, work)
+    # the copy runs as the reference, is swapped in place, and runs again as the
+    # candidate, which therefore holds exactly the reference's weights, converted
+    reference = forward(work, batch, backward=backward, generate=generate)
+    floor = _fp8_floor(work, batch, generate) if calibrate else None
+    with comparing():  # this comparison is the proof: it reports, rather than refuses
+        swap(work, sub)
+    candidate = run_candidate(work, batch, sub, backward=backward, generate=generate)
+    return _BothRuns(reference, candidate, floor, model)
 
 
 def _learn_over_kept_positions(

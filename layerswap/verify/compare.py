@@ -6,12 +6,13 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
 
 from layerswap.errors import VerificationError
+from layerswap.verify.distance import Diff, _as_float, diff
 from layerswap.verify.excused import Excused, decoding_excused_from, excused_rows
 from layerswap.verify.forward import Run
 from layerswap.verify.fp8 import FLOOR_FACTOR, FLOOR_SLACK
@@ -30,58 +31,6 @@ if TYPE_CHECKING:
     from layerswap.substitution import Substitution
 
 __all__ = ["Comparison", "Diff", "compare_generation", "compare_gradients", "diff"]
-
-
-@dataclass(frozen=True)
-class Diff:
-    """How far one tensor is from its reference (see :func:`diff`)."""
-
-    max_abs_error: float
-    max_rel_error: float
-    cosine: float
-    scale: float
-
-    def passes(self, tolerance: Tolerance, *, gradient: bool = False) -> bool:
-        """Whether the errors and the cosine are within ``tolerance``."""
-        return tolerance.allows(self.max_abs_error, self.scale, gradient=gradient) and (
-            self.cosine >= tolerance.min_cosine
-        )
-
-
-def _as_float(value: torch.Tensor) -> float:
-    number = float(value)
-    return number if not math.isnan(number) else math.inf
-
-
-def diff(reference: torch.Tensor, candidate: torch.Tensor, *, rowwise: bool) -> Diff:
-    """Errors of ``candidate`` against ``reference``, computed in float32.
-
-    ``rowwise`` takes the cosine of every last-dimension vector (one per token) and
-    keeps the lowest; otherwise the cosine of the two flattened tensors.
-    """
-    if reference.shape != candidate.shape:
-        raise VerificationError(
-            f"shapes differ: reference {tuple(reference.shape)}, candidate {tuple(candidate.shape)}"
-        )
-    ref = reference.detach().to(torch.float32)
-    cand = candidate.detach().to(device=ref.device, dtype=torch.float32)
-    if ref.numel() == 0:
-        return Diff(0.0, 0.0, 1.0, 0.0)
-    max_abs = _as_float((ref - cand).abs().max())
-    if not torch.isfinite(cand).all():
-        max_abs = math.inf
-    scale = float(ref.abs().max())
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    # float64 for the cosine: in float32 two equal vectors come out at 0.9999998
-    width = ref.shape[-1] if rowwise and ref.dim() > 1 else ref.numel()
-    ref_rows = ref.reshape(-1, width).to(torch.float64)
-    cand_rows = cand.reshape(-1, width).to(torch.float64)
-    cosines = torch.nn.functional.cosine_similarity(ref_rows, cand_rows, dim=-1, eps=1e-12)
-    # two all-zero vectors are identical, though cosine_similarity calls them orthogonal
-    both_zero = (ref_rows.abs().amax(-1) == 0) & (cand_rows.abs().amax(-1) == 0)
-    cosines = torch.where(both_zero, torch.ones_like(cosines), cosines)
-    cosine = float(cosines.min()) if torch.isfinite(cosines).all() else -math.inf
-    return Diff(max_abs, max_rel, cosine, scale)
 
 
 def _agreement(
@@ -444,6 +393,65 @@ def _compare_decoding(
     return dataclasses.replace(report, excused_sequences=left_out, excused_steps=tuple(decoded))
 
 
+def _compare_backward(
+    reference: Run,
+    candidate: Run,
+    tolerance: Tolerance,
+    *,
+    local: bool,
+    floor: Mapping[str, torch.Tensor] | None,
+) -> BackwardReport | None:
+    """The losses and gradients compared, where both runs took them, with the positions
+    the loss left out counted (:func:`compare_gradients`)."""
+    if reference.gradients is None or candidate.gradients is None:
+        return None
+    assert reference.loss is not None and candidate.loss is not None
+    backward = compare_gradients(
+        reference.gradients,
+        candidate.gradients,
+        reference.loss,
+        candidate.loss,
+        tolerance,
+        local=local,
+        floor=floor,
+    )
+    if reference.loss_left_out is not None:
+        left_out = int(reference.loss_left_out.sum())
+        backward = dataclasses.replace(backward, excused_positions=left_out)
+    return backward
+
+
+class _Logits(NamedTuple):
+    """The logits (or pooled output) compared over the kept rows, and the tolerance they
+    were held to (with the noise floor's cosine it was calibrated to, if any)."""
+
+    error: Diff
+    top1: float | None
+    kl: float | None
+    allowed: Tolerance
+    floor_cosine: float | None
+    passed: bool
+
+
+def _compare_logits(
+    reference: Run,
+    candidate: Run,
+    floor: Run | None,
+    keep: torch.Tensor | None,
+    tolerance: Tolerance,
+    floor_kind: FloorKind,
+) -> _Logits:
+    """The outputs compared on the rows ``keep`` (``None``: all), held to ``tolerance``
+    calibrated to the floor run's errors there, if any."""
+    ref_logits = _kept(reference.logits, keep)
+    cand_logits = _kept(candidate.logits, keep)
+    error = diff(ref_logits, cand_logits, rowwise=True)
+    top1, kl = _top1_and_kl(ref_logits, cand_logits, reference.is_logits)
+    floor_logits = _kept(floor.logits, keep) if floor is not None else None
+    allowed, floor_cosine = _against_floor(ref_logits, floor_logits, tolerance, floor_kind)
+    return _Logits(error, top1, kl, allowed, floor_cosine, error.passes(allowed))
+
+
 @dataclass(frozen=True)
 class Comparison:
     """What the reference and the candidate runs share: the substitution (by name),
@@ -506,21 +514,13 @@ class Comparison:
         times the reference's own rounding error, never narrowed.
         """
         tolerance = self.tolerance
-        backward = None
-        if reference.gradients is not None and candidate.gradients is not None:
-            assert reference.loss is not None and candidate.loss is not None
-            backward = compare_gradients(
-                reference.gradients,
-                candidate.gradients,
-                reference.loss,
-                candidate.loss,
-                tolerance,
-                local=local_gradients,
-                floor=floor.gradients if floor is not None and floor_kind == "float32" else None,
-            )
-        if backward is not None and reference.loss_left_out is not None:
-            left_out = int(reference.loss_left_out.sum())
-            backward = dataclasses.replace(backward, excused_positions=left_out)
+        backward = _compare_backward(
+            reference,
+            candidate,
+            tolerance,
+            local=local_gradients,
+            floor=floor.gradients if floor is not None and floor_kind == "float32" else None,
+        )
         ids = self.batch["input_ids"]
         excused = self.excused(reference, candidate)
         sequences = ~excused.sequences(int(ids.shape[0])) if excused is not None else None
@@ -528,20 +528,10 @@ class Comparison:
         generation = _compare_decoding(reference, candidate, tolerance, floor, sequences, prompt)
         layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind, excused)
         keep = _output_rows(excused, reference.logits, int(ids.shape[0]))
-        ref_logits = _kept(reference.logits, keep)
-        cand_logits = _kept(candidate.logits, keep)
-        logits = diff(ref_logits, cand_logits, rowwise=True)
-        top1, kl = _top1_and_kl(ref_logits, cand_logits, reference.is_logits)
-        logits_allowed, logits_floor = _against_floor(
-            ref_logits,
-            _kept(floor.logits, keep) if floor is not None else None,
-            tolerance,
-            floor_kind,
-        )
-        logits_passed = logits.passes(logits_allowed)
+        logits = _compare_logits(reference, candidate, floor, keep, tolerance, floor_kind)
         first = next((layer.index for layer in layers if not layer.passed), None)
         passed = (
-            logits_passed
+            logits.passed
             and first is None
             and (backward is None or backward.passed)
             and (generation is None or generation.passed)
@@ -553,20 +543,20 @@ class Comparison:
             device=str(self.device),
             dtype=dtype_name(self.dtype),
             tolerance=tolerance,
-            max_abs_error=logits.max_abs_error,
-            max_rel_error=logits.max_rel_error,
-            cosine=logits.cosine,
-            top1_agreement=top1,
-            kl=kl,
-            logits_passed=logits_passed,
+            max_abs_error=logits.error.max_abs_error,
+            max_rel_error=logits.error.max_rel_error,
+            cosine=logits.error.cosine,
+            top1_agreement=logits.top1,
+            kl=logits.kl,
+            logits_passed=logits.passed,
             layers=tuple(layers),
             first_divergent_layer=first,
             batch=int(ids.shape[0]),
             seq_len=int(ids.shape[1]),
             backward=backward,
             generation=generation,
-            logits_min_cosine=logits_allowed.min_cosine,
-            logits_rtol=logits_allowed.rtol,
-            logits_floor_cosine=logits_floor,
+            logits_min_cosine=logits.allowed.min_cosine,
+            logits_rtol=logits.allowed.rtol,
+            logits_floor_cosine=logits.floor_cosine,
             floor=floor_kind if floor is not None else None,
         )

@@ -5,7 +5,7 @@ first differ and how (``"new token 2: max abs difference 2.23"``). Each check he
 both models through the passes :func:`~layerswap.verify.verify` runs
 (:func:`~layerswap.verify.forward.forward`,
 :func:`~layerswap.verify.forward.generate_tokens`) and judges them with its comparisons
-(:func:`~layerswap.verify.compare.diff`,
+(:func:`~layerswap.verify.distance.diff`,
 :func:`~layerswap.verify.compare.compare_gradients`) under a :class:`Tolerance`; each
 returns ``None`` where the two agree.
 
@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from layerswap.verify.compare import Diff, compare_gradients, diff
+from layerswap.verify.compare import compare_gradients
+from layerswap.verify.distance import Diff, diff
 from layerswap.verify.forward import forward, generate_tokens
 from layerswap.verify.tolerance import Tolerance
 

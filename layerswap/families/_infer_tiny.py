@@ -1,0 +1,164 @@
+"""The tiny configs family inference builds a model type's layers for, and what a
+declaration records of them (:func:`tiny_of`)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from layerswap.families._tiny import TINY
+
+__all__ = ["config_with", "query_scaled_rope", "tiny_config_for", "tiny_of"]
+
+
+#: mixture-of-experts sizes, by config field name, given to a config that has the field:
+#: few small experts, two per token
+_TINY_MOE: dict[str, Any] = {
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+}
+
+
+#: fields a model type's config leaves unset by default although its model cannot be built
+#: without them (transformers' own default config does not build either): the tiny
+#: values that let inference read the layers and give its real reason
+_TINY_FIXES: dict[str, dict[str, Any]] = {
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2}},
+    "gemma3n_text": {"num_kv_shared_layers": 2},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
+    # its causal LM holds the image and audio encoders: at their default sizes 870M
+    # parameters, which take a minute and a half to verify
+    "phi4_multimodal": {
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        "audio_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_blocks": 1,
+            "num_attention_heads": 2,
+            "ext_pw_out_channel": 32,
+            "depthwise_separable_out_channel": 32,
+            "nemo_conv_channels": 32,
+        },
+    },
+    "qwen4_exp_text": {
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+    },
+}
+
+
+_PLAIN_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def _read_only(config_class: type, name: str) -> bool:
+    """Whether ``name`` is a property of ``config_class`` that cannot be set."""
+    found = inspect.getattr_static(config_class, name, None)
+    return isinstance(found, property) and found.fset is None
+
+
+def _keyed_rope(config_class: type) -> dict[str, Any] | None:
+    """The plain rotary parameters per layer type, where the config's default keys them so
+    (Gemma 4: ``{"sliding_attention": {...}, "full_attention": {...}}``); ``None``: it
+    does not."""
+    try:
+        default = config_class()
+    except Exception:  # a config that needs arguments: nothing to read
+        return None
+    rope = getattr(default, "rope_parameters", None)
+    if not isinstance(rope, Mapping):
+        return None
+    if rope and all(isinstance(v, Mapping) for v in rope.values()):
+        keys: Any = rope
+    elif not rope:  # empty: keyed by the layer types it has (Cohere Compass)
+        keys = dict.fromkeys(getattr(default, "layer_types", None) or ())
+    else:
+        return None
+    return {key: dict(_PLAIN_ROPE) for key in keys} or None
+
+
+def tiny_config_for(config_class: type, **overrides: Any) -> Any:
+    """A tiny config of ``config_class``: the builtin families' sizes, nothing family-specific.
+
+    Head size is given explicitly (some configs default it to a large constant), special
+    tokens fall inside the small vocabulary, and rotary embeddings use the plain default
+    (given per layer type where the config would keep it flat but its layers read it per
+    layer type). A mixture-of-experts config gets four
+    small experts, two per token (:data:`_TINY_MOE`, those of its fields its constructor
+    names); a config whose defaults cannot build its model gets :data:`_TINY_FIXES`.
+    """
+    sizes = {**TINY, "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
+    # a size the config computes (Falcon's head_dim: a property without a setter) is not given
+    sizes = {key: value for key, value in sizes.items() if not _read_only(config_class, key)}
+    fields = inspect.signature(config_class).parameters
+    sizes.update({key: value for key, value in _TINY_MOE.items() if key in fields})
+    sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    sizes["rope_parameters"] = dict(_PLAIN_ROPE)
+    sizes.update(_TINY_FIXES.get(getattr(config_class, "model_type", ""), {}))
+    sizes.update(overrides)
+    config = config_class(**sizes)
+    rope = getattr(config, "rope_parameters", None)
+    if "rope_parameters" not in overrides and not (
+        isinstance(rope, Mapping) and any(isinstance(v, Mapping) for v in rope.values())
+    ):
+        # a config that keeps the plain parameters flat where its layers read them per
+        # layer type: the plain parameters for each
+        keyed = _keyed_rope(config_class)
+        if keyed is not None:
+            config = config_class(**{**sizes, "rope_parameters": keyed})
+    return config
+
+
+def config_with(config: Any, name: str, value: Any) -> Any:
+    clone = type(config).from_dict(config.to_dict())
+    setattr(clone, name, value)
+    clone._attn_implementation = config._attn_implementation
+    return clone
+
+
+def query_scaled_rope(tiny_rope: Any, default_rope: Mapping[str, Any]) -> dict[str, Any]:
+    """The tiny rotary parameters of a family scaling queries by position: its default
+    ``llama_4_scaling_beta`` and an original maximum of 4 positions, so that the tiny
+    inputs (8 tokens and more) are scaled, as long prompts are."""
+    return {
+        **(tiny_rope or {}),
+        "llama_4_scaling_beta": default_rope["llama_4_scaling_beta"],
+        "original_max_position_embeddings": 4,
+    }
+
+
+def tiny_of(config_class: type, scaled_rope: Any = None) -> dict[str, Any]:
+    """The tiny config's fields a declaration records (``scaled_rope``: its rotary
+    parameters where :func:`query_scaled_rope` made them)."""
+    tiny = {
+        key: value
+        for key, value in tiny_config_for(config_class).to_diff_dict().items()
+        if key in _TINY_KEYS
+    }
+    tiny.update(_TINY_FIXES.get(getattr(config_class, "model_type", ""), {}))
+    if scaled_rope is not None:
+        tiny["rope_parameters"] = dict(scaled_rope)
+    return tiny
+
+
+_TINY_KEYS = {
+    *TINY,
+    *_TINY_MOE,
+    "head_dim",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "rope_parameters",
+}
