@@ -3,7 +3,8 @@
 Reads every module's source (nothing is imported). An edge is any ``import`` of a
 ``layerswap`` module, at the top or inside a function (a function-local import that
 hides a cycle is still a cycle); imports under ``if TYPE_CHECKING:`` are left out, as
-they never run. Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too, so
+they never run, and counted apart: a cycle through them is a cycle too (types that name
+each other belong in one module). Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` too, so
 those edges count, except to the importer's own packages (they ran before it). Lazy imports of third-party packages are not edges.
 
 Prints, per module: its lines and the layerswap modules it imports; then every import
@@ -50,13 +51,14 @@ def _type_checking(node: ast.AST) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run, at any depth, outside TYPE_CHECKING blocks."""
+def _imports(tree: ast.AST, *, typed: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, at any depth, outside TYPE_CHECKING blocks
+    (``typed``: those inside them too)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         for child in ast.iter_child_nodes(node):
-            if _type_checking(child):
+            if _type_checking(child) and not typed:
                 stack.extend(child.orelse)  # type: ignore[attr-defined]
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
@@ -80,16 +82,17 @@ def _with_parents(name: str, known: dict[str, Path]) -> list[str]:
 
 
 def graph(
-    known: dict[str, Path] | None = None,
+    known: dict[str, Path] | None = None, *, typed: bool = False
 ) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    """(module -> the modules it imports, [(importer, imported module, private name)])."""
+    """(module -> the modules it imports, [(importer, imported module, private name)]);
+    ``typed``: the imports for type checkers counted too."""
     known = modules() if known is None else known
     edges: dict[str, set[str]] = {name: set() for name in known}
     private: list[tuple[str, str, str]] = []
     for module, path in known.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         is_package = path.name == "__init__.py"
-        for node in _imports(tree):
+        for node in _imports(tree, typed=typed):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
                 names: list[tuple[str, str]] = []
@@ -119,6 +122,22 @@ def graph(
                 if underscore and _folder(source, known) != _folder(module, known):
                     private.append((module, source, name))
     return edges, private
+
+
+def _typed_edges(known: dict[str, Path], edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The edges with the imports for type checkers added, but for a package's own face:
+    a package naming its submodules' exports for type checkers (the PEP 562 lazy exports
+    of ``layerswap/__init__`` and ``layerswap/verify/__init__``) is no dependency of them."""
+    typed, _ = graph(known, typed=True)
+    return {
+        module: {
+            target
+            for target in targets
+            if target in edges[module]
+            or not (known[module].name == "__init__.py" and target.startswith(module + "."))
+        }
+        for module, targets in typed.items()
+    }
 
 
 #: calls whose first argument names a module (and maybe a function in it) to import later
@@ -270,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 on a cycle, a private reach, a named target that does not exist or a "
-        "package reaching what it sits below",
+        help="exit 1 on a cycle (imports for type checkers included), a private reach, a "
+        "named target that does not exist or a package reaching what it sits below",
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="the package folder to read")
     args = parser.parse_args(argv)
@@ -284,11 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         later = ", ".join(sorted(targets[module]))
         print(f"{module} ({lines} lines) -> {imported}" + (f"; names {later}" if later else ""))
     found = cycles(edges)
+    typed = [c for c in cycles(_typed_edges(known, edges)) if c not in found]
     missing = unresolved(targets, known)
     named = sum(map(len, targets.values()))
     print(f"\n{len(known)} modules, {sum(map(len, edges.values()))} imports, {named} named")
     print(f"cycles: {len(found)}")
     for component in found:
+        print("  " + " <-> ".join(component))
+    print(f"cycles through imports for type checkers: {len(typed)}")
+    for component in typed:
         print("  " + " <-> ".join(component))
     print(f"underscore names imported from another folder: {len(private)}")
     for importer, source, name in private:
@@ -300,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"modules reaching what they sit below: {len(reaching)}")
     for _module, path in reaching:
         print("  " + " -> ".join(path))
-    return 1 if args.check and (found or private or missing or reaching) else 0
+    return 1 if args.check and (found or typed or private or missing or reaching) else 0
 
 
 if __name__ == "__main__":

@@ -181,6 +181,29 @@ def test_the_import_graph_has_no_cycles_and_no_private_reaches() -> None:
     ]
 
 
+def test_no_cycle_runs_through_the_imports_written_for_type_checkers(tmp_path: Path) -> None:
+    """Types that name each other (a substitution and its slot) live in one module: an
+    import under ``if TYPE_CHECKING:`` that closes a circle is a cycle the check reports,
+    but a package naming its own submodules' exports for type checkers is not."""
+    graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
+    known = graph["modules"]()
+    edges, _ = graph["graph"](known)
+    assert graph["cycles"](graph["_typed_edges"](known, edges)) == []
+    package = tmp_path / "layerswap"
+    (package / "face").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from layerswap.{} import X\n"
+    (package / "a.py").write_text("from layerswap.b import Y\n")
+    (package / "b.py").write_text(typed.format("a"))
+    (package / "face" / "__init__.py").write_text(typed.format("face.inner"))
+    (package / "face" / "inner.py").write_text("from layerswap.a import Z\nimport layerswap.face\n")
+    known = graph["modules"](package)
+    edges, _ = graph["graph"](known)
+    assert graph["cycles"](edges) == []
+    assert graph["cycles"](graph["_typed_edges"](known, edges)) == [["layerswap.a", "layerswap.b"]]
+    assert graph["main"](["--check", "--root", str(package)]) == 1
+
+
 def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:
     """A declaration names its layers by string (``Lazy("layerswap.backends.fused:...")``),
     imported when called; the graph counts those names and each must resolve, or a
