@@ -14,9 +14,104 @@ from layerswap.backend import Backend, Dependency, Implementation, Lazy
 from layerswap.backends.declarations._answers import answered
 from layerswap.backends.declarations.head_slot import head_slot
 from layerswap.backends.liger_runtime import unmet_requirement
+from layerswap.capabilities import Capability, refusal
 from layerswap.family import Family
 
-__all__ = ["BACKEND", "mlp_names", "qkv_names", "unsupported"]
+__all__ = ["BACKEND", "EXPRESSES", "mlp_names", "qkv_names", "unsupported"]
+
+
+# one reason for two fields
+_PROJECTIONS = (
+    # fused as the original fuses them (Phi-3's qkv_proj, gate_up_proj), or separate
+    "the liger layer keeps q/k/v and the MLP as one or three projections "
+    "(this family: {qkv_modules}, {mlp_modules})"
+)
+_QK_NORMS = (
+    "the liger layer's q/k norms are q_norm/k_norm before the rotary embedding "
+    "(this family's: {qk_norms})"
+)
+
+#: what the liger layer computes one way only, in the order a family is checked: the first
+#: row a family does not meet is the reason it is refused (:func:`unsupported`)
+EXPRESSES: tuple[Capability, ...] = (
+    Capability(
+        "attention_sinks",
+        expresses=(False,),
+        reason="the liger layer's attention has no attention sinks (this family's self_attn.sinks)",
+    ),
+    Capability(
+        "norm_switch",
+        expresses=(None,),
+        reason="the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm "
+        "where {norm_switch[0]} is unset)",
+    ),
+    Capability(
+        "norm",
+        expresses=("rms",),
+        reason="the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)",
+    ),
+    Capability(
+        "parallel",
+        expresses=(False,),
+        reason="the liger layer runs attention, then the MLP (this family runs them in parallel)",
+    ),
+    Capability(
+        "rotary",
+        expresses=("half",),
+        reason="Liger's RoPE kernel rotates halves of each head by the angle (this family's "
+        "rotary layout is {rotary})",
+    ),
+    Capability(
+        "rotary_layers",
+        expresses=("all",),
+        reason="the liger layer applies Liger's RoPE kernel on every layer (this family skips "
+        "it on some: {rotary_layers})",
+    ),
+    Capability(
+        "qk_norm",
+        refuses=("head_weights",),
+        reason="the liger layer's q/k norms have one weight for all heads (this family's: one "
+        "per head)",
+    ),
+    Capability(
+        "qk_norm_switch",
+        expresses=(None,),
+        reason="the liger layer's q/k norms are fixed per family (this family's follow "
+        "{qk_norm_switch})",
+    ),
+    Capability(
+        "mlp",
+        refuses=("original",),
+        reason="Liger's SwiGLU/GeGLU kernels compute dense gated MLPs; this family keeps the "
+        "original's {mlp_class}, a mixture-of-experts block",
+    ),
+    Capability(
+        "mlp",
+        expresses=("gated",),
+        reason="Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is {mlp!r}",
+    ),
+    Capability("qkv_modules", test=lambda names: len(names) in (1, 3), reason=_PROJECTIONS),
+    Capability("mlp_modules", test=lambda names: len(names) in (2, 3), reason=_PROJECTIONS),
+    Capability(
+        "norm_scale",
+        expresses=(True,),
+        reason="Liger's RMSNorm kernel scales by a learned weight (this family's norms have none)",
+    ),
+    Capability("qk_norm_after_rotary", expresses=(False,), reason=_QK_NORMS),
+    Capability("qk_norm_modules", expresses=(("q_norm", "k_norm"),), reason=_QK_NORMS),
+    Capability(
+        "query_scale",
+        expresses=(None,),
+        reason="the liger layer does not scale queries by their position (this family's "
+        "{query_scale} attention temperature)",
+    ),
+    Capability(
+        "clip_qkv",
+        expresses=(None,),
+        reason="the liger layer does not clamp q, k and v (this family clamps them where "
+        "{clip_qkv} is set)",
+    ),
+)
 
 
 @functools.cache
@@ -24,89 +119,27 @@ def unsupported(family: Family) -> str | None:
     """Why the ``liger`` layer cannot express ``family``, or ``None``.
 
     Every norm placement, q/k norms per head or across heads, the norm offset, biases,
-    GQA, sliding windows (through the mask) and residual multipliers map onto the layer.
-    Judged on the family's default configuration (its tiny config); a config you bring is
-    checked again when a layer is built.
+    GQA, sliding windows (through the mask) and residual multipliers map onto the layer;
+    what does not is :data:`EXPRESSES`. Judged on the family's default configuration (its
+    tiny config); a config you bring is checked again when a layer is built.
 
     Example::
 
         liger.unsupported(layerswap.families()["gemma2"])   # "... soft-capping ..."
     """
-    if getattr(family, "attention_sinks", False):
-        return "the liger layer's attention has no attention sinks (this family's self_attn.sinks)"
-    switch = getattr(family, "norm_switch", None)
-    if switch is not None:
-        return (
-            "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm "
-            f"where {switch[0]} is unset)"
-        )
-    if getattr(family, "norm", "rms") != "rms":
-        return "the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)"
-    if getattr(family, "parallel", False):
-        return "the liger layer runs attention, then the MLP (this family runs them in parallel)"
-    if getattr(family, "rotary", "half") != "half":
-        return (
-            "Liger's RoPE kernel rotates halves of each head by the angle (this family's "
-            f"rotary layout is {getattr(family, 'rotary', None)})"
-        )
-    if family.rotary_layers != "all":
-        return (
-            "the liger layer applies Liger's RoPE kernel on every layer (this family skips it "
-            f"on some: {family.rotary_layers})"
-        )
-    if getattr(family, "qk_norm", False) == "head_weights":
-        return "the liger layer's q/k norms have one weight for all heads (this family's: one per head)"
-    if getattr(family, "qk_norm_switch", None) is not None:
-        return (
-            "the liger layer's q/k norms are fixed per family (this family's follow "
-            f"{getattr(family, 'qk_norm_switch', None)})"
-        )
-    if getattr(family, "mlp", "gated") == "original":
-        return (
-            "Liger's SwiGLU/GeGLU kernels compute dense gated MLPs; this family keeps the "
-            f"original's {getattr(family, 'mlp_class', None)}, a mixture-of-experts block"
-        )
-    if getattr(family, "mlp", "gated") != "gated":
-        return (
-            "Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is "
-            f"{getattr(family, 'mlp', None)!r}"
-        )
-    if len(qkv_names(family)) not in (1, 3) or len(mlp_names(family)) not in (2, 3):
-        return (
-            f"the liger layer keeps q/k/v and the MLP as one or three projections "
-            f"(this family: {qkv_names(family)}, {mlp_names(family)})"
-        )
-    if not getattr(family, "norm_scale", True):
-        return "Liger's RMSNorm kernel scales by a learned weight (this family's norms have none)"
-    if getattr(family, "qk_norm_after_rotary", False) or getattr(
-        family, "qk_norm_modules", ("q_norm", "k_norm")
-    ) != ("q_norm", "k_norm"):
-        return (
-            "the liger layer's q/k norms are q_norm/k_norm before the rotary embedding (this "
-            f"family's: {'/'.join(getattr(family, 'qk_norm_modules', ()))}"
-            f"{', after it' if getattr(family, 'qk_norm_after_rotary', False) else ''})"
-        )
-    if getattr(family, "query_scale", None) is not None:
-        return (
-            "the liger layer does not scale queries by their position (this family's "
-            f"{getattr(family, 'query_scale', None)} attention temperature)"
-        )
-    if getattr(family, "clip_qkv", None) is not None:
-        return (
-            "the liger layer does not clamp q, k and v (this family clamps them where "
-            f"{getattr(family, 'clip_qkv', None)} is set)"
-        )
-    return answered("liger-decoder", family, "layerswap.backends.liger:tiny_config_problem")
+    return refusal(EXPRESSES, family) or answered(
+        "liger-decoder", family, "layerswap.backends.liger:tiny_config_problem"
+    )
 
 
 def qkv_names(family: Family) -> tuple[str, ...]:
     """The original's q/k/v projections: three, or one where it fuses them (Phi-3)."""
-    return tuple(getattr(family, "qkv_modules", ("q_proj", "k_proj", "v_proj")))
+    return family.qkv_modules
 
 
 def mlp_names(family: Family) -> tuple[str, ...]:
     """The original's MLP projections: gate, up, down, or gate_up, down (Phi-3)."""
-    return tuple(getattr(family, "mlp_modules", ("gate_proj", "up_proj", "down_proj")))
+    return family.mlp_modules
 
 
 #: the ``liger`` backend: its decoder layer (where :func:`unsupported` finds nothing) and head
