@@ -4,10 +4,12 @@ backend's table, and the reasons it writes."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 
 import layerswap
+from layerswap.backends import builtin_modules
 from layerswap.capabilities import Capability, refusal
 
 FIELDS = {field.name for field in dataclasses.fields(layerswap.Family)}
@@ -94,3 +96,26 @@ def test_a_row_naming_what_a_family_has_not_is_refused_when_written(
 ) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Capability(**row)  # type: ignore[arg-type]
+
+
+def _builtin_tables() -> dict[str, tuple[Capability, ...]]:
+    tables = {}
+    for name in builtin_modules():
+        module = importlib.import_module(name)
+        for attribute, value in vars(module).items():
+            if isinstance(value, Capability):
+                value = (value,)
+            if isinstance(value, tuple) and value and isinstance(value[0], Capability):
+                tables[f"{module.BACKEND.name}.{attribute}"] = value
+    return tables
+
+
+def test_every_builtin_table_names_family_fields_and_expresses_llama() -> None:
+    tables = _builtin_tables()
+    assert {"liger.EXPRESSES", "te.EXPRESSES"} <= set(tables), sorted(tables)
+    llama = layerswap.get_family("llama")
+    for name, table in tables.items():
+        for row in table:
+            assert row.field in FIELDS, (name, row)
+            # liger and te both build Llama: a row Llama fails would refuse every family
+            assert row.met(llama), (name, row)

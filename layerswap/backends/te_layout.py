@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from layerswap.backends._original import original_numbers
-from layerswap.backends.declarations.te import unexpressible
+from layerswap.backends.declarations.te import NORM_OFFSET, unexpressible
 from layerswap.errors import SubstitutionError
 from layerswap.weights import (
     Concat,
@@ -179,11 +179,8 @@ class TELayerSpec:
     @classmethod
     def for_layer(cls, family: Family, config: PreTrainedConfig, layer_idx: int) -> TELayerSpec:
         """The spec of decoder layer ``layer_idx`` of a ``family`` model with ``config``."""
-        if family.norm_offset not in (0.0, 1.0):
-            raise SubstitutionError(
-                f"{family.name}: TransformerEngine's RMSNorm scales by weight or 1 + weight; "
-                f"this family's norm offset is {family.norm_offset}"
-            )
+        if not NORM_OFFSET.met(family):
+            raise SubstitutionError(f"{family.name}: {NORM_OFFSET.why_not(family)}")
         hidden_act = getattr(config, family.activation, None)
         activation = TE_ACTIVATIONS.get(str(hidden_act))
         if activation is None:
