@@ -181,6 +181,29 @@ def test_the_import_graph_has_no_cycles_and_no_private_reaches() -> None:
     ]
 
 
+def test_a_private_module_is_its_folders_and_its_subfolders_alone(tmp_path: Path) -> None:
+    """A backend's package uses the backends' shared ``_layer``; a sibling folder's private
+    module is a private reach."""
+    graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
+    package = tmp_path / "layerswap"
+    for folder in ("shared", "shared/one", "other"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "shared" / "_base.py").write_text("")
+    (package / "shared" / "one" / "_own.py").write_text("")
+    (package / "shared" / "one" / "layer.py").write_text(
+        "from layerswap.shared import _base\nfrom layerswap.shared.one import _own\n"
+    )
+    (package / "other" / "layer.py").write_text("from layerswap.shared import _base\n")
+    (package / "shared" / "user.py").write_text("from layerswap.shared.one import _own\n")
+    _, private = graph["graph"](graph["modules"](package))
+    assert sorted(private) == [
+        ("layerswap.other.layer", "layerswap.shared", "_base"),
+        ("layerswap.shared.user", "layerswap.shared.one", "_own"),
+    ]
+
+
 def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:
     """A declaration names its layers by string (``Lazy("layerswap.backends.fused:...")``),
     imported when called; the graph counts those names and each must resolve, or a
