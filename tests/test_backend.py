@@ -205,13 +205,14 @@ def test_a_private_module_is_its_folders_and_its_subfolders_alone(tmp_path: Path
 
 
 def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:
-    """A declaration names its layers by string (``Lazy("layerswap.backends.fused:...")``),
+    """A declaration names its layers by string (``Lazy("layerswap.backends.fused.decoder:...")``),
     imported when called; the graph counts those names and each must resolve, or a
     renamed function would surface only when a user first asks for the substitution."""
     graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
     targets = graph["named_targets"]()
     assert (
-        "layerswap.backends.fused:layer_class" in targets["layerswap.backends.declarations.fused"]
+        "layerswap.backends.fused.decoder:layer_class"
+        in targets["layerswap.backends.fused.declaration"]
     )
     assert graph["unresolved"](targets, graph["modules"]()) == []
     package = tmp_path / "layerswap"
