@@ -9,7 +9,7 @@ Its layer: :mod:`layerswap.backends.te` (the weight layout:
 from __future__ import annotations
 
 from layerswap.backend import Backend, Dependency, Implementation, Lazy, Variant
-from layerswap.backends.declarations._answers import answered
+from layerswap.backends._answers import answered
 from layerswap.backends.te_runtime import fp8_unmet_requirement, unmet_requirement
 from layerswap.capabilities import Capability, refusal
 from layerswap.family import GATED_MLP, PRE_NORMS, SEPARATE_QKV, Family
