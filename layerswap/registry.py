@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from layerswap.backend import Backend
-from layerswap.backends import per_family
-from layerswap.backends.declarations import builtin_modules
+from layerswap.backends import builtin_modules, per_family
 from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubstitutionError
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family
