@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from layerswap.backend import Backend
-from layerswap.backends.declarations import builtin_modules
+from layerswap.backends import builtin_modules
 from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubstitutionError
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family

@@ -8,7 +8,9 @@ each other belong in one module). Importing ``a.b.c`` runs ``a/__init__`` and ``
 those edges count, except to the importer's own packages (they ran before it). Lazy imports of third-party packages are not edges.
 
 Prints, per module: its lines and the layerswap modules it imports; then every import
-cycle, and every import of an underscore name (or module) from another folder. A module
+cycle, and every import of an underscore name (or module) from outside its folder (a
+folder's private modules are its subfolders' too: each backend's package uses the
+backends' ``_layer``). A module
 may also name another by string, to be imported when called: ``Lazy("layerswap.x:f")``
 (a backend declaration's layers), ``import_module("layerswap.x")``, ``resolve(...)``.
 Those targets are counted and listed apart (they run at call time, not import time, so
@@ -108,7 +110,7 @@ def graph(
                 if (
                     target in known
                     and _private_module(target)
-                    and not _same_folder(target, module, known)
+                    and not _within(module, target, known)
                 ):
                     private.append((module, target.rpartition(".")[0], target.rpartition(".")[2]))
                 for imported in _with_parents(target, known):
@@ -119,7 +121,7 @@ def graph(
                 if source.split(".")[0] != PACKAGE or f"{source}.{name}" in known:
                     continue
                 underscore = name.startswith("_") and not name.startswith("__")
-                if underscore and _folder(source, known) != _folder(module, known):
+                if underscore and not _within(module, source, known):
                     private.append((module, source, name))
     return edges, private
 
@@ -197,8 +199,9 @@ def _private_module(name: str) -> bool:
     return last.startswith("_") and not last.startswith("__")
 
 
-def _same_folder(target: str, module: str, known: dict[str, Path]) -> bool:
-    return _folder(target, known) == _folder(module, known)
+def _within(module: str, owner: str, known: dict[str, Path]) -> bool:
+    """Whether ``module`` sits in ``owner``'s folder or below it."""
+    return _folder(owner, known) in (_folder(module, known), *_folder(module, known).parents)
 
 
 def _folder(module: str, known: dict[str, Path]) -> Path:
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cycles through imports for type checkers: {len(typed)}")
     for component in typed:
         print("  " + " <-> ".join(component))
-    print(f"underscore names imported from another folder: {len(private)}")
+    print(f"underscore names imported from outside their folder: {len(private)}")
     for importer, source, name in private:
         print(f"  {importer} imports {source}.{name}")
     print(f"named targets that do not exist: {len(missing)}")

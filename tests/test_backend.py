@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import runpy
 from pathlib import Path
 
@@ -204,14 +205,85 @@ def test_no_cycle_runs_through_the_imports_written_for_type_checkers(tmp_path: P
     assert graph["main"](["--check", "--root", str(package)]) == 1
 
 
+@pytest.mark.parametrize(
+    ("former", "now"),
+    [
+        ("layerswap.backends.head_fused", "layerswap.backends.fused.head"),
+        ("layerswap.backends.head_liger", "layerswap.backends.liger.head"),
+        ("layerswap.backends.liger_runtime", "layerswap.backends.liger.runtime"),
+        ("layerswap.backends.te_runtime", "layerswap.backends.te.runtime"),
+        ("layerswap.backends.te_layout", "layerswap.backends.te.layout"),
+        ("layerswap.backends.declarations.fused", "layerswap.backends.fused.declaration"),
+        ("layerswap.backends.declarations.liger", "layerswap.backends.liger.declaration"),
+        ("layerswap.backends.declarations.te", "layerswap.backends.te.declaration"),
+    ],
+)
+def test_a_builtin_backends_module_imports_under_its_former_name(former: str, now: str) -> None:
+    assert importlib.import_module(former) is importlib.import_module(now)
+
+
+def test_a_backends_package_gives_its_modules_names() -> None:
+    from layerswap.backends import liger, te
+    from layerswap.backends.fused import FusedLlamaDecoderLayer, converter_for, declaration
+    from layerswap.backends.fused.decoder import layer_class
+
+    assert FusedLlamaDecoderLayer is layer_class(layerswap.get_family("llama"))
+    assert converter_for is fused.decoder.converter_for and fused.BACKEND is declaration.BACKEND
+    assert liger.unsupported is liger.declaration.unsupported
+    assert te.fp8_autocast is te.runtime.fp8_autocast
+    with pytest.raises(AttributeError, match="NoSuchName"):
+        fused.NoSuchName  # noqa: B018
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_a_backends_declaration_is_read_through_its_package_without_torch(
+    tmp_path: Path,
+) -> None:
+    found = run_json(
+        """
+        import json, sys
+        from layerswap.backends import fused, liger, te
+        from layerswap.backends.declarations import te as former
+        reasons = [liger.unsupported.__name__, te.unexpressible.__name__, former.BACKEND.name]
+        print(json.dumps([fused.BACKEND.name, *reasons, "torch" in sys.modules]))
+        """,
+        tmp_path,
+    )
+    assert found == ["fused", "unsupported", "unexpressible", "te", False]
+
+
+def test_a_private_module_is_its_folders_and_its_subfolders_alone(tmp_path: Path) -> None:
+    """A backend's package uses the backends' shared ``_layer``; a sibling folder's private
+    module is a private reach."""
+    graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
+    package = tmp_path / "layerswap"
+    for folder in ("shared", "shared/one", "other"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "shared" / "_base.py").write_text("")
+    (package / "shared" / "one" / "_own.py").write_text("")
+    (package / "shared" / "one" / "layer.py").write_text(
+        "from layerswap.shared import _base\nfrom layerswap.shared.one import _own\n"
+    )
+    (package / "other" / "layer.py").write_text("from layerswap.shared import _base\n")
+    (package / "shared" / "user.py").write_text("from layerswap.shared.one import _own\n")
+    _, private = graph["graph"](graph["modules"](package))
+    assert sorted(private) == [
+        ("layerswap.other.layer", "layerswap.shared", "_base"),
+        ("layerswap.shared.user", "layerswap.shared.one", "_own"),
+    ]
+
+
 def test_every_module_named_for_a_later_import_exists(tmp_path: Path) -> None:
-    """A declaration names its layers by string (``Lazy("layerswap.backends.fused:...")``),
+    """A declaration names its layers by string (``Lazy("layerswap.backends.fused.decoder:...")``),
     imported when called; the graph counts those names and each must resolve, or a
     renamed function would surface only when a user first asks for the substitution."""
     graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
     targets = graph["named_targets"]()
     assert (
-        "layerswap.backends.fused:layer_class" in targets["layerswap.backends.declarations.fused"]
+        "layerswap.backends.fused.decoder:layer_class"
+        in targets["layerswap.backends.fused.declaration"]
     )
     assert graph["unresolved"](targets, graph["modules"]()) == []
     package = tmp_path / "layerswap"

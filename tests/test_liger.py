@@ -106,7 +106,7 @@ def test_every_family_liger_expresses_has_a_decoder_substitution_and_a_head() ->
     for name, sub in heads.items():
         assert sub.name == f"{name}.head.liger"
         assert sub.replacement == (
-            f"layerswap.backends.head_liger:Liger{families()[name].causal_lm}"
+            f"layerswap.backends.liger.head:Liger{families()[name].causal_lm}"
         )
 
 
@@ -159,7 +159,7 @@ def test_layer_and_head_classes_are_importable_by_name() -> None:
 
     qwen3 = families()["qwen3"]
     assert LigerQwen3DecoderLayer is liger.layer_class(qwen3)
-    assert LigerQwen3DecoderLayer.__module__ == "layerswap.backends.liger"
+    assert LigerQwen3DecoderLayer.__module__ == "layerswap.backends.liger.decoder"
     assert LigerQwen3ForCausalLM is head_liger.liger_head_class(qwen3)
     assert LigerQwen3ForCausalLM.__name__ == "Qwen3ForCausalLM"  # save_pretrained's name
     with pytest.raises(AttributeError):

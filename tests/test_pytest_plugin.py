@@ -21,7 +21,11 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 import layerswap
-import layerswap.backends.fused
+
+# loaded here, outside the in-process inner sessions, which unload what they import first:
+# the fused layers and the decoder-layer contract stay the same objects for every test
+import layerswap.backends._layer
+import layerswap.backends.fused.decoder
 import layerswap.distributed
 import layerswap.patching
 import layerswap.pytest_plugin

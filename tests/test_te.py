@@ -161,7 +161,7 @@ def test_layer_classes_are_importable_by_name() -> None:
     from layerswap.backends.te import TEQwen3DecoderLayer  # type: ignore[attr-defined]
 
     assert TEQwen3DecoderLayer is te.layer_class(families()["qwen3"])
-    assert TEQwen3DecoderLayer.__module__ == "layerswap.backends.te"
+    assert TEQwen3DecoderLayer.__module__ == "layerswap.backends.te.decoder"
     with pytest.raises(AttributeError):
         te.TENoSuchDecoderLayer  # noqa: B018
 

@@ -1,4 +1,4 @@
-"""The ``liger`` backend: decoder layers built from Liger-Kernel's Triton kernels, GPU only.
+"""The ``liger`` backend's decoder layers, built from Liger-Kernel's Triton kernels, GPU only.
 
 The layer keeps the original's modules and names (``self_attn.q_proj`` ... ``mlp.down_proj``,
 the norms where the family puts them), so its weights are the original's, unconverted; what
@@ -17,7 +17,7 @@ changes is how they are used:
 
 The decoder-layer contract (signature, residuals, cache update) is
 :mod:`layerswap.backends._layer`. The ``head`` slot's Liger form,
-``"<family>.head.liger"``, is :mod:`layerswap.backends.head_liger`.
+``"<family>.head.liger"``, is :mod:`layerswap.backends.liger.head`.
 
 Refused, with the reason (:func:`unsupported`): attention logit soft-capping (SDPA has
 none) and activations Liger has no gated kernel for. Nothing here imports Liger-Kernel
@@ -42,13 +42,13 @@ from torch import nn
 
 from layerswap.backends import _layer
 from layerswap.backends._original import OriginalNumbers, original_numbers
-from layerswap.backends.declarations.liger import (
+from layerswap.backends.liger.declaration import (
     BACKEND,
     mlp_names,
     qkv_names,
     unsupported,
 )
-from layerswap.backends.liger_runtime import (
+from layerswap.backends.liger.runtime import (
     NO_CUDA,
     NOT_INSTALLED,
     kernels,
@@ -351,7 +351,8 @@ def layer_class(family: Family) -> type[LigerDecoderLayer]:
     """The Liger decoder layer class for ``family`` (made once, then cached).
 
     Builtin families' classes are importable from this module by name
-    (``layerswap.backends.liger:LigerLlamaDecoderLayer``); a pickle holds how to make it again.
+    (``layerswap.backends.liger.decoder:LigerLlamaDecoderLayer``,
+    and from its package, ``layerswap.backends.liger``); a pickle holds how to make it again.
     """
     return _layer.family_layer_class(LigerDecoderLayer, family)
 

@@ -1,4 +1,4 @@
-"""The ``te`` backend: NVIDIA TransformerEngine decoder layers, BF16 and FP8, GPU only.
+"""The ``te`` backend's decoder layers: NVIDIA TransformerEngine, BF16 and FP8, GPU only.
 
 The layer is composed of the TransformerEngine modules that
 ``transformer_engine.pytorch.TransformerLayer`` is built from, under the same names:
@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from layerswap.backends import _layer
-from layerswap.backends.declarations.te import BACKEND, unsupported
-from layerswap.backends.te_layout import TELayerSpec
-from layerswap.backends.te_runtime import (
+from layerswap.backends.te.declaration import BACKEND, unsupported
+from layerswap.backends.te.layout import TELayerSpec
+from layerswap.backends.te.runtime import (
     NO_CUDA,
     NOT_INSTALLED,
     _precision_for,
@@ -353,8 +353,9 @@ def layer_class(family: Family) -> type[TEDecoderLayer]:
     """The TE decoder layer class for ``family`` (made once, then cached).
 
     Builtin families' classes are importable from this module by name
-    (``layerswap.backends.te:TELlamaDecoderLayer``); a pickle holds how to make it again. Making the
-    class needs no TransformerEngine; building a layer does.
+    (``layerswap.backends.te.decoder:TELlamaDecoderLayer``, and from its package,
+    ``layerswap.backends.te``); a pickle holds how to make it again. Making the class needs
+    no TransformerEngine; building a layer does.
     """
     return _layer.family_layer_class(TEDecoderLayer, family)
 

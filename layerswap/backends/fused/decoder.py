@@ -1,4 +1,4 @@
-"""The ``fused`` backend: a pure PyTorch decoder layer for every family, CPU and GPU.
+"""The ``fused`` backend's decoder layer: pure PyTorch for every family, CPU and GPU.
 
 One projection computes q, k and v; one computes gate and up; norms are
 ``torch.nn.functional.rms_norm`` or ``layer_norm`` (with or without a bias); attention is
@@ -35,7 +35,7 @@ from transformers.activations import ACT2FN
 from layerswap import hf_internals
 from layerswap.backends import _layer
 from layerswap.backends._original import original_numbers
-from layerswap.backends.declarations.fused import BACKEND
+from layerswap.backends.fused.declaration import BACKEND
 from layerswap.errors import RequirementError, UpstreamDriftError
 from layerswap.family import Family
 from layerswap.rotary import rotate
@@ -517,7 +517,8 @@ def layer_class(family: Family) -> type[FusedDecoderLayer]:
     """The fused decoder layer class for ``family`` (made once, then cached).
 
     Builtin families' classes are importable from this module by name
-    (``layerswap.backends.fused:FusedLlamaDecoderLayer``); a pickle holds how to make it again.
+    (``layerswap.backends.fused.decoder:FusedLlamaDecoderLayer``,
+    and from its package, ``layerswap.backends.fused``); a pickle holds how to make it again.
     """
     return _layer.family_layer_class(FusedDecoderLayer, family)
 

@@ -1,0 +1,38 @@
+"""The ``fused`` backend, declared: pure PyTorch, every family, CPU and GPU.
+
+Its layers: :mod:`layerswap.backends.fused.decoder` and
+:mod:`layerswap.backends.fused.head`.
+"""
+
+from __future__ import annotations
+
+from layerswap.backend import Backend, Implementation, Lazy
+from layerswap.backends.declarations.head_slot import head_slot
+
+__all__ = ["BACKEND"]
+
+#: the ``fused`` backend: its decoder layer for every family, and its head
+BACKEND = Backend(
+    name="fused",
+    description="pure PyTorch, CPU and GPU: fused projections, F.rms_norm, SDPA",
+    slots={
+        "decoder": Implementation(
+            replacement=Lazy("layerswap.backends.fused.decoder:layer_class"),
+            converter=Lazy("layerswap.backends.fused.decoder:converter_for"),
+            description=(
+                "pure PyTorch, CPU and GPU: fused QKV and gate/up projections, F.rms_norm, "
+                "scaled_dot_product_attention with GQA"
+            ),
+        ),
+        "head": head_slot(
+            "layerswap.backends.fused.head",
+            "Fused",
+            description=(
+                "pure PyTorch, CPU and GPU: in training, linear + cross-entropy chunk by chunk "
+                "(never the full logits; logits None)"
+            ),
+        ),
+    },
+    # tests/test_parallel.py: tensor parallel and FSDP loading equal the original
+    tensor_parallel=None,
+)
