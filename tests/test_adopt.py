@@ -71,6 +71,13 @@ def state_of(model: nn.Module | None = None) -> dict[str, Any]:
     return state
 
 
+def _imported_submodule(owner: Any, key: str, value: Any) -> bool:
+    return (
+        isinstance(owner, types.ModuleType)
+        and sys.modules.get(f"{owner.__name__}.{key}") is value is not None
+    )
+
+
 def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     found = []
     for where, (obj, entries, containers, *cls) in before.items():
@@ -81,6 +88,8 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
         for key in set(entries) | set(now[1]):
             if key == "__slotnames__":  # copyreg's cache, written by deepcopy (the proof's)
                 continue
+            if key not in entries and _imported_submodule(obj, key, now[1][key]):
+                continue  # an import binds a package's new submodule: kept, as imports are
             if entries.get(key, NOTSET) is not now[1].get(key, NOTSET):
                 found.append(f"{where}.{key}")
         for key, (container, items) in containers.items():

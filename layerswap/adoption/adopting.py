@@ -22,6 +22,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from layerswap.adoption.proving import check_patch, family_for, tiny_config
 from layerswap.adoption.record import Recording, record
 from layerswap.errors import AdoptionError
@@ -160,6 +162,11 @@ def adopt(
     return Adoption(recording, result, family.name if family else None, checks)
 
 
+def _device() -> torch.device:
+    # a patch's kernels (Triton's) may run on a GPU only: the proof runs where they would
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _family(model: nn.Module | None, config: PreTrainedConfig | None) -> Family | None:
     if config is not None:
         return family_for(str(getattr(config, "model_type", "")))
@@ -196,8 +203,8 @@ def _prove_in_place(
     taken back, the candidate built with them, holding the original's weights."""
     tiny = tiny_config(family, config)
     with recording.suspended():
-        reference = family.build(tiny, seed=0)
-    candidate = family.build(tiny, seed=0)
+        reference = family.build(tiny, seed=0).to(_device())
+    candidate = family.build(tiny, seed=0).to(_device())
     try:
         candidate.load_state_dict(reference.state_dict())
     except RuntimeError as exc:
@@ -217,7 +224,7 @@ def _prove_on_copy(
 ) -> tuple[str, ...]:
     """Prove ``fn`` applied to a tiny model (in place of the user's): recorded, checked
     against an untouched copy, taken back."""
-    reference = family.build(tiny_config(family, config), seed=0)
+    reference = family.build(tiny_config(family, config), seed=0).to(_device())
     candidate = copy.deepcopy(reference)
     recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
     try:
