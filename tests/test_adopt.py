@@ -397,3 +397,80 @@ def test_prove_true_without_a_family_is_refused() -> None:
 
     with pytest.raises(AdoptionError, match="config="):
         layerswap.adopt(nothing, prove=True)
+
+
+# --- transformers' kernelize -----------------------------------------------------------------
+
+
+def test_kernelize_without_a_fitting_kernels_package_changes_nothing(model: nn.Module) -> None:
+    from transformers.integrations.hub_kernels import kernelize
+    from transformers.utils.import_utils import is_kernels_available
+
+    if is_kernels_available():
+        pytest.skip("a kernels release transformers accepts is installed: kernelize runs")
+    before = state_of(model)
+    with pytest.raises(ImportError):
+        layerswap.adopt(kernelize, model=model, prove=False)
+    assert differences(before, state_of(model)) == []
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+PATCHES = """
+import torch
+from torch import nn
+from transformers.models.llama import modeling_llama
+
+
+class FastRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        shape = (hidden_states.shape[-1],)
+        return nn.functional.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+
+
+def fast_rms_norm():
+    modeling_llama.LlamaRMSNorm = FastRMSNorm
+
+
+def forgot_epsilon():
+    modeling_llama.LlamaRMSNorm = lambda hidden_size, eps=1e-6: FastRMSNorm(hidden_size, 0.1)
+"""
+
+
+def test_cli_verify_adopt_proves_and_undoes(make_module, capsys) -> None:
+    from command_line import run
+
+    name = make_module("cli_patches", PATCHES)
+    original = modeling_llama.LlamaRMSNorm
+    code, out, _ = run(capsys, "verify", "--adopt", f"{name}:fast_rms_norm", "--model", "llama")
+    assert code == 0, out
+    assert out.startswith(f"PASSED  {name}:fast_rms_norm: proven equal to the original")
+    assert "modeling_llama.LlamaRMSNorm: rebound" in out
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_cli_verify_adopt_names_the_first_divergent_layer(make_module, capsys) -> None:
+    import json
+
+    from command_line import run
+
+    name = make_module("cli_patches", PATCHES)
+    args = ("verify", "--adopt", f"{name}:forgot_epsilon", "--model", "llama", "--json")
+    code, out, _ = run(capsys, *args)
+    assert code == 1
+    verdict = json.loads(out)
+    assert verdict["passed"] is False and verdict["layer"] == "model.layers.0"
+
+
+def test_cli_verify_adopt_refuses_a_missing_function_with_close_names(make_module, capsys):
+    from command_line import run
+
+    name = make_module("cli_patches", PATCHES)
+    code, _, err = run(capsys, "verify", "--adopt", f"{name}:fast_rms_nrom", "--model", "llama")
+    assert code == 2
+    assert "fast_rms_norm" in err

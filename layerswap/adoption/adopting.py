@@ -86,7 +86,8 @@ class Adoption:
             if self.proven
             else "not proven (no model, config or transformers family to prove it on)"
         )
-        lines = [f"{self.name}: {len(self.changes)} changes, {state}; {proof}"]
+        count = len(self.changes)
+        lines = [f"{self.name}: {count} change{'' if count == 1 else 's'}, {state}; {proof}"]
         lines += [f"  {line}" for line in self.changes]
         return "\n".join(lines)
 
