@@ -17,6 +17,7 @@ import layerswap
 from layerswap.adoption.record import record
 from layerswap.errors import (
     AdoptionError,
+    PatchConflictWarning,
     PatchDivergenceError,
     UnrecordableChangeError,
     VerificationError,
@@ -334,6 +335,96 @@ def test_record_takes_back_when_asked_and_can_apply_again() -> None:
     assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
     recording.undo()
     assert modeling_llama.LlamaRMSNorm is original
+
+
+class Descriptors:
+    """Every kind of class attribute a patch may rebind, kept by identity."""
+
+    @staticmethod
+    def static() -> int:
+        return 1
+
+    @classmethod
+    def klass(cls) -> int:
+        return 2
+
+    @property
+    def prop(self) -> int:
+        return 3
+
+    def method(self) -> int:
+        return 4
+
+
+class SubDescriptors(Descriptors):
+    pass
+
+
+@pytest.mark.parametrize("cls", [Descriptors, SubDescriptors], ids=["class", "subclass"])
+def test_undo_descriptors_of_a_class_and_its_subclass(cls: type) -> None:
+    raw = dict(cls.__dict__)
+
+    def rebind() -> None:
+        cls.static = staticmethod(lambda: -1)
+        cls.klass = classmethod(lambda c: -2)
+        cls.prop = property(lambda self: -3)
+        cls.method = lambda self: -4
+
+    with layerswap.adopt(rebind, prove=False):
+        assert (cls.static(), cls.klass(), cls().prop, cls().method()) == (-1, -2, -3, -4)
+    assert dict(cls.__dict__).keys() == raw.keys()
+    assert all(cls.__dict__[name] is value for name, value in raw.items())
+    assert (cls.static(), cls.klass(), cls().prop, cls().method()) == (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("order", ["first-first", "last-first"])
+def test_two_adoptions_of_one_name_undone_in_any_order(order: str) -> None:
+    original = modeling_llama.LlamaRMSNorm
+    first = layerswap.adopt(rebind_rms_norm, prove=False)
+    second = layerswap.adopt(rebind_rms_norm_wrong_eps, prove=False)
+    assert modeling_llama.LlamaRMSNorm is WrongEpsRMSNorm
+    if order == "first-first":
+        first.undo()
+        assert modeling_llama.LlamaRMSNorm is WrongEpsRMSNorm
+        second.undo()
+    else:
+        second.undo()
+        assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
+        first.undo()
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_a_foreign_write_while_adopted_warns_and_the_original_comes_back() -> None:
+    original = modeling_llama.LlamaRMSNorm
+    adoption = layerswap.adopt(rebind_rms_norm, prove=False)
+    modeling_llama.LlamaRMSNorm = WrongEpsRMSNorm  # someone else, behind layerswap's back
+    with pytest.warns(PatchConflictWarning, match="LlamaRMSNorm"):
+        adoption.undo()
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_keyboard_interrupt_half_way_is_taken_back(model: nn.Module) -> None:
+    before = state_of(model)
+
+    def interrupted(model: nn.Module) -> None:
+        patch_everything(model)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        layerswap.adopt(interrupted, model=model, prove=False)
+    assert differences(before, state_of(model)) == []
+
+
+def test_a_replaced_sys_modules_entry_is_put_back() -> None:
+    name = "transformers.models.llama.modeling_llama"
+
+    def replace_module() -> None:
+        sys.modules[name] = types.ModuleType(name)
+
+    with layerswap.adopt(replace_module, prove=False) as adoption:
+        assert sys.modules[name] is not modeling_llama
+    assert sys.modules[name] is modeling_llama
+    assert f"sys.modules[{name!r}]: replaced" in adoption.changes
 
 
 # --- the proof ---------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ refused on a machine without a GPU with the requirement; proven on a GPU."""
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 import pytest
 import torch
@@ -32,8 +34,30 @@ def test_adopting_and_undoing_leaves_transformers_as_before(model_type: str) -> 
         assert differences(before, state_of()) == []
         pytest.skip(f"{apply.__name__} fails on this transformers: {exc}")
     assert adoption.changes, f"{apply.__name__} changed nothing that was recorded"
+    assert liger_objects_in_transformers(), "Liger's objects are in transformers while adopted"
     adoption.undo()
     assert differences(before, state_of()) == []
+    # the modeling modules Liger imported itself, and patched, are back too
+    assert liger_objects_in_transformers() == []
+
+
+def liger_objects_in_transformers() -> list[str]:
+    """Names in transformers' modules and classes bound to one of Liger's objects."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers") or not isinstance(module, types.ModuleType):
+            continue
+        owners = [(name, vars(module))] + [
+            (f"{name}.{value.__qualname__}", dict(value.__dict__))
+            for value in list(vars(module).values())
+            if isinstance(value, type) and value.__module__ == name
+        ]
+        for where, entries in owners:
+            for key, value in entries.items():
+                origin = getattr(value, "__module__", None) or ""
+                if isinstance(origin, str) and origin.startswith("liger_kernel"):
+                    found.append(f"{where}.{key}")
+    return found
 
 
 def test_adopting_with_a_model_undoes_every_instance() -> None:
