@@ -427,6 +427,21 @@ def test_a_replaced_sys_modules_entry_is_put_back() -> None:
     assert f"sys.modules[{name!r}]: replaced" in adoption.changes
 
 
+def test_a_function_code_replaced_in_place_is_put_back() -> None:
+    forward = modeling_llama.LlamaMLP.forward
+    code, defaults = forward.__code__, forward.__defaults__
+
+    def swap_code() -> None:
+        forward.__code__ = _silu_mlp.__code__
+
+    with layerswap.adopt(swap_code, prove=False) as adoption:
+        assert forward.__code__ is _silu_mlp.__code__
+    assert forward.__code__ is code and forward.__defaults__ is defaults
+    assert "transformers.models.llama.modeling_llama.LlamaMLP.forward: __code__ replaced" in (
+        adoption.changes
+    )
+
+
 # --- the proof ---------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ original model with the changes taken back for the time of a call):
 * :class:`ContentsChange`: a dict, list or set changed in place (a registry, a model's
   ``_modules``): put back item by item, in order, the container object kept;
 * :class:`ClassChange`: an instance given another class;
+* :class:`FunctionChange`: a function's ``__code__`` or defaults replaced in place;
 * :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed (modules
   imported for the first time stay).
 
@@ -29,7 +30,15 @@ import sys
 import types
 from typing import Any
 
-from layerswap.adoption.snapshot import Contents, Owner, Snapshot, refill, same_contents
+from layerswap.adoption.snapshot import (
+    FUNCTION_PARTS,
+    Contents,
+    FunctionState,
+    Owner,
+    Snapshot,
+    refill,
+    same_contents,
+)
 from layerswap.patching import Patch
 from layerswap.patching.sites import NOTSET, DictSite, Original
 
@@ -38,6 +47,7 @@ __all__ = [
     "ClassChange",
     "ContentsChange",
     "Deletion",
+    "FunctionChange",
     "ModuleTableChange",
     "Rebinding",
     "find_changes",
@@ -182,6 +192,32 @@ class ClassChange(Change):
         self.obj.__class__ = self.new
 
 
+class FunctionChange(Change):
+    """A function's code or defaults replaced in place (``f.__code__ = other.__code__``)."""
+
+    def __init__(self, state: FunctionState) -> None:
+        self.function = state.function
+        self.before = state.before
+        self.after = FunctionState.parts_of(state.function)
+        self.where = state.where
+        changed = [
+            part
+            for part, old, new in zip(FUNCTION_PARTS, self.before, self.after, strict=True)
+            if old is not new
+        ]
+        self.what = f"{', '.join(changed)} replaced"
+
+    def _set(self, parts: tuple[Any, ...]) -> None:
+        for part, value in zip(FUNCTION_PARTS, parts, strict=True):
+            setattr(self.function, part, value)
+
+    def revert(self) -> None:
+        self._set(self.before)
+
+    def apply(self) -> None:
+        self._set(self.after)
+
+
 class ModuleTableChange(Change):
     """``sys.modules[name]`` replaced or removed."""
 
@@ -209,6 +245,9 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
     for contents in list(snapshot.contents.values()):
         if not contents.unchanged():
             changes.append(ContentsChange(contents))
+    changes.extend(
+        FunctionChange(state) for state in snapshot.functions.values() if state.changed()
+    )
     for name, module in snapshot.modules.items():
         now = sys.modules.get(name, NOTSET)
         if now is not module:

@@ -39,8 +39,17 @@ class Recording:
         self.name = name
         self.changes = changes
         self._log = UndoLog()
-        for change in changes:
-            change.adopt()
+        for position, change in enumerate(changes):
+            try:
+                change.adopt()
+            except Exception as error:
+                # taken back: the adopted ones through the log, the rest raw
+                self._log.undo(on_error=lambda _: None)
+                _take_back(changes[position:])
+                raise UnrecordableChangeError(
+                    f"{name} changed {change.where}, which layerswap cannot take over "
+                    f"({type(error).__name__}: {error}); its changes were taken back"
+                ) from error
             self._log.record(change.revert)
 
     def undo(self) -> None:

@@ -8,7 +8,8 @@ hand-written patch) changes objects in place and keeps no record. To take its ch
 * in the *watched* packages (transformers, ``torch.nn``, the patch function's own
   package): the ``__dict__`` of each class a module defines, the contents of each dict,
   list or set held by a module or class attribute (a registry such as ``ACT2FN`` or
-  ``ALL_ATTENTION_FUNCTIONS`` mutated in place), and the ``__dict__`` of the plain objects
+  ``ALL_ATTENTION_FUNCTIONS`` mutated in place), the code and defaults of each function
+  held there (``forward.__code__`` replaced), and the ``__dict__`` of the plain objects
   held there (an interface instance with its own mapping);
 * for a given model, every submodule: its ``__dict__`` (``forward`` bound per instance),
   its class, the contents of ``_parameters``, ``_buffers``, ``_modules`` and the hook
@@ -42,6 +43,7 @@ from typing import Any
 
 __all__ = [
     "Contents",
+    "FunctionState",
     "Owner",
     "refill",
     "same_contents",
@@ -159,6 +161,27 @@ def refill(obj: Any, items: Any) -> None:
     _base(obj).refill(obj, items)
 
 
+#: what a function's own slots hold that a patch may replace in place
+FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__")
+
+
+@dataclass
+class FunctionState:
+    """A function of a watched module or class: its code and defaults."""
+
+    function: Any
+    where: str
+    before: tuple[Any, ...]
+
+    @staticmethod
+    def parts_of(function: Any) -> tuple[Any, ...]:
+        return tuple(getattr(function, part) for part in FUNCTION_PARTS)
+
+    def changed(self) -> bool:
+        now = self.parts_of(self.function)
+        return any(a is not b for a, b in zip(now, self.before, strict=True))
+
+
 @dataclass
 class TensorState:
     """A parameter or buffer of the model: its version counter and storage."""
@@ -182,6 +205,7 @@ class Snapshot:
     model: Any = None
     owners: dict[int, Owner] = field(default_factory=dict)
     contents: dict[int, Contents] = field(default_factory=dict)
+    functions: dict[int, FunctionState] = field(default_factory=dict)
     modules: dict[str, Any] = field(default_factory=dict)
     tensors: list[TensorState] = field(default_factory=list)
 
@@ -233,6 +257,12 @@ class Snapshot:
             if isinstance(value, CONTAINERS) and id(value) not in self.contents:
                 self.contents[id(value)] = Contents(
                     value, f"{where}.{key}", Contents.copy_of(value)
+                )
+            elif isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, types.FunctionType) and id(value) not in self.functions:
+                self.functions[id(value)] = FunctionState(
+                    value, f"{where}.{key}", FunctionState.parts_of(value)
                 )
 
     def _add_model(self, model: Any) -> None:
