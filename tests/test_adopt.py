@@ -460,6 +460,18 @@ def test_the_family_is_found_from_the_modeling_module_the_patch_changed() -> Non
         assert adoption.proven == "llama"
 
 
+def test_the_family_is_found_past_changes_to_the_auto_mappings() -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    def rebind_and_register() -> None:
+        rebind_rms_norm()
+        CONFIG_MAPPING._extra_content["adopted_kind"] = object  # as a lazy lookup caches
+
+    with layerswap.adopt(rebind_and_register) as adoption:
+        assert adoption.proven == "llama"
+    assert "adopted_kind" not in CONFIG_MAPPING._extra_content
+
+
 def test_a_wrong_epsilon_is_refused_naming_the_first_layer() -> None:
     before = state_of()
     config = layerswap.get_family("llama").tiny_config()

@@ -189,8 +189,11 @@ def _changed_family(recording: Recording) -> Family | None:
     """The family of the one transformers modeling module the recording changed."""
     found = set()
     for change in recording.changes:
+        # transformers.models.<family>.modeling_<family>.<name>: not the auto mappings'
+        # or a lazy package's caches
         parts = change.where.split(".")
-        if parts[:2] == ["transformers", "models"] and len(parts) > 3:
+        modeling = len(parts) > 4 and parts[3] == f"modeling_{parts[2]}"
+        if modeling and parts[:2] == ["transformers", "models"]:
             found.add(parts[2])
     if len(found) != 1:
         return None
