@@ -16,13 +16,14 @@ Example::
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from layerswap.adoption.changes import Change, find_changes
 from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_packages
-from layerswap.errors import UnrecordableChangeError
+from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
 from layerswap.patching.undo import UndoLog
 
 __all__ = ["Recording", "record"]
@@ -43,14 +44,21 @@ class Recording:
             try:
                 change.adopt()
             except Exception as error:
-                # taken back: the adopted ones through the log, the rest raw
-                self._log.undo(on_error=lambda _: None)
-                _take_back(changes[position:])
-                raise UnrecordableChangeError(
-                    f"{name} changed {change.where}, which layerswap cannot take over "
-                    f"({type(error).__name__}: {error}); its changes were taken back"
-                ) from error
+                raise self._abandoned(changes[position:], change, error) from error
             self._log.record(change.revert)
+
+    def _abandoned(
+        self, rest: list[Change], failing: Change, error: Exception
+    ) -> UnrecordableChangeError:
+        """Everything taken back (the adopted changes through the log, ``rest`` raw) after
+        ``failing`` could not be taken over: the error to raise."""
+        failed: list[str] = []
+        self._log.undo(on_error=lambda e: failed.append(f"{type(e).__name__}: {e}"))
+        failed += _take_back(rest)
+        return UnrecordableChangeError(
+            f"{self.name} changed {failing.where}, which layerswap cannot take over "
+            f"({type(error).__name__}: {error}); its changes were taken back" + _not_back(failed)
+        )
 
     def undo(self) -> None:
         """Take every change back, newest first (a second call does nothing)."""
@@ -94,23 +102,38 @@ def record(
                 result = fn(*args, **kwargs)
         except BaseException:
             changes, _ = find_changes(snapshot)
-            _take_back(changes)
+            failed = _take_back(changes)
+            if failed:  # the function's exception is the one to raise; this is said beside it
+                warnings.warn(
+                    f"{name} raised; its changes were taken back" + _not_back(failed),
+                    PatchConflictWarning,
+                    stacklevel=2,
+                )
             raise
         changes, unrecordable = find_changes(snapshot)
         if unrecordable:
-            _take_back(changes)
+            failed = _take_back(changes)
             raise UnrecordableChangeError(
                 f"{name} changed what layerswap cannot record and take back: "
-                f"{', '.join(unrecordable)}; its other changes were taken back. A patch "
-                "function may rebind names, classes and instances' attributes, not change "
-                "a model's weights in place"
+                f"{', '.join(unrecordable)}; its other changes were taken back"
+                + _not_back(failed)
+                + ". A patch function may rebind names, classes and instances' attributes, "
+                "not change a model's weights in place"
             )
         return Recording(name, changes), result
 
 
-def _take_back(changes: list[Change]) -> None:
-    """Revert raw changes newest first; a failing step does not stop the others."""
-    log = UndoLog()
-    for change in changes:
-        log.record(change.revert)
-    log.undo(on_error=lambda error: None)
+def _take_back(changes: list[Change]) -> list[str]:
+    """Revert raw changes newest first; a failing step does not stop the others, and is
+    listed (``"where: error"``)."""
+    failed: list[str] = []
+    for change in reversed(changes):
+        try:
+            change.revert()
+        except Exception as error:
+            failed.append(f"{change.where}: {type(error).__name__}: {error}")
+    return failed
+
+
+def _not_back(failed: list[str]) -> str:
+    return f", except: {'; '.join(failed)}" if failed else ""
