@@ -517,6 +517,46 @@ def test_prove_true_without_a_family_is_refused() -> None:
         layerswap.adopt(nothing, prove=True)
 
 
+# --- verify, layer by layer --------------------------------------------------------------------
+
+
+def test_verify_names_the_first_divergent_layer_of_an_adopted_model(model: nn.Module) -> None:
+    original_forward = modeling_llama.LlamaMLP.forward
+    before = state_of(model)
+
+    def scale_from_layer_2(model: nn.Module) -> None:
+        for layer in list(model.model.layers)[2:]:
+            mlp = layer.mlp
+            mlp.forward = lambda x, mlp=mlp: original_forward(mlp, x) * 1.01
+
+    with layerswap.adopt(scale_from_layer_2, model=model, prove=False) as adoption:
+        report = adoption.verify(model, backward=True)
+        assert "forward" in model.model.layers[2].mlp.__dict__  # still patched after
+    assert not report.passed
+    assert report.first_divergent_layer == 2
+    assert [layer.passed for layer in report.layers[:2]] == [True, True]
+    assert differences(before, state_of(model)) == []
+
+
+def test_verify_passes_an_equivalent_adopted_model(model: nn.Module) -> None:
+    def bind_forward(model: nn.Module) -> None:
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(_silu_mlp, layer.mlp)
+
+    with layerswap.adopt(bind_forward, model=model, prove=False) as adoption:
+        report = adoption.verify(model, generate=2)
+    assert report.passed, report.summary()
+
+
+def test_verify_refuses_a_model_built_with_the_patch_s_classes() -> None:
+    from layerswap.errors import UnsupportedModelError
+
+    with layerswap.adopt(rebind_rms_norm, prove=False) as adoption:
+        built = layerswap.get_family("llama").build()
+        with pytest.raises(UnsupportedModelError, match="built with the patch"):
+            adoption.verify(built)
+
+
 # --- transformers' kernelize -----------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ import torch
 
 from layerswap.adoption.proving import check_patch, family_for, tiny_config
 from layerswap.adoption.record import Recording, record
+from layerswap.adoption.verifying import verify_adopted
 from layerswap.errors import AdoptionError
 from layerswap.model import family_of
 
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from layerswap.family import Family
+    from layerswap.verify.inputs import InputsLike
+    from layerswap.verify.report import VerificationReport
+    from layerswap.verify.tolerance import Tolerance
 
 __all__ = ["Adoption", "adopt"]
 
@@ -70,6 +74,34 @@ class Adoption:
     def changes(self) -> list[str]:
         """One line per change the function made."""
         return self._recording.report()
+
+    def verify(
+        self,
+        model: nn.Module,
+        inputs: InputsLike = None,
+        *,
+        backward: bool = False,
+        generate: int | None = None,
+        tolerance: float | Tolerance | None = None,
+    ) -> VerificationReport:
+        """``model`` run with the original code and with the patched code, compared layer
+        by layer as :func:`layerswap.verify` compares (:mod:`layerswap.adoption.verifying`).
+
+        Example::
+
+            report = adoption.verify(model, backward=True)
+            assert report.passed, report.summary()
+        """
+        if not self._active:
+            raise AdoptionError(f"{self.name} was undone: there is no patched code to verify")
+        return verify_adopted(
+            self._recording,
+            model,
+            inputs,
+            backward=backward,
+            generate=generate,
+            tolerance=tolerance,
+        )
 
     def undo(self) -> None:
         """Put every module, class and instance the function changed back (a second call
