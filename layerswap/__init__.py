@@ -27,6 +27,8 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the public API for type checkers; _EXPORTS below for the runtime
     from layerswap import errors as errors
+    from layerswap.adoption import Adoption as Adoption
+    from layerswap.adoption import adopt as adopt
     from layerswap.backend import Backend as Backend
     from layerswap.backend import Implementation as Implementation
     from layerswap.backend import Lazy as Lazy
@@ -81,6 +83,8 @@ if TYPE_CHECKING:  # the public API for type checkers; _EXPORTS below for the ru
 #: two equal)
 _EXPORTS: dict[str, str] = {
     "errors": "layerswap",
+    "Adoption": "layerswap.adoption",
+    "adopt": "layerswap.adoption",
     "Backend": "layerswap.backend",
     "Implementation": "layerswap.backend",
     "Lazy": "layerswap.backend",

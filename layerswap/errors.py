@@ -9,12 +9,14 @@ the wrong kind), so ``except AttributeError`` keeps working around layerswap.
 from __future__ import annotations
 
 __all__ = [
+    "AdoptionError",
     "CheckpointError",
     "ConversionError",
     "LayerswapError",
     "LazyPatchWarning",
     "ParallelismError",
     "PatchConflictWarning",
+    "PatchDivergenceError",
     "PatchError",
     "PatchStateError",
     "PatchTargetError",
@@ -27,6 +29,7 @@ __all__ = [
     "TargetTypeError",
     "UnknownBackendError",
     "UnknownSubstitutionError",
+    "UnrecordableChangeError",
     "UnsupportedFamilyError",
     "UnsupportedModelError",
     "UpstreamDriftError",
@@ -137,3 +140,31 @@ class VerificationError(LayerswapError, AssertionError):
 class UnsupportedModelError(LayerswapError, TypeError):
     """Verification or benchmarking cannot run this model: its class, its config or
     what it returns does not allow the requested check (the message says which)."""
+
+
+# --- adopting other libraries' patch functions ------------------------------------------
+
+
+class AdoptionError(LayerswapError):
+    """A patch function (``layerswap.adopt``) could not be adopted; its changes were taken
+    back."""
+
+
+class UnrecordableChangeError(AdoptionError, RuntimeError):
+    """A patch function changed something layerswap cannot record and take back (the
+    message names it); everything else it changed was taken back."""
+
+
+class PatchDivergenceError(AdoptionError, VerificationError):
+    """An adopted patch function changes what the model computes beyond tolerance.
+
+    A verification failure (``except VerificationError`` catches it, as it catches
+    ``verify``'s), raised at adoption after the patch was taken back; ``layer`` is the first
+    decoder layer whose output differs (``None`` where every layer's output agrees and only
+    the head, decoding or the gradients differ), ``check`` the first check that does.
+    """
+
+    def __init__(self, message: str, *, layer: str | None = None, check: str | None = None):
+        super().__init__(message)
+        self.layer = layer
+        self.check = check

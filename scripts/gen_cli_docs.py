@@ -13,8 +13,9 @@ its stdout and stderr piped, as a user's shell shows them, and a non-zero exit c
 block's single command is shown with ``echo $?``. ``llama.decoder.broken`` (a
 substitution whose layer 2 is 1% off) is registered for the examples of a failing
 verification, and the commands run in a temporary directory holding ``my-llama`` (a tiny
-bfloat16 checkpoint), two damaged copies of it and ``my-fused-adapter`` (a LoRA adapter
-saved by hand under a swapped model's fused names).
+bfloat16 checkpoint), two damaged copies of it, ``my-fused-adapter`` (a LoRA adapter
+saved by hand under a swapped model's fused names) and ``my_patches.py`` (two hand-written
+patch functions for ``verify --adopt``, one of them wrong).
 
 ``tests/test_docs.py`` checks that the docs are fresh (``stale``): a block is its fresh
 run up to the error figures and cosines its tolerance cannot tell apart, which the
@@ -93,6 +94,34 @@ def checkpoints(directory: Path) -> None:
     truncated = directory / "my-llama-truncated" / "model.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:4096])
     fused_adapter(directory / "my-fused-adapter")
+    (directory / "my_patches.py").write_text(PATCHES)
+
+
+#: the patch functions ``verify --adopt`` is shown with (docs/adopting.md has the same)
+PATCHES = """\
+import torch
+from torch import nn
+from transformers.models.llama import modeling_llama
+
+
+class FastRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        shape = (hidden_states.shape[-1],)
+        return nn.functional.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+
+
+def fast_rms_norm():
+    modeling_llama.LlamaRMSNorm = FastRMSNorm
+
+
+def forgot_epsilon():
+    modeling_llama.LlamaRMSNorm = lambda hidden_size, eps=1e-6: FastRMSNorm(hidden_size, 0.1)
+"""
 
 
 def fused_adapter(directory: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from layerswap.cli.adopting import verify_adopted
 from layerswap.cli.doctor import backend_problems, environment
 from layerswap.cli.models import build, find_family
 from layerswap.cli.options import JsonOption, ModelChoice, model_options
@@ -238,9 +239,22 @@ def verify_command(
             show_default=False,
         ),
     ] = None,
+    adopt: Annotated[
+        str | None,
+        typer.Option(
+            "--adopt",
+            metavar="MODULE:FUNCTION",
+            help="Prove a patch function (Liger's apply_liger_kernel_to_*, your own) on a "
+            "tiny model of --model, then undo it; the substitution options are not used.",
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Verify a substitution against the original model, layer by layer."""
+    if adopt is not None:
+        verify_adopted(adopt, choice, json_output=json_output)
+        return
     with exit_codes(), Progress(not json_output) as progress:
         setup = build(choice, progress)
         from layerswap.verify import verify as run_verification

@@ -9,6 +9,10 @@ both models through the passes :func:`~layerswap.verify.verify` runs
 :func:`~layerswap.verify.compare.compare_gradients`) under a :class:`Tolerance`; each
 returns ``None`` where the two agree.
 
+``reference_context`` runs the reference's passes in a context: an adopted patch function
+(:mod:`layerswap.adoption`) changes code both models run, taken back there so that the
+reference runs the original code.
+
 Example::
 
     tolerance = Tolerance.scaled(1e-4)
@@ -27,7 +31,7 @@ from torch import nn
 
 from layerswap.verify.compare import compare_gradients
 from layerswap.verify.distance import Diff, diff
-from layerswap.verify.forward import forward, generate_tokens
+from layerswap.verify.forward import ContextFactory, forward, generate_tokens
 from layerswap.verify.tolerance import Tolerance
 
 __all__ = [
@@ -46,10 +50,17 @@ def _described(difference: Diff) -> str:
 
 
 def outputs_differ(
-    reference: nn.Module, candidate: nn.Module, batch: Batch, tolerance: Tolerance
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: Batch,
+    tolerance: Tolerance,
+    *,
+    reference_context: ContextFactory = contextlib.nullcontext,
 ) -> str | None:
     """How the outputs at every real token differ (no layer's output is captured)."""
-    expected = forward(reference, batch, routing=False, layer_outputs=False)
+    expected = forward(
+        reference, batch, routing=False, layer_outputs=False, context=reference_context
+    )
     actual = forward(candidate, batch, routing=False, layer_outputs=False)
     difference = diff(expected.logits, actual.logits, rowwise=True)
     return None if difference.passes(tolerance) else _described(difference)
@@ -64,6 +75,15 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+def _both(context: ContextFactory) -> ContextFactory:
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        with _quiet(), context():
+            yield
+
+    return entered
+
+
 def decoding_differs(
     reference: nn.Module,
     candidate: nn.Module,
@@ -72,13 +92,14 @@ def decoding_differs(
     *,
     new_tokens: int,
     cache: str | None = None,
+    reference_context: ContextFactory = contextlib.nullcontext,
 ) -> str | None:
     """How greedy decoding of ``new_tokens`` tokens with ``cache`` (``"static"``; ``None``:
     dynamic) differs: every step's logits, then the tokens. ``None`` also where the
     reference cannot decode this way: there is nothing to compare."""
     try:
         expected_tokens, expected_logits = generate_tokens(
-            reference, batch, new_tokens, _quiet, cache=cache
+            reference, batch, new_tokens, _both(reference_context), cache=cache
         )
     except Exception:
         return None
@@ -97,10 +118,12 @@ def decoding_differs(
     return None
 
 
-def _loss_and_ends(model: nn.Module, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+def _loss_and_ends(
+    model: nn.Module, batch: Batch, context: ContextFactory = contextlib.nullcontext
+) -> tuple[float, dict[str, torch.Tensor]]:
     """The loss, and the gradients of the input embeddings and the head (one tensor where
     they are tied), by what they are."""
-    run = forward(model, batch, backward=True, routing=False, layer_outputs=False)
+    run = forward(model, batch, backward=True, routing=False, layer_outputs=False, context=context)
     assert run.loss is not None and run.gradients is not None
     names = {id(param): name for name, param in model.named_parameters()}
     ends = {
@@ -116,14 +139,19 @@ def _loss_and_ends(model: nn.Module, batch: Batch) -> tuple[float, dict[str, tor
 
 
 def gradients_differ(
-    reference: nn.Module, candidate: nn.Module, batch: Batch, tolerance: Tolerance
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: Batch,
+    tolerance: Tolerance,
+    *,
+    reference_context: ContextFactory = contextlib.nullcontext,
 ) -> str | None:
     """How the loss, or the gradients of the input embeddings and the head, differ.
 
     The layers' own gradients, in two layouts, are not compared (:func:`~layerswap.verify.verify`
     maps them back); a layer whose backward is wrong passes a wrong gradient down to the
     embeddings."""
-    loss_expected, expected = _loss_and_ends(reference, batch)
+    loss_expected, expected = _loss_and_ends(reference, batch, reference_context)
     loss_actual, actual = _loss_and_ends(candidate, batch)
     report = compare_gradients(expected, actual, loss_expected, loss_actual, tolerance, local=False)
     if not tolerance.allows(report.loss_abs_error, abs(report.loss_reference)):
@@ -150,27 +178,38 @@ def first_difference(
     tolerance: Tolerance,
     *,
     new_tokens: int,
+    reference_context: ContextFactory = contextlib.nullcontext,
+    failed: Callable[[Exception], None] | None = None,
 ) -> tuple[str | None, str]:
     """The first of :data:`CHECKS` that differs and how, else ``(None, "4 checks equal")``;
-    a check that raises differs, with the exception as its detail.
+    a check that raises differs, with the exception as its detail (``failed`` sees the
+    exception first, and may raise another: a kernel that cannot run here).
+    ``reference_context``: what the reference's passes run in.
 
     Example::
 
         first_difference(reference, candidate, batch, Tolerance.scaled(1e-4), new_tokens=3)
         # ("prefill and decode with a static cache", "new token 2: max abs difference 2.23")
     """
+    context = reference_context
     steps: tuple[Callable[[], str | None], ...] = (
-        lambda: outputs_differ(reference, candidate, batch, tolerance),
-        lambda: decoding_differs(reference, candidate, batch, tolerance, new_tokens=new_tokens),
+        lambda: outputs_differ(reference, candidate, batch, tolerance, reference_context=context),
         lambda: decoding_differs(
-            reference, candidate, batch, tolerance, new_tokens=new_tokens, cache="static"
+            reference, candidate, batch, tolerance, new_tokens=new_tokens,
+            reference_context=context,
         ),
-        lambda: gradients_differ(reference, candidate, batch, tolerance),
-    )
+        lambda: decoding_differs(
+            reference, candidate, batch, tolerance, new_tokens=new_tokens, cache="static",
+            reference_context=context,
+        ),
+        lambda: gradients_differ(reference, candidate, batch, tolerance, reference_context=context),
+    )  # fmt: skip
     for check, step in zip(CHECKS, steps, strict=True):
         try:
             problem = step()
         except Exception as exc:
+            if failed is not None:
+                failed(exc)
             problem = f"{type(exc).__name__}: {exc}"
         if problem is not None:
             return check, problem

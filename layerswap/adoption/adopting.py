@@ -1,0 +1,269 @@
+"""``layerswap.adopt``: another library's patch function, made scoped, reversible and proven.
+
+Liger-Kernel's ``apply_liger_kernel_to_llama``, transformers' ``kernelize``, a training
+repository's hand-written patch: each changes transformers in place and keeps no way back.
+``adopt`` runs such a function recording every change it makes
+(:mod:`layerswap.adoption.record`), proves that the patched code computes what the original
+does on a tiny model of the family (:mod:`layerswap.adoption.proving`), and hands back an
+:class:`Adoption`: a context manager whose exit, or ``undo()``, puts every module, class
+and instance back as it was, object for object.
+
+Example::
+
+    with layerswap.adopt(apply_liger_kernel_to_llama, rope=True, swiglu=True):
+        model = LlamaForCausalLM.from_pretrained(path)
+    # modeling_llama is as before; the model keeps Liger's modules
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from layerswap.adoption.proving import check_patch, family_for, tiny_config
+from layerswap.adoption.record import Recording, record
+from layerswap.adoption.verifying import verify_adopted
+from layerswap.errors import AdoptionError
+from layerswap.model import family_of
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedConfig
+
+    from layerswap.family import Family
+    from layerswap.verify.inputs import InputsLike
+    from layerswap.verify.report import VerificationReport
+    from layerswap.verify.tolerance import Tolerance
+
+__all__ = ["Adoption", "adopt"]
+
+
+class Adoption:
+    """A patch function's changes, in effect until :meth:`undo` (or the ``with`` block's
+    end).
+
+    ``report()`` lists every change (where, and what happened there); ``proven`` names the
+    family whose tiny model the patch was proven on (``None``: not proven); ``result`` is
+    what the function returned.
+    """
+
+    def __init__(
+        self, recording: Recording, result: Any, proven: str | None, checks: tuple[str, ...]
+    ) -> None:
+        self._recording = recording
+        self.result = result
+        self.proven = proven
+        self.checks = checks
+        self._active = True
+
+    @property
+    def name(self) -> str:
+        """The patch function's qualified name."""
+        return self._recording.name
+
+    @property
+    def active(self) -> bool:
+        """Whether the changes are still in effect."""
+        return self._active
+
+    @property
+    def changes(self) -> list[str]:
+        """One line per change the function made."""
+        return self._recording.report()
+
+    def verify(
+        self,
+        model: nn.Module,
+        inputs: InputsLike = None,
+        *,
+        backward: bool = False,
+        generate: int | None = None,
+        tolerance: float | Tolerance | None = None,
+    ) -> VerificationReport:
+        """``model`` run with the original code and with the patched code, compared layer
+        by layer as :func:`layerswap.verify` compares (:mod:`layerswap.adoption.verifying`).
+
+        Example::
+
+            report = adoption.verify(model, backward=True)
+            assert report.passed, report.summary()
+        """
+        if not self._active:
+            raise AdoptionError(f"{self.name} was undone: there is no patched code to verify")
+        return verify_adopted(
+            self._recording,
+            model,
+            inputs,
+            backward=backward,
+            generate=generate,
+            tolerance=tolerance,
+        )
+
+    def undo(self) -> None:
+        """Put every module, class and instance the function changed back (a second call
+        does nothing)."""
+        if self._active:
+            self._recording.undo()
+            self._active = False
+
+    def report(self) -> str:
+        """What the function changed, and whether it was proven."""
+        state = "in effect" if self._active else "undone"
+        proof = (
+            f"proven equal to the original on a tiny {self.proven} model ({', '.join(self.checks)})"
+            if self.proven
+            else "not proven (no model, config or transformers family to prove it on)"
+        )
+        count = len(self.changes)
+        lines = [f"{self.name}: {count} change{'' if count == 1 else 's'}, {state}; {proof}"]
+        lines += [f"  {line}" for line in self.changes]
+        return "\n".join(lines)
+
+    def __enter__(self) -> Adoption:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return f"<Adoption {self.name} ({len(self.changes)} changes, {state})>"
+
+
+def adopt(
+    fn: Callable[..., Any],
+    *args: Any,
+    model: nn.Module | None = None,
+    config: PreTrainedConfig | None = None,
+    prove: bool | None = None,
+    **kwargs: Any,
+) -> Adoption:
+    """Run the patch function ``fn(*args, **kwargs)`` recorded, proven and reversible.
+
+    ``model``: passed on to ``fn`` as ``model=`` (Liger's convention), and its modules
+    watched (a per-instance ``forward``, a class changed). The proof's tiny model is built
+    from ``config``, else ``model.config``, else the family whose transformers modeling
+    module ``fn`` changed. ``prove=None`` proves where a family is found; ``True``
+    requires it (:class:`~layerswap.errors.AdoptionError` where none is); ``False`` skips it.
+
+    Raises, with every change taken back: the function's own exception;
+    :class:`~layerswap.errors.UnrecordableChangeError`;
+    :class:`~layerswap.errors.PatchDivergenceError` (naming the first divergent layer);
+    :class:`~layerswap.errors.RequirementError` (its kernels need CUDA).
+
+    Example::
+
+        handle = layerswap.adopt(apply_liger_kernel_to_llama, model=model)
+        print(handle.report())
+        handle.undo()
+    """
+    __tracebackhide__ = True
+    family = _family(model, config) if prove is not False else None
+    if prove and family is None and (model is not None or config is not None):
+        raise AdoptionError(_no_family(model, config))
+    checks: tuple[str, ...] = ()
+    if model is not None:
+        kwargs["model"] = model
+        if family is not None:
+            checks = _prove_on_copy(fn, args, kwargs, family, config or model.config)
+        recording, result = record(fn, args, kwargs, model=model)
+        return Adoption(recording, result, family.name if family else None, checks)
+    recording, result = record(fn, args, kwargs)
+    if family is None and prove is not False:
+        family = _changed_family(recording)
+        if family is None and prove:
+            recording.undo()
+            raise AdoptionError(
+                f"{recording.name} changed no transformers modeling module layerswap knows "
+                "a family of: give config= to prove it"
+            )
+    if family is not None:
+        try:
+            checks = _prove_in_place(recording, family, config)
+        except BaseException:
+            recording.undo()
+            raise
+    return Adoption(recording, result, family.name if family else None, checks)
+
+
+def _device() -> torch.device:
+    # a patch's kernels (Triton's) may run on a GPU only: the proof runs where they would
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _family(model: nn.Module | None, config: PreTrainedConfig | None) -> Family | None:
+    if config is not None:
+        return family_for(str(getattr(config, "model_type", "")))
+    if model is not None:
+        try:
+            return family_of(model)
+        except Exception:
+            return None
+    return None
+
+
+def _no_family(model: nn.Module | None, config: PreTrainedConfig | None) -> str:
+    source = config if config is not None else getattr(model, "config", None)
+    kind = getattr(source, "model_type", None)
+    return f"no layerswap family for model_type {kind!r}: the patch cannot be proven (prove=False adopts it unproven)"
+
+
+def _changed_family(recording: Recording) -> Family | None:
+    """The family of the one transformers modeling module the recording changed."""
+    found = set()
+    for change in recording.changes:
+        # transformers.models.<family>.modeling_<family>.<name>: not the auto mappings'
+        # or a lazy package's caches
+        parts = change.where.split(".")
+        modeling = len(parts) > 4 and parts[3] == f"modeling_{parts[2]}"
+        if modeling and parts[:2] == ["transformers", "models"]:
+            found.add(parts[2])
+    if len(found) != 1:
+        return None
+    return family_for(found.pop())
+
+
+def _prove_in_place(
+    recording: Recording, family: Family, config: PreTrainedConfig | None
+) -> tuple[str, ...]:
+    """Prove the class-level changes of ``recording``: the tiny original built with them
+    taken back, the candidate built with them, holding the original's weights."""
+    tiny = tiny_config(family, config)
+    with recording.suspended():
+        reference = family.build(tiny, seed=0).to(_device())
+    candidate = family.build(tiny, seed=0).to(_device())
+    try:
+        candidate.load_state_dict(reference.state_dict())
+    except RuntimeError as exc:
+        raise AdoptionError(
+            f"{recording.name}: a model built with the patch does not hold the original's "
+            f"weights ({exc}); it cannot be proven against the original"
+        ) from exc
+    return check_patch(recording, reference, candidate)
+
+
+def _prove_on_copy(
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: dict[str, Any],
+    family: Family,
+    config: PreTrainedConfig,
+) -> tuple[str, ...]:
+    """Prove ``fn`` applied to a tiny model (in place of the user's): recorded, checked
+    against an untouched copy, taken back."""
+    reference = family.build(tiny_config(family, config), seed=0).to(_device())
+    candidate = copy.deepcopy(reference)
+    recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
+    try:
+        return check_patch(recording, reference, candidate)
+    finally:
+        recording.undo()

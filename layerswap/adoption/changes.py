@@ -1,0 +1,290 @@
+"""The changes a patch function made, found by comparing a :class:`Snapshot` with now.
+
+Each change knows how to take itself back and how to make itself again (a proof runs the
+original model with the changes taken back for the time of a call):
+
+* :class:`Rebinding`: a name of a module, a class or an instance bound to another object,
+  or added. It is handed to the patching engine as a :func:`layerswap.patch` layer, so an
+  adopted patch nests with every other patch of the same attribute, stopped in any order
+  (:mod:`layerswap.patching.stack`); restored raw (a ``staticmethod`` as the same object);
+* :class:`Deletion`: a name removed;
+* :class:`ContentsChange`: a dict, list or set changed in place (a registry, a model's
+  ``_modules``): put back item by item, in order, the container object kept;
+* :class:`ClassChange`: an instance given another class;
+* :class:`FunctionChange`: a function's ``__code__`` or defaults replaced in place;
+* :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed (modules
+  imported for the first time stay).
+
+What cannot be taken back (a model's tensor changed in place) is listed by
+:func:`find_changes` as unrecordable, by name: the adoption is refused.
+
+Example::
+
+    changes, unrecordable = find_changes(snapshot)
+    [str(change) for change in changes]   # ["transformers...modeling_llama.LlamaRMSNorm: rebound"]
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from layerswap.adoption.snapshot import (
+    FUNCTION_PARTS,
+    Contents,
+    FunctionState,
+    Owner,
+    Snapshot,
+    refill,
+    same_contents,
+)
+from layerswap.patching import Patch
+from layerswap.patching.sites import NOTSET, DictSite, Original
+
+__all__ = [
+    "Change",
+    "ClassChange",
+    "ContentsChange",
+    "Deletion",
+    "FunctionChange",
+    "ModuleTableChange",
+    "Rebinding",
+    "find_changes",
+]
+
+#: names Python itself writes into a module's or class's ``__dict__`` (warning and pickling
+#: caches, lazily created annotations): not the patch function's doing
+_BOOKKEEPING = frozenset({"__warningregistry__", "__slotnames__", "__annotations__"})
+
+
+class Change:
+    """One change a patch function made: ``revert()`` takes it back, ``apply()`` makes it
+    again; ``adopt()`` turns the raw change into its lasting form (a patch layer)."""
+
+    where: str
+    what: str
+
+    def adopt(self) -> None:
+        """Called once, after the function ran: the change is in place."""
+
+    def revert(self) -> None:
+        raise NotImplementedError
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self}>"
+
+
+def _raw_site(owner: Any, name: str) -> DictSite:
+    return DictSite(owner, name)
+
+
+def _put(owner: Any, name: str, value: Any) -> None:
+    """Write ``value`` raw into ``owner``'s own ``__dict__`` (``NOTSET``: remove the name)."""
+    site = _raw_site(owner, name)
+    site.restore(Original(None if value is NOTSET else "__dict__", value))
+
+
+class Rebinding(Change):
+    """``owner.name`` bound to ``new`` (before: ``old``, ``NOTSET`` when absent)."""
+
+    def __init__(self, owner: Any, name: str, old: Any, new: Any, where: str) -> None:
+        self.owner, self.name, self.old, self.new = owner, name, old, new
+        self.where = f"{where}.{name}"
+        self.what = "added" if old is NOTSET else "rebound"
+        self._patch: Patch | None = None
+
+    def adopt(self) -> None:
+        # the engine's stack must see the value before the function as the one below
+        _put(self.owner, self.name, self.old)
+        self._patch = Patch(self.owner, self.name, self.new, create=True)
+        self._patch.start()
+
+    def revert(self) -> None:
+        if self._patch is None:  # the function failed half-way: nothing was adopted
+            _put(self.owner, self.name, self.old)
+        else:
+            self._patch.stop()
+
+    def apply(self) -> None:
+        if self._patch is None:
+            _put(self.owner, self.name, self.new)
+        else:
+            self._patch.start()
+
+
+class Deletion(Change):
+    """``owner.name`` removed (it held ``old``)."""
+
+    def __init__(self, owner: Any, name: str, old: Any, where: str) -> None:
+        self.owner, self.name, self.old = owner, name, old
+        self.where = f"{where}.{name}"
+        self.what = "deleted"
+
+    def revert(self) -> None:
+        _put(self.owner, self.name, self.old)
+
+    def apply(self) -> None:
+        _put(self.owner, self.name, NOTSET)
+
+
+class ContentsChange(Change):
+    """A dict, list or set changed in place; ``after`` is what it held after the function."""
+
+    def __init__(self, contents: Contents) -> None:
+        self.obj = contents.obj
+        self.before = contents.before
+        self.after = Contents.copy_of(contents.obj)
+        self.where = contents.where
+        self.what = _contents_delta(self.before, self.after, self.obj)
+
+    def revert(self) -> None:
+        _refill(self.obj, self.before, self.after)
+
+    def apply(self) -> None:
+        _refill(self.obj, self.after, self.before)
+
+
+def _contents_delta(before: Any, after: Any, obj: Any) -> str:
+    if isinstance(obj, dict):
+        old, new = dict(before), dict(after)
+        added = [k for k in new if k not in old]
+        removed = [k for k in old if k not in new]
+        changed = [k for k in new if k in old and new[k] is not old[k]]
+        parts = [
+            f"{label} {', '.join(map(repr, keys[:5]))}{' ...' if len(keys) > 5 else ''}"
+            for label, keys in (("added", added), ("changed", changed), ("removed", removed))
+            if keys
+        ]
+        return "; ".join(parts) or "reordered"
+    return "changed in place"
+
+
+def _refill(obj: Any, target: Any, other: Any) -> None:
+    """Make ``obj`` hold ``target`` again. A dict keeps the keys someone else added since
+    (``other`` says which keys the function's side knew), after ``target``'s, in order."""
+    if isinstance(obj, dict):
+        known = {key for key, _ in target} | {key for key, _ in other}
+        extra = [(key, value) for key, value in Contents.copy_of(obj) if key not in known]
+        target = [*target, *extra]
+    if not same_contents(obj, target):
+        refill(obj, target)
+
+
+class ClassChange(Change):
+    """An instance given another class (``obj.__class__ = new``)."""
+
+    def __init__(self, obj: Any, old: type, new: type, where: str) -> None:
+        self.obj, self.old, self.new = obj, old, new
+        self.where = where
+        self.what = f"class {old.__qualname__} -> {new.__qualname__}"
+
+    def revert(self) -> None:
+        self.obj.__class__ = self.old
+
+    def apply(self) -> None:
+        self.obj.__class__ = self.new
+
+
+class FunctionChange(Change):
+    """A function's code or defaults replaced in place (``f.__code__ = other.__code__``)."""
+
+    def __init__(self, state: FunctionState) -> None:
+        self.function = state.function
+        self.before = state.before
+        self.after = FunctionState.parts_of(state.function)
+        self.where = state.where
+        changed = [
+            part
+            for part, old, new in zip(FUNCTION_PARTS, self.before, self.after, strict=True)
+            if old is not new
+        ]
+        self.what = f"{', '.join(changed)} replaced"
+
+    def _set(self, parts: tuple[Any, ...]) -> None:
+        for part, value in zip(FUNCTION_PARTS, parts, strict=True):
+            setattr(self.function, part, value)
+
+    def revert(self) -> None:
+        self._set(self.before)
+
+    def apply(self) -> None:
+        self._set(self.after)
+
+
+class ModuleTableChange(Change):
+    """``sys.modules[name]`` replaced or removed."""
+
+    def __init__(self, name: str, old: Any, new: Any) -> None:
+        self.name, self.old, self.new = name, old, new
+        self.where = f"sys.modules[{name!r}]"
+        self.what = "removed" if new is NOTSET else "replaced"
+
+    def revert(self) -> None:
+        sys.modules[self.name] = self.old
+
+    def apply(self) -> None:
+        if self.new is NOTSET:
+            sys.modules.pop(self.name, None)
+        else:
+            sys.modules[self.name] = self.new
+
+
+def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
+    """Every change since ``snapshot`` was taken, and what changed that cannot be taken
+    back (by name)."""
+    changes: list[Change] = []
+    for owner in list(snapshot.owners.values()):
+        changes.extend(_owner_changes(owner))
+    for contents in list(snapshot.contents.values()):
+        if not contents.unchanged():
+            changes.append(ContentsChange(contents))
+    changes.extend(
+        FunctionChange(state) for state in snapshot.functions.values() if state.changed()
+    )
+    for name, module in snapshot.modules.items():
+        now = sys.modules.get(name, NOTSET)
+        if now is not module:
+            changes.append(ModuleTableChange(name, module, now))
+    unrecordable = [
+        f"{state.where} (a tensor of the model, changed in place)"
+        for state in snapshot.tensors
+        if state.changed()
+    ]
+    return changes, unrecordable
+
+
+def _owner_changes(owner: Owner) -> list[Change]:
+    obj = owner.obj
+    try:
+        now = dict(object.__getattribute__(obj, "__dict__"))
+    except Exception:
+        return []
+    found: list[Change] = []
+    before = owner.entries
+    for name in [*before, *(key for key in now if key not in before)]:
+        old, new = before.get(name, NOTSET), now.get(name, NOTSET)
+        if old is new or name in _BOOKKEEPING or _import_binding(obj, name, new):
+            continue
+        if new is NOTSET:
+            found.append(Deletion(obj, name, old, owner.where))
+        else:
+            found.append(Rebinding(obj, name, old, new, owner.where))
+    if owner.cls is not None and type(obj) is not owner.cls:
+        found.append(ClassChange(obj, owner.cls, type(obj), owner.where))
+    return found
+
+
+def _import_binding(owner: Any, name: str, value: Any) -> bool:
+    """Whether ``owner.name = value`` is the import system's: a package given its
+    submodule on import (taken back, ``owner.name`` would fail while the module is in
+    ``sys.modules``)."""
+    if not isinstance(owner, types.ModuleType) or not isinstance(value, types.ModuleType):
+        return False
+    return sys.modules.get(f"{owner.__name__}.{name}") is value

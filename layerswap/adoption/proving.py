@@ -1,0 +1,175 @@
+"""The proof of an adopted patch: a tiny model, the original code against the patched code.
+
+As a substitution is proven at first use (:mod:`layerswap.proof`), a patch function is
+proven when it is adopted: a tiny model built from the user's config (its sizes shrunk,
+every other field kept: :func:`layerswap.shrink.shrunk_config`), with seeded random weights
+(:meth:`layerswap.family.Family.build`), runs with the original code and with the patched
+code, holding the same weights:
+
+1. forward on a left-padded batch (the logits at every real token),
+2. prefill and greedy decoding with a dynamic cache, 3. the same with a static cache,
+4. a backward pass (the loss, the gradients of the embeddings and the head),
+
+run and judged by the verify core (:mod:`layerswap.verify.first_difference`) within
+:meth:`~layerswap.verify.tolerance.Tolerance.scaled` ``1e-4`` on a CPU (``2e-3`` on a GPU).
+The patch changes code both models run (a module's function, a class's method), so the
+original model runs with the patch taken back for the time of each call
+(:meth:`~layerswap.adoption.record.Recording.suspended`).
+
+A difference raises :class:`~layerswap.errors.PatchDivergenceError` naming the check and the
+first decoder layer whose output differs; kernels that cannot run here (Triton without a
+GPU) raise :class:`~layerswap.errors.RequirementError` with the requirement.
+
+Example::
+
+    reference, candidate = family.build(tiny), patched_copy
+    check_patch(recording, reference, candidate)     # raises, or returns the checks run
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from layerswap.errors import PatchDivergenceError, RequirementError, UnknownSubstitutionError
+from layerswap.model import layer_config
+from layerswap.registry import get_family
+from layerswap.shrink import shrunk_config
+from layerswap.verify.compare import diff
+from layerswap.verify.first_difference import CHECKS, first_difference
+from layerswap.verify.forward import ContextFactory, forward
+from layerswap.verify.inputs import default_inputs, pad_token_id
+from layerswap.verify.tolerance import Tolerance
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.adoption.record import Recording
+    from layerswap.family import Family
+
+__all__ = ["CHECKS", "check_patch", "family_for", "first_divergent_layer", "tiny_config"]
+
+_NEW_TOKENS = 3
+_SEQUENCE = 8
+_PADDING = 3
+
+
+def family_for(model_type: str) -> Family | None:
+    """The registered family of a ``model_type`` (``"gemma3_text"``: ``"gemma3"``), or
+    ``None``."""
+    for name in (model_type, model_type.removesuffix("_text")):
+        try:
+            return get_family(name)
+        except UnknownSubstitutionError:
+            continue
+    return None
+
+
+def tiny_config(family: Family, config: PreTrainedConfig | None) -> PreTrainedConfig:
+    """``config`` shrunk (:func:`~layerswap.shrink.shrunk_config`); the family's tiny config
+    where there is none, or it does not shrink."""
+    if config is not None:
+        try:
+            return shrunk_config(family, layer_config(config))
+        except Exception:
+            pass
+    return family.tiny_config()
+
+
+def _tolerance(device: torch.device) -> Tolerance:
+    # float32 on both sides; a GPU's kernels (Triton's) reorder more roundings
+    return Tolerance.scaled(1e-4 if device.type == "cpu" else 2e-3)
+
+
+def _batch(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    config = layer_config(model.config)
+    return default_inputs(
+        int(config.vocab_size),
+        seq_len=_SEQUENCE,
+        padding=_PADDING,
+        pad_token_id=pad_token_id(config),
+        device=device,
+    )
+
+
+def check_patch(
+    recording: Recording, reference: nn.Module, candidate: nn.Module
+) -> tuple[str, ...]:
+    """Run :data:`CHECKS` on ``reference`` (the original code: ``recording`` taken back for
+    each of its passes) and ``candidate`` (the patched code); the checks run, or
+    :class:`PatchDivergenceError` at the first that differs, :class:`RequirementError`
+    where the patched code cannot run here."""
+    device = next(reference.parameters()).device
+    tolerance = _tolerance(device)
+    batch = _batch(reference, device)
+    original = recording.suspended
+    check, problem = first_difference(
+        reference,
+        candidate,
+        batch,
+        tolerance,
+        new_tokens=_NEW_TOKENS,
+        reference_context=original,
+        failed=lambda exc: _refuse_requirement(recording.name, exc, str(exc)),
+    )
+    if check is None:
+        return CHECKS
+    _refuse_requirement(recording.name, None, problem)
+    layer = first_divergent_layer(reference, candidate, batch, tolerance, original)
+    raise PatchDivergenceError(
+        _message(recording.name, check, problem, layer, reference), layer=layer, check=check
+    )
+
+
+def _message(name: str, check: str, problem: str, layer: str | None, model: nn.Module) -> str:
+    where = (
+        f"the first decoder layer whose output differs is {layer}"
+        if layer is not None
+        else "every decoder layer's output agrees on the forward pass (the difference is "
+        "after the last layer, in decoding, or in the backward pass)"
+    )
+    return (
+        f"{name} changes what a tiny {type(model).__name__} computes: {check} differs "
+        f"({problem}); {where}. The patch was taken back"
+    )
+
+
+def first_divergent_layer(
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: dict[str, torch.Tensor],
+    tolerance: Tolerance,
+    reference_context: ContextFactory,
+) -> str | None:
+    """The name of the first decoder layer whose output (at the real tokens) differs beyond
+    ``tolerance`` on a forward pass (``"model.layers.2"``), else ``None``."""
+    try:
+        expected = forward(reference, batch, routing=False, context=reference_context)
+        actual = forward(candidate, batch, routing=False)
+    except Exception:
+        return None
+    for (name, want), (_, got) in zip(expected.layers, actual.layers, strict=False):
+        if not diff(want, got, rowwise=True).passes(tolerance):
+            return name
+    return None
+
+
+#: what Triton says when it finds no GPU driver
+_NO_DRIVER = ("active drivers", "cuda", "no gpu", "nvidia driver")
+
+
+def _refuse_requirement(name: str, exc: BaseException | None, text: str) -> None:
+    """:class:`RequirementError` where the patched code failed because it needs a GPU."""
+    if torch.cuda.is_available():
+        return
+    frames: list[Any] = traceback.extract_tb(exc.__traceback__) if exc is not None else []
+    from_triton = any("/triton/" in frame.filename for frame in frames)
+    said = any(word in text.lower() for word in _NO_DRIVER)
+    if from_triton or said:
+        raise RequirementError(
+            f"{name} needs CUDA: its kernels failed on this machine without a GPU ({text}). "
+            "Its changes were recorded and taken back; adopt it on a machine with a CUDA GPU"
+        ) from exc

@@ -1,0 +1,139 @@
+"""Running a patch function so that every change it makes is recorded, and can be undone.
+
+:func:`record` copies what the function can change (:mod:`layerswap.adoption.snapshot`),
+runs it, finds what it changed (:mod:`layerswap.adoption.changes`) and keeps each change on
+an :class:`~layerswap.patching.undo.UndoLog`: :meth:`Recording.undo` takes them back, newest
+first. The function raising half-way takes back what it had done so far and re-raises;
+a change that cannot be taken back (a model's tensor changed in place) takes back the rest
+and raises :class:`~layerswap.errors.UnrecordableChangeError` naming it.
+
+Example::
+
+    recording, _ = record(apply_liger_kernel_to_llama, (), {"rope": True})
+    recording.undo()              # modeling_llama as it was, object for object
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from layerswap.adoption.changes import Change, find_changes
+from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_packages
+from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
+from layerswap.patching.undo import UndoLog
+
+__all__ = ["Recording", "record"]
+
+# one recording at a time: two functions running at once would be credited each other's
+# changes
+_RECORDING = threading.RLock()
+
+
+class Recording:
+    """The changes one run of a patch function made, in effect until :meth:`undo`."""
+
+    def __init__(self, name: str, changes: list[Change]) -> None:
+        self.name = name
+        self.changes = changes
+        self._log = UndoLog()
+        for position, change in enumerate(changes):
+            try:
+                change.adopt()
+            except Exception as error:
+                raise self._abandoned(changes[position:], change, error) from error
+            self._log.record(change.revert)
+
+    def _abandoned(
+        self, rest: list[Change], failing: Change, error: Exception
+    ) -> UnrecordableChangeError:
+        """Everything taken back (the adopted changes through the log, ``rest`` raw) after
+        ``failing`` could not be taken over: the error to raise."""
+        failed: list[str] = []
+        self._log.undo(on_error=lambda e: failed.append(f"{type(e).__name__}: {e}"))
+        failed += _take_back(rest)
+        return UnrecordableChangeError(
+            f"{self.name} changed {failing.where}, which layerswap cannot take over "
+            f"({type(error).__name__}: {error}); its changes were taken back" + _not_back(failed)
+        )
+
+    def undo(self) -> None:
+        """Take every change back, newest first (a second call does nothing)."""
+        self._log.undo()
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The changes taken back inside, made again on exit: the original code runs."""
+        self._log.undo()
+        try:
+            yield
+        finally:
+            for change in self.changes:
+                change.apply()
+                self._log.record(change.revert)
+
+    def report(self) -> list[str]:
+        """One line per change: where, and what happened there."""
+        return [str(change) for change in self.changes]
+
+
+def record(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    model: Any = None,
+    packages: Sequence[str] = (),
+) -> tuple[Recording, Any]:
+    """Run ``fn(*args, **kwargs)`` recording its changes; (the recording, what it returned).
+
+    ``model``'s modules are watched too; ``packages`` adds packages whose classes and
+    registries are watched (:func:`~layerswap.adoption.snapshot.watched_packages`).
+    """
+    __tracebackhide__ = True
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    with _RECORDING:
+        snapshot = Snapshot(watched_packages(fn, packages), model).take()
+        try:
+            with SnapshotOnImport(snapshot):
+                result = fn(*args, **kwargs)
+        except BaseException:
+            changes, _ = find_changes(snapshot)
+            failed = _take_back(changes)
+            if failed:  # the function's exception is the one to raise; this is said beside it
+                warnings.warn(
+                    f"{name} raised; its changes were taken back" + _not_back(failed),
+                    PatchConflictWarning,
+                    stacklevel=2,
+                )
+            raise
+        changes, unrecordable = find_changes(snapshot)
+        if unrecordable:
+            failed = _take_back(changes)
+            raise UnrecordableChangeError(
+                f"{name} changed what layerswap cannot record and take back: "
+                f"{', '.join(unrecordable)}; its other changes were taken back"
+                + _not_back(failed)
+                + ". A patch function may rebind names, classes and instances' attributes, "
+                "not change a model's weights in place"
+            )
+        return Recording(name, changes), result
+
+
+def _take_back(changes: list[Change]) -> list[str]:
+    """Revert raw changes newest first; a failing step does not stop the others, and is
+    listed (``"where: error"``)."""
+    failed: list[str] = []
+    for change in reversed(changes):
+        try:
+            change.revert()
+        except Exception as error:
+            failed.append(f"{change.where}: {type(error).__name__}: {error}")
+    return failed
+
+
+def _not_back(failed: list[str]) -> str:
+    return f", except: {'; '.join(failed)}" if failed else ""

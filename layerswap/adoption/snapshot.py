@@ -1,0 +1,383 @@
+"""What a patch function could change, copied before it runs: modules, classes, a model's modules.
+
+A patch function (Liger-Kernel's ``apply_liger_kernel_to_llama``, a training repository's
+hand-written patch) changes objects in place and keeps no record. To take its changes back,
+:mod:`layerswap.adoption.record` copies, before it runs, every place it can write:
+
+* every module of ``sys.modules``: its ``__dict__``, shallowly (a few milliseconds);
+* in the *watched* packages (transformers, ``torch.nn``, the patch function's own
+  package): the ``__dict__`` of each class a module defines, the contents of each dict,
+  list or set held by a module or class attribute (a registry such as ``ACT2FN`` or
+  ``ALL_ATTENTION_FUNCTIONS`` mutated in place), the code and defaults of each function
+  held there (``forward.__code__`` replaced), and the ``__dict__`` of the plain objects
+  held there (an interface instance with its own mapping);
+* for a given model, every submodule: its ``__dict__`` (``forward`` bound per instance),
+  its class, the contents of ``_parameters``, ``_buffers``, ``_modules`` and the hook
+  dictionaries; each tensor's version counter and storage (an in-place change of a weight
+  cannot be taken back, and is refused);
+* a module imported for the first time while the function runs is copied as its import
+  finishes (:class:`SnapshotOnImport`), so the function's changes to a transformers
+  modeling module it imports itself are seen and taken back too; the module stays imported.
+
+Comparing the copy with what is there afterwards (:mod:`layerswap.adoption.changes`) gives
+each change the function made.
+
+Example::
+
+    snapshot = Snapshot(("transformers", "torch.nn", "my_patches"), model)
+    with SnapshotOnImport(snapshot):
+        apply_patch(model=model)
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+__all__ = [
+    "Contents",
+    "FunctionState",
+    "Owner",
+    "refill",
+    "same_contents",
+    "Snapshot",
+    "SnapshotOnImport",
+    "TensorState",
+    "watched_packages",
+]
+
+#: the containers whose contents are compared item by item, and restored in place
+CONTAINERS = (dict, list, set)
+
+#: packages watched whatever the patch function: the code patches change
+ALWAYS_WATCHED = ("transformers", "torch.nn")
+
+
+def watched_packages(fn: Any, extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """:data:`ALWAYS_WATCHED`, the top-level package of the module ``fn`` comes from (the
+    module itself for ``__main__``), and ``extra``.
+
+    Example::
+
+        watched_packages(apply_liger_kernel_to_llama)   # ("transformers", "torch.nn", "liger_kernel")
+    """
+    target = getattr(fn, "func", fn)  # a functools.partial
+    module = getattr(target, "__module__", None) or ""
+    own = module if module == "__main__" else module.partition(".")[0]
+    found = [*ALWAYS_WATCHED, *extra]
+    if own and own not in found and own != "builtins":
+        found.append(own)
+    return tuple(found)
+
+
+@dataclass
+class Owner:
+    """One object whose ``__dict__`` was copied: a module, a class or an instance."""
+
+    obj: Any
+    where: str
+    entries: dict[str, Any]
+    #: an instance's class then (``None`` for modules and classes: theirs cannot change)
+    cls: type | None = None
+
+
+@dataclass
+class Contents:
+    """A dict, list or set held by a watched attribute, and a copy of what it held."""
+
+    obj: Any
+    where: str
+    before: Any
+
+    @staticmethod
+    def copy_of(obj: Any) -> Any:
+        """What ``obj`` holds, read through the builtin type's own methods (a subclass's
+        ``items()`` may compute, as transformers' lazy auto mappings import)."""
+        return _base(obj).copy_items(obj)
+
+    def unchanged(self) -> bool:
+        """Whether the container holds the very same items, in the same order."""
+        return same_contents(self.obj, self.before)
+
+
+def same_contents(obj: Any, copy: Any) -> bool:
+    """Whether ``obj`` holds what ``copy`` (:meth:`Contents.copy_of`) recorded, by identity."""
+    now = Contents.copy_of(obj)
+    if isinstance(obj, set):
+        return bool(now == copy)
+    if len(now) != len(copy):
+        return False
+    if isinstance(obj, dict):
+        return all(
+            (k is key or k == key) and v is value
+            for (k, v), (key, value) in zip(now, copy, strict=True)
+        )
+    return all(a is b for a, b in zip(now, copy, strict=True))
+
+
+class _Raw:
+    """Reading and refilling a container through its builtin base type's methods."""
+
+    def __init__(self, base: type) -> None:
+        self.base = base
+
+    def copy_items(self, obj: Any) -> Any:
+        base: Any = self.base
+        if issubclass(base, dict):
+            return list(base.items(obj))
+        if base is list:
+            return list.copy(obj)
+        return set.copy(obj)
+
+    def refill(self, obj: Any, items: Any) -> None:
+        base: Any = self.base
+        if issubclass(base, dict):
+            base.clear(obj)
+            for key, value in items:
+                base.__setitem__(obj, key, value)
+        elif base is list:
+            list.__setitem__(obj, slice(None), items)
+        else:
+            set.clear(obj)
+            set.update(obj, items)
+
+
+def _base(obj: Any) -> _Raw:
+    for base in (OrderedDict, dict, list, set):
+        if isinstance(obj, base):
+            return _Raw(base)
+    raise TypeError(f"not a container: {type(obj).__name__}")
+
+
+def refill(obj: Any, items: Any) -> None:
+    """Make the container ``obj`` hold ``items`` (a :meth:`Contents.copy_of`), in place."""
+    _base(obj).refill(obj, items)
+
+
+#: what a function's own slots hold that a patch may replace in place
+FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__")
+
+
+@dataclass
+class FunctionState:
+    """A function of a watched module or class: its code and defaults."""
+
+    function: Any
+    where: str
+    before: tuple[Any, ...]
+
+    @staticmethod
+    def parts_of(function: Any) -> tuple[Any, ...]:
+        return tuple(getattr(function, part) for part in FUNCTION_PARTS)
+
+    def changed(self) -> bool:
+        now = self.parts_of(self.function)
+        return any(a is not b for a, b in zip(now, self.before, strict=True))
+
+
+@dataclass
+class TensorState:
+    """A parameter or buffer of the model: its version counter and storage."""
+
+    where: str
+    tensor: Any
+    version: int
+    pointer: int
+
+    def changed(self) -> bool:
+        tensor = self.tensor
+        return bool(tensor._version != self.version or tensor.data_ptr() != self.pointer)
+
+
+@dataclass
+class Snapshot:
+    """The copies: see the module docstring. ``take()`` copies; ``add_module`` copies a
+    module imported later."""
+
+    packages: tuple[str, ...]
+    model: Any = None
+    owners: dict[int, Owner] = field(default_factory=dict)
+    contents: dict[int, Contents] = field(default_factory=dict)
+    functions: dict[int, FunctionState] = field(default_factory=dict)
+    modules: dict[str, Any] = field(default_factory=dict)
+    tensors: list[TensorState] = field(default_factory=list)
+
+    def take(self) -> Snapshot:
+        self.modules = dict(sys.modules)
+        for name, module in list(self.modules.items()):
+            self.add_module(name, module)
+        if self.model is not None:
+            self._add_model(self.model)
+        return self
+
+    def watches(self, module_name: str) -> bool:
+        return module_name in self.packages or module_name.startswith(self._prefixes)
+
+    @property
+    def _prefixes(self) -> tuple[str, ...]:
+        return tuple(f"{package}." for package in self.packages)
+
+    def add_module(self, name: str, module: Any) -> None:
+        entries = _own_dict(module)
+        if entries is None or id(module) in self.owners:
+            return
+        self.owners[id(module)] = Owner(module, name, dict(entries))
+        if not self.watches(name):
+            return
+        self._add_contents(name, entries)
+        for key, value in list(entries.items()):
+            if isinstance(value, type):
+                if getattr(value, "__module__", None) == name:
+                    self.add_class(value)
+            elif _plain_object(value, self):
+                self._add_object(value, f"{name}.{key}")
+
+    def add_class(self, cls: type) -> None:
+        if id(cls) in self.owners or cls is object:
+            return
+        entries = dict(cls.__dict__)
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        self.owners[id(cls)] = Owner(cls, where, entries)
+        self._add_contents(where, entries)
+
+    def _add_object(self, obj: Any, where: str) -> None:
+        entries = obj.__dict__
+        self.owners[id(obj)] = Owner(obj, where, dict(entries), type(obj))
+        self._add_contents(where, entries)
+
+    def _add_contents(self, where: str, entries: Any) -> None:
+        for key, value in list(entries.items()):
+            if isinstance(value, CONTAINERS) and id(value) not in self.contents:
+                self.contents[id(value)] = Contents(
+                    value, f"{where}.{key}", Contents.copy_of(value)
+                )
+            elif isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, types.FunctionType) and id(value) not in self.functions:
+                self.functions[id(value)] = FunctionState(
+                    value, f"{where}.{key}", FunctionState.parts_of(value)
+                )
+
+    def _add_model(self, model: Any) -> None:
+        for qualname, module in model.named_modules():
+            where = qualname or type(model).__name__
+            self._add_object(module, where)
+            for cls in type(module).__mro__:
+                self.add_class(cls)
+            for kind in ("_parameters", "_buffers"):
+                for name, tensor in module.__dict__.get(kind, {}).items():
+                    if tensor is not None:
+                        self.tensors.append(
+                            TensorState(
+                                f"{where}.{name}" if qualname else name,
+                                tensor,
+                                tensor._version,
+                                tensor.data_ptr(),
+                            )
+                        )
+
+
+def _own_dict(obj: Any) -> dict[str, Any] | None:
+    try:
+        entries = object.__getattribute__(obj, "__dict__")
+    except Exception:
+        return None
+    return entries if isinstance(entries, dict) else None
+
+
+def _plain_object(value: Any, snapshot: Snapshot) -> bool:
+    """An instance of a class of a watched package, holding its state in a ``__dict__``
+    (an attention interface, a registry object): not a module, class or function."""
+    if isinstance(value, (types.ModuleType, types.FunctionType, types.MethodType, type)):
+        return False
+    if id(value) in snapshot.owners:
+        return False
+    module = getattr(type(value), "__module__", "") or ""
+    return snapshot.watches(module) and _own_dict(value) is not None
+
+
+class SnapshotOnImport(importlib.abc.MetaPathFinder):
+    """While active, each module imported for the first time is copied into ``snapshot``
+    as its import finishes (its code has run; nothing has patched it yet).
+
+    A finder in front of ``sys.meta_path`` that finds nothing itself: it asks the finders
+    behind it and wraps the loader of the spec found, so that ``exec_module`` copies the
+    module after running it. The module's ``__loader__`` is the real loader again after.
+    """
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        for finder in list(sys.meta_path):
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is not None and hasattr(loader, "exec_module"):
+            spec.loader = _CopyingLoader(loader, self._snapshot)
+        return spec
+
+    def __enter__(self) -> SnapshotOnImport:
+        sys.meta_path.insert(0, self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
+class _CopyingLoader(importlib.abc.Loader):
+    """A loader that runs the real one, then copies the module it loaded."""
+
+    def __init__(self, loader: Any, snapshot: Snapshot) -> None:
+        self._self_loader = loader
+        self._self_snapshot = snapshot
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._self_loader, name)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        module: types.ModuleType | None = self._self_loader.create_module(spec)
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        loader = self._self_loader
+        spec = module.__spec__
+        try:
+            loader.exec_module(module)
+        finally:
+            if spec is not None:
+                spec.loader = loader
+            try:
+                module.__loader__ = loader
+            except Exception:
+                pass
+        # a package may put another object in its place (transformers' lazy modules)
+        loaded = sys.modules.get(module.__name__, module)
+        self._self_snapshot.add_module(module.__name__, loaded)
+        if loaded is not module:
+            self._self_snapshot.add_module(module.__name__, module)

@@ -1,0 +1,634 @@
+"""layerswap.adopt: a patch function's changes recorded, taken back object for object, proven."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama import modeling_llama
+
+import layerswap
+from layerswap.adoption.record import record
+from layerswap.errors import (
+    AdoptionError,
+    PatchConflictWarning,
+    PatchDivergenceError,
+    UnrecordableChangeError,
+    VerificationError,
+)
+from layerswap.patching.sites import NOTSET
+
+# --- an independent view of "as before": every entry by identity ------------------------------
+
+
+def _entries(obj: Any) -> dict[str, Any]:
+    return dict(object.__getattribute__(obj, "__dict__"))
+
+
+def _items(container: Any) -> list[Any]:
+    # the builtin's own view: a subclass's items() may compute (transformers' lazy mappings)
+    if isinstance(container, OrderedDict):
+        return list(OrderedDict.items(container))
+    if isinstance(container, dict):
+        return list(dict.items(container))
+    return (
+        list(list.__iter__(container))
+        if isinstance(container, list)
+        else sorted(map(id, container))
+    )
+
+
+def _containers(entries: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: (value, _items(value))
+        for key, value in entries.items()
+        if isinstance(value, (dict, list, set))
+    }
+
+
+def state_of(model: nn.Module | None = None) -> dict[str, Any]:
+    """Every transformers module's and class's ``__dict__`` and, for ``model``, every
+    submodule's ``__dict__``, class and containers (``_modules``, ``_parameters`` ...)."""
+    state: dict[str, Any] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers") or not isinstance(module, types.ModuleType):
+            continue
+        entries = _entries(module)
+        state[name] = (module, entries, _containers(entries))
+        for value in entries.values():
+            if isinstance(value, type) and value.__module__ == name:
+                own = dict(value.__dict__)
+                state[f"{name}.{value.__qualname__}"] = (value, own, _containers(own))
+    if model is not None:
+        for qualname, module in model.named_modules():
+            entries = _entries(module)
+            state[f"model:{qualname}"] = (module, entries, _containers(entries), type(module))
+    return state
+
+
+def _imported_submodule(owner: Any, key: str, value: Any) -> bool:
+    return (
+        isinstance(owner, types.ModuleType)
+        and sys.modules.get(f"{owner.__name__}.{key}") is value is not None
+    )
+
+
+def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    found = []
+    for where, (obj, entries, containers, *cls) in before.items():
+        now = after.get(where)
+        if now is None or now[0] is not obj:
+            found.append(f"{where}: another object")
+            continue
+        for key in set(entries) | set(now[1]):
+            if key == "__slotnames__":  # copyreg's cache, written by deepcopy (the proof's)
+                continue
+            if key not in entries and _imported_submodule(obj, key, now[1][key]):
+                continue  # an import binds a package's new submodule: kept, as imports are
+            if entries.get(key, NOTSET) is not now[1].get(key, NOTSET):
+                found.append(f"{where}.{key}")
+        for key, (container, items) in containers.items():
+            if now[1].get(key) is not container:
+                continue  # reported above
+            current = _items(container)
+            same = len(current) == len(items) and all(
+                (a[0] == b[0] and a[1] is b[1]) if isinstance(container, dict) else a is b or a == b
+                for a, b in zip(current, items, strict=True)
+            )
+            if not same:
+                found.append(f"{where}.{key} (contents)")
+        if cls and type(obj) is not cls[0]:
+            found.append(f"{where}: class")
+    return found
+
+
+@pytest.fixture
+def model() -> nn.Module:
+    return layerswap.get_family("llama").build(seed=0)
+
+
+# --- hand-written patches -----------------------------------------------------------------------
+
+
+class EquivalentRMSNorm(nn.Module):
+    """LlamaRMSNorm written with torch's own rms_norm: the same numbers."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = (hidden_states.shape[-1],)
+        normed = nn.functional.rms_norm(
+            hidden_states.float(), shape, self.weight.float(), self.variance_epsilon
+        )
+        return normed.to(hidden_states.dtype)
+
+
+class WrongEpsRMSNorm(EquivalentRMSNorm):
+    """A port that forgot the config's epsilon: off by far more than rounding."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps=1e-1)
+
+
+def rebind_rms_norm() -> None:
+    modeling_llama.LlamaRMSNorm = EquivalentRMSNorm
+
+
+def rebind_rms_norm_wrong_eps() -> None:
+    modeling_llama.LlamaRMSNorm = WrongEpsRMSNorm
+
+
+def _silu_mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def patch_everything(model: nn.Module | None = None) -> None:
+    """A class rebound, a method, descriptors, a registry entry and, given a model, an
+    instance's forward, a buffer, a parameter and an instance's class."""
+    modeling_llama.LlamaRMSNorm = EquivalentRMSNorm
+    modeling_llama.LlamaMLP.forward = _silu_mlp
+    type.__setattr__(modeling_llama.LlamaAttention, "helper", staticmethod(len))
+    modeling_llama.new_global = object()
+    ACT2FN["adopted_act"] = nn.Identity
+    if model is not None:
+        mlp = model.model.layers[0].mlp
+        mlp.forward = types.MethodType(_silu_mlp, mlp)
+        mlp.register_buffer("scale", torch.ones(1))
+        mlp.register_parameter("extra", nn.Parameter(torch.zeros(1)))
+        model.model.norm.__class__ = EquivalentRMSNorm
+        model.model.layers[1].mlp = nn.Identity()
+
+
+class HalfWay(RuntimeError):
+    pass
+
+
+def patch_then_raise(model: nn.Module | None = None) -> None:
+    patch_everything(model)
+    raise HalfWay("the patch failed after changing things")
+
+
+# --- the recording engine -----------------------------------------------------------------------
+
+
+def test_undo_puts_every_module_class_and_instance_back(model: nn.Module) -> None:
+    before = state_of(model)
+    layer1_mlp = model.model.layers[1].mlp
+    children = list(model.model.layers[1]._modules)
+    with layerswap.adopt(patch_everything, model=model, prove=False) as adoption:
+        assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
+        assert type(model.model.norm) is EquivalentRMSNorm
+        assert "scale" in model.model.layers[0].mlp._buffers
+        assert differences(before, state_of(model))
+    assert differences(before, state_of(model)) == []
+    assert model.model.layers[1].mlp is layer1_mlp
+    assert list(model.model.layers[1]._modules) == children  # the mlp at its position
+    assert not adoption.active
+
+
+def test_undo_after_an_exception_half_way_restores_and_reraises(model: nn.Module) -> None:
+    before = state_of(model)
+    with pytest.raises(HalfWay):
+        layerswap.adopt(patch_then_raise, model=model, prove=False)
+    assert differences(before, state_of(model)) == []
+    assert "adopted_act" not in ACT2FN
+
+
+def test_report_lists_each_change(model: nn.Module) -> None:
+    with layerswap.adopt(patch_everything, model=model, prove=False) as adoption:
+        changes = adoption.changes
+        report = adoption.report()
+    assert "transformers.models.llama.modeling_llama.LlamaRMSNorm: rebound" in changes
+    assert "transformers.models.llama.modeling_llama.LlamaMLP.forward: rebound" in changes
+    assert "transformers.models.llama.modeling_llama.LlamaAttention.helper: added" in changes
+    assert "model.layers.0.mlp.forward: added" in changes
+    assert "model.norm: class LlamaRMSNorm -> EquivalentRMSNorm" in changes
+    assert any(line.startswith("model.layers.0.mlp._buffers: added 'scale'") for line in changes)
+    assert any("ACT2FN" in line and "'adopted_act'" in line for line in changes)
+    assert "not proven" in report and "undone" not in report
+
+
+def test_undo_twice_is_a_no_op() -> None:
+    before = state_of()
+    adoption = layerswap.adopt(rebind_rms_norm, prove=False)
+    adoption.undo()
+    adoption.undo()
+    assert differences(before, state_of()) == []
+
+
+def test_undo_class_descriptors_are_the_same_objects() -> None:
+    cls = modeling_llama.LlamaRotaryEmbedding
+    raw = dict(cls.__dict__)
+    descriptors = {k: v for k, v in raw.items() if isinstance(v, (staticmethod, classmethod))}
+    assert descriptors, (
+        "LlamaRotaryEmbedding holds a staticmethod (compute_default_rope_parameters)"
+    )
+
+    def rebind_descriptors() -> None:
+        for name in descriptors:
+            type.__setattr__(cls, name, staticmethod(lambda *a: None))
+        del cls.forward
+
+    with layerswap.adopt(rebind_descriptors, prove=False):
+        assert "forward" not in cls.__dict__
+    for name, value in descriptors.items():
+        assert cls.__dict__[name] is value
+    assert cls.__dict__["forward"] is raw["forward"]
+
+
+def test_registry_mutated_in_place_is_refilled_in_order() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    act_items = list(ACT2FN.items())
+    attention = dict(ALL_ATTENTION_FUNCTIONS._global_mapping)
+
+    def register() -> None:
+        ACT2FN["silu"] = nn.Identity  # replaced
+        del ACT2FN["relu"]
+        ACT2FN["adopted_act"] = nn.Identity
+        ALL_ATTENTION_FUNCTIONS.register("adopted_attention", lambda *a, **k: None)
+
+    with layerswap.adopt(register, prove=False):
+        assert "adopted_attention" in ALL_ATTENTION_FUNCTIONS
+    assert list(ACT2FN.items()) == act_items
+    assert all(a[1] is b[1] for a, b in zip(ACT2FN.items(), act_items, strict=True))
+    assert dict(ALL_ATTENTION_FUNCTIONS._global_mapping) == attention
+
+
+def test_module_first_imported_by_the_patch_is_put_back_and_stays_imported(make_module) -> None:
+    name = make_module("patched_on_import", "class Norm:\n    pass\nVALUE = 1\n")
+
+    def import_and_patch() -> None:
+        module = __import__(name)
+        module.Norm = EquivalentRMSNorm
+        module.VALUE = 2
+
+    with layerswap.adopt(import_and_patch, prove=False) as adoption:
+        assert sys.modules[name].VALUE == 2
+    module = sys.modules[name]
+    assert module.VALUE == 1 and module.Norm.__name__ == "Norm"
+    assert f"{name}.Norm: rebound" in adoption.changes
+
+
+def test_submodule_bound_by_an_import_stays(make_module, tmp_path) -> None:
+    package = make_module("package", "")
+    (tmp_path / f"{package}.py").unlink()
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "modeling.py").write_text("X = 1\n")
+    __import__(package)
+
+    def import_submodule() -> None:
+        __import__(f"{package}.modeling")
+
+    with layerswap.adopt(import_submodule, prove=False):
+        pass
+    assert sys.modules[package].modeling is sys.modules[f"{package}.modeling"]
+    sys.modules.pop(f"{package}.modeling", None)
+
+
+def test_weight_changed_in_place_is_refused_and_the_rest_taken_back(model: nn.Module) -> None:
+    before = state_of(model)
+
+    def scale_weights(model: nn.Module) -> None:
+        modeling_llama.LlamaRMSNorm = EquivalentRMSNorm
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.0)
+
+    with pytest.raises(UnrecordableChangeError, match=r"lm_head\.weight"):
+        layerswap.adopt(scale_weights, model=model, prove=False)
+    assert differences(before, state_of(model)) == []
+
+
+@pytest.mark.parametrize("first", ["patch", "adoption"])
+def test_nests_with_engine_patches_stopped_in_any_order(first: str) -> None:
+    original = modeling_llama.LlamaRMSNorm
+    patch = layerswap.patch(modeling_llama, "LlamaRMSNorm", WrongEpsRMSNorm)
+    patch.start()
+    adoption = layerswap.adopt(rebind_rms_norm, prove=False)
+    assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
+    if first == "patch":
+        patch.stop()
+        assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
+        adoption.undo()
+    else:
+        adoption.undo()
+        assert modeling_llama.LlamaRMSNorm is WrongEpsRMSNorm
+        patch.stop()
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_record_takes_back_when_asked_and_can_apply_again() -> None:
+    original = modeling_llama.LlamaRMSNorm
+    recording, _ = record(rebind_rms_norm, (), {})
+    with recording.suspended():
+        assert modeling_llama.LlamaRMSNorm is original
+    assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
+    recording.undo()
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+class Descriptors:
+    """Every kind of class attribute a patch may rebind, kept by identity."""
+
+    @staticmethod
+    def static() -> int:
+        return 1
+
+    @classmethod
+    def klass(cls) -> int:
+        return 2
+
+    @property
+    def prop(self) -> int:
+        return 3
+
+    def method(self) -> int:
+        return 4
+
+
+class SubDescriptors(Descriptors):
+    pass
+
+
+@pytest.mark.parametrize("cls", [Descriptors, SubDescriptors], ids=["class", "subclass"])
+def test_undo_descriptors_of_a_class_and_its_subclass(cls: type) -> None:
+    raw = dict(cls.__dict__)
+
+    def rebind() -> None:
+        cls.static = staticmethod(lambda: -1)
+        cls.klass = classmethod(lambda c: -2)
+        cls.prop = property(lambda self: -3)
+        cls.method = lambda self: -4
+
+    with layerswap.adopt(rebind, prove=False):
+        assert (cls.static(), cls.klass(), cls().prop, cls().method()) == (-1, -2, -3, -4)
+    assert dict(cls.__dict__).keys() == raw.keys()
+    assert all(cls.__dict__[name] is value for name, value in raw.items())
+    assert (cls.static(), cls.klass(), cls().prop, cls().method()) == (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("order", ["first-first", "last-first"])
+def test_two_adoptions_of_one_name_undone_in_any_order(order: str) -> None:
+    original = modeling_llama.LlamaRMSNorm
+    first = layerswap.adopt(rebind_rms_norm, prove=False)
+    second = layerswap.adopt(rebind_rms_norm_wrong_eps, prove=False)
+    assert modeling_llama.LlamaRMSNorm is WrongEpsRMSNorm
+    if order == "first-first":
+        first.undo()
+        assert modeling_llama.LlamaRMSNorm is WrongEpsRMSNorm
+        second.undo()
+    else:
+        second.undo()
+        assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
+        first.undo()
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_a_foreign_write_while_adopted_warns_and_the_original_comes_back() -> None:
+    original = modeling_llama.LlamaRMSNorm
+    adoption = layerswap.adopt(rebind_rms_norm, prove=False)
+    modeling_llama.LlamaRMSNorm = WrongEpsRMSNorm  # someone else, behind layerswap's back
+    with pytest.warns(PatchConflictWarning, match="LlamaRMSNorm"):
+        adoption.undo()
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_keyboard_interrupt_half_way_is_taken_back(model: nn.Module) -> None:
+    before = state_of(model)
+
+    def interrupted(model: nn.Module) -> None:
+        patch_everything(model)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        layerswap.adopt(interrupted, model=model, prove=False)
+    assert differences(before, state_of(model)) == []
+
+
+def test_a_replaced_sys_modules_entry_is_put_back() -> None:
+    name = "transformers.models.llama.modeling_llama"
+
+    def replace_module() -> None:
+        sys.modules[name] = types.ModuleType(name)
+
+    with layerswap.adopt(replace_module, prove=False) as adoption:
+        assert sys.modules[name] is not modeling_llama
+    assert sys.modules[name] is modeling_llama
+    assert f"sys.modules[{name!r}]: replaced" in adoption.changes
+
+
+def test_a_function_code_replaced_in_place_is_put_back() -> None:
+    forward = modeling_llama.LlamaMLP.forward
+    code, defaults = forward.__code__, forward.__defaults__
+
+    def swap_code() -> None:
+        forward.__code__ = _silu_mlp.__code__
+
+    with layerswap.adopt(swap_code, prove=False) as adoption:
+        assert forward.__code__ is _silu_mlp.__code__
+    assert forward.__code__ is code and forward.__defaults__ is defaults
+    assert "transformers.models.llama.modeling_llama.LlamaMLP.forward: __code__ replaced" in (
+        adoption.changes
+    )
+
+
+# --- the proof ---------------------------------------------------------------------------------
+
+
+def test_an_equivalent_patch_is_proven_and_kept() -> None:
+    config = layerswap.get_family("llama").tiny_config()
+    with layerswap.adopt(rebind_rms_norm, config=config) as adoption:
+        assert adoption.proven == "llama"
+        assert modeling_llama.LlamaRMSNorm is EquivalentRMSNorm
+        built = layerswap.get_family("llama").build(config)
+        assert isinstance(built.model.norm, EquivalentRMSNorm)
+    assert modeling_llama.LlamaRMSNorm is not EquivalentRMSNorm
+
+
+def test_the_family_is_found_from_the_modeling_module_the_patch_changed() -> None:
+    with layerswap.adopt(rebind_rms_norm) as adoption:
+        assert adoption.proven == "llama"
+
+
+def test_the_family_is_found_past_changes_to_the_auto_mappings() -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    def rebind_and_register() -> None:
+        rebind_rms_norm()
+        CONFIG_MAPPING._extra_content["adopted_kind"] = object  # as a lazy lookup caches
+
+    with layerswap.adopt(rebind_and_register) as adoption:
+        assert adoption.proven == "llama"
+    assert "adopted_kind" not in CONFIG_MAPPING._extra_content
+
+
+def test_a_wrong_epsilon_is_refused_naming_the_first_layer() -> None:
+    before = state_of()
+    config = layerswap.get_family("llama").tiny_config()
+    with pytest.raises(PatchDivergenceError, match=r"model\.layers\.0") as refused:
+        layerswap.adopt(rebind_rms_norm_wrong_eps, config=config)
+    assert refused.value.layer == "model.layers.0"
+    assert isinstance(refused.value, VerificationError)
+    assert differences(before, state_of()) == []
+
+
+def test_a_patch_from_layer_2_on_is_refused_naming_layer_2(model: nn.Module) -> None:
+    original_forward = modeling_llama.LlamaMLP.forward
+    before = state_of(model)
+
+    def scale_from_layer_2(model: nn.Module) -> None:
+        for index, layer in enumerate(model.model.layers):
+            if index >= 2:
+                mlp = layer.mlp
+                mlp.forward = lambda x, mlp=mlp: original_forward(mlp, x) * 1.01
+
+    with pytest.raises(PatchDivergenceError) as refused:
+        layerswap.adopt(scale_from_layer_2, model=model)
+    assert refused.value.layer == "model.layers.2"
+    assert differences(before, state_of(model)) == []
+
+
+def test_a_given_model_is_patched_after_the_proof_on_a_tiny_copy(model: nn.Module) -> None:
+    def bind_forward(model: nn.Module) -> None:
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(_silu_mlp, layer.mlp)
+
+    with layerswap.adopt(bind_forward, model=model) as adoption:
+        assert adoption.proven == "llama"
+        assert all("forward" in layer.mlp.__dict__ for layer in model.model.layers)
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+
+
+def test_prove_true_without_a_family_is_refused() -> None:
+    def nothing() -> None:
+        pass
+
+    with pytest.raises(AdoptionError, match="config="):
+        layerswap.adopt(nothing, prove=True)
+
+
+# --- verify, layer by layer --------------------------------------------------------------------
+
+
+def test_verify_names_the_first_divergent_layer_of_an_adopted_model(model: nn.Module) -> None:
+    original_forward = modeling_llama.LlamaMLP.forward
+    before = state_of(model)
+
+    def scale_from_layer_2(model: nn.Module) -> None:
+        for layer in list(model.model.layers)[2:]:
+            mlp = layer.mlp
+            mlp.forward = lambda x, mlp=mlp: original_forward(mlp, x) * 1.01
+
+    with layerswap.adopt(scale_from_layer_2, model=model, prove=False) as adoption:
+        report = adoption.verify(model, backward=True)
+        assert "forward" in model.model.layers[2].mlp.__dict__  # still patched after
+    assert not report.passed
+    assert report.first_divergent_layer == 2
+    assert [layer.passed for layer in report.layers[:2]] == [True, True]
+    assert differences(before, state_of(model)) == []
+
+
+def test_verify_passes_an_equivalent_adopted_model(model: nn.Module) -> None:
+    def bind_forward(model: nn.Module) -> None:
+        for layer in model.model.layers:
+            layer.mlp.forward = types.MethodType(_silu_mlp, layer.mlp)
+
+    with layerswap.adopt(bind_forward, model=model, prove=False) as adoption:
+        report = adoption.verify(model, generate=2)
+    assert report.passed, report.summary()
+
+
+def test_verify_refuses_a_model_built_with_the_patch_s_classes() -> None:
+    from layerswap.errors import UnsupportedModelError
+
+    with layerswap.adopt(rebind_rms_norm, prove=False) as adoption:
+        built = layerswap.get_family("llama").build()
+        with pytest.raises(UnsupportedModelError, match="built with the patch"):
+            adoption.verify(built)
+
+
+# --- transformers' kernelize -----------------------------------------------------------------
+
+
+def test_kernelize_without_a_fitting_kernels_package_changes_nothing(model: nn.Module) -> None:
+    from transformers.integrations.hub_kernels import kernelize
+    from transformers.utils.import_utils import is_kernels_available
+
+    if is_kernels_available():
+        pytest.skip("a kernels release transformers accepts is installed: kernelize runs")
+    before = state_of(model)
+    with pytest.raises(ImportError):
+        layerswap.adopt(kernelize, model=model, prove=False)
+    assert differences(before, state_of(model)) == []
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+PATCHES = """
+import torch
+from torch import nn
+from transformers.models.llama import modeling_llama
+
+
+class FastRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        shape = (hidden_states.shape[-1],)
+        return nn.functional.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+
+
+def fast_rms_norm():
+    modeling_llama.LlamaRMSNorm = FastRMSNorm
+
+
+def forgot_epsilon():
+    modeling_llama.LlamaRMSNorm = lambda hidden_size, eps=1e-6: FastRMSNorm(hidden_size, 0.1)
+"""
+
+
+def test_cli_verify_adopt_proves_and_undoes(make_module, capsys) -> None:
+    from command_line import run
+
+    name = make_module("cli_patches", PATCHES)
+    original = modeling_llama.LlamaRMSNorm
+    code, out, _ = run(capsys, "verify", "--adopt", f"{name}:fast_rms_norm", "--model", "llama")
+    assert code == 0, out
+    assert out.startswith(f"PASSED  {name}:fast_rms_norm: proven equal to the original")
+    assert "modeling_llama.LlamaRMSNorm: rebound" in out
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_cli_verify_adopt_names_the_first_divergent_layer(make_module, capsys) -> None:
+    import json
+
+    from command_line import run
+
+    name = make_module("cli_patches", PATCHES)
+    args = ("verify", "--adopt", f"{name}:forgot_epsilon", "--model", "llama", "--json")
+    code, out, _ = run(capsys, *args)
+    assert code == 1
+    verdict = json.loads(out)
+    assert verdict["passed"] is False and verdict["layer"] == "model.layers.0"
+
+
+def test_cli_verify_adopt_refuses_a_missing_function_with_close_names(make_module, capsys):
+    from command_line import run
+
+    name = make_module("cli_patches", PATCHES)
+    code, _, err = run(capsys, "verify", "--adopt", f"{name}:fast_rms_nrom", "--model", "llama")
+    assert code == 2
+    assert "fast_rms_norm" in err
