@@ -54,6 +54,7 @@ from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
 from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
+from layerswap.substitution import Substitution
 from layerswap.tokens import avoid_tokens, media_tokens
 from layerswap.verify.first_difference import CHECKS, first_difference
 from layerswap.verify.tolerance import Tolerance
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from layerswap.family import Family
-    from layerswap.substitution import Substitution
 
 __all__ = [
     "CHECKS",
@@ -321,7 +321,8 @@ def prove(
         verdict = prove("qwen3.decoder.fused", model.config)
         assert verdict.passed, verdict.message()
     """
-    sub = get(substitution)
+    # a name is the registry's to resolve; a substitution holds its parts already
+    sub = substitution if isinstance(substitution, Substitution) else get(substitution)
     key = proof_key(sub, config)
     with _LOCK:
         if not force:
