@@ -1,0 +1,117 @@
+"""A name is resolved once, by the registry; below it the objects a substitution holds are used."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import layerswap
+from layerswap import slots
+from layerswap.catalog import REGISTRY
+from layerswap.errors import SubstitutionError, UnknownSubstitutionError
+from layerswap.substitution import Substitution
+from tests.models import text_vocab
+
+
+def test_a_substitution_from_the_registry_holds_its_family_and_slot() -> None:
+    sub = layerswap.get("llama.decoder.fused")
+    assert sub.parts.family is layerswap.get_family("llama")
+    assert sub.parts.slot is layerswap.get_slot("decoder")
+    head = layerswap.get("llama.head.fused")
+    assert head.parts.slot is layerswap.get_slot("head")
+    assert layerswap.get("llama.decoder.te").devices == ("cuda",)
+
+
+def test_a_changed_substitution_is_resolved_again_when_it_reaches_the_registry() -> None:
+    sub = layerswap.get("llama.decoder.fused")
+    moved = dataclasses.replace(sub, name="qwen3.decoder.moved", family="qwen3")
+    assert moved.resolution() is None  # nothing is carried over from the one it came from
+    assert layerswap.get(moved).parts.family is layerswap.get_family("qwen3")
+    unknown = dataclasses.replace(sub, name="nothing.decoder.fused", family="nothing")
+    with pytest.raises(UnknownSubstitutionError, match="nothing"):
+        layerswap.get(unknown)
+
+
+def test_options_keep_the_parts_a_substitution_holds() -> None:
+    sub = layerswap.get("llama.decoder.te_fp8")
+    assert sub.with_options(recipe="delayed").resolution() == sub.parts
+
+
+def test_the_classes_are_found_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    sub = dataclasses.replace(layerswap.get("llama.decoder.fused"), name="llama.decoder.once")
+    found: list[str] = []
+    from layerswap import substitution
+
+    real = substitution.resolve
+
+    def counting(spec: str) -> Any:
+        found.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(substitution, "resolve", counting)
+    for _ in range(3):
+        assert sub.original_class().__name__ == "LlamaDecoderLayer"
+    assert found == [sub.original]
+
+
+def test_a_swap_looks_no_name_up_below_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once ``get`` resolved it, swapping and undoing a substitution asks neither the
+    registry nor the slot registry again: the slot, the proof and the weight code take the
+    objects the substitution holds."""
+    family = layerswap.get_family("llama")
+    model = family.build(seed=0).eval()
+    ids = torch.randint(1, text_vocab(family.tiny_config()), (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    sub = layerswap.get("llama.decoder.fused")
+
+    asked: list[Any] = []
+    inside: list[bool] = []
+
+    def only_at_the_top(name: str, real: Any) -> Any:
+        def lookup(*args: Any, **kwargs: Any) -> Any:
+            assert inside, f"{name}: a name was looked up again below the registry"
+            return real(*args, **kwargs)
+
+        return lookup
+
+    resolved = REGISTRY.resolved
+
+    def at_the_top(given: Substitution) -> Substitution:
+        asked.append(given)
+        inside.append(True)
+        try:
+            return resolved(given)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(slots, "get_slot", only_at_the_top("get_slot", slots.get_slot))
+    for method in ("get_family", "family", "backend_of", "parts_of"):
+        monkeypatch.setattr(REGISTRY, method, only_at_the_top(method, getattr(REGISTRY, method)))
+    monkeypatch.setattr(REGISTRY, "resolved", at_the_top)
+    handle = layerswap.swap(model, sub)
+    assert asked == [sub]  # swap() hands it to the registry once, at the top
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected)
+    handle.undo()
+
+
+def test_a_substitution_nobody_resolved_says_so_without_the_registry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from layerswap import substitution
+
+    made = Substitution(
+        name="llama.decoder.bare",
+        family="llama",
+        backend="bare",
+        original="transformers.models.llama.modeling_llama:LlamaDecoderLayer",
+        replacement="transformers.models.llama.modeling_llama:LlamaDecoderLayer",
+        converter=layerswap.get("llama.decoder.fused").converter,
+    )
+    monkeypatch.setattr(substitution, "_RESOLVE_PARTS", None)
+    with pytest.raises(SubstitutionError, match=r"llama.decoder.bare is not resolved"):
+        made.parts  # noqa: B018
