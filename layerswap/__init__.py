@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the public API for type checkers; _EXPORTS below for the ru
     from layerswap import errors as errors
     from layerswap.adoption import Adoption as Adoption
     from layerswap.adoption import adopt as adopt
+    from layerswap.adoption import patch_substitution as patch_substitution
     from layerswap.backend import Backend as Backend
     from layerswap.backend import Implementation as Implementation
     from layerswap.backend import Lazy as Lazy
@@ -85,6 +86,7 @@ _EXPORTS: dict[str, str] = {
     "errors": "layerswap",
     "Adoption": "layerswap.adoption",
     "adopt": "layerswap.adoption",
+    "patch_substitution": "layerswap.adoption",
     "Backend": "layerswap.backend",
     "Implementation": "layerswap.backend",
     "Lazy": "layerswap.backend",

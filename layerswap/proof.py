@@ -71,6 +71,7 @@ __all__ = [
     "comparing",
     "ensure_proven",
     "prove",
+    "proving",
     "proven_here",
     "changed_here",
     "shrunk_config",
@@ -190,6 +191,18 @@ def comparing() -> Iterator[None]:
         yield
     finally:
         _PROVING.reset(token)
+
+
+def proving() -> bool:
+    """Whether this runs inside :func:`comparing` (a proof's own models, or a comparison
+    that is itself the proof): a slot that proves at each swap proves nothing there.
+
+    Example::
+
+        with comparing():
+            proving()      # True
+    """
+    return _PROVING.get()
 
 
 def _device(sub: Substitution) -> torch.device:

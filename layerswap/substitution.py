@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Mapping
@@ -261,6 +262,11 @@ class Slot:
     #: whether a substitution of this slot is compared with its original at first use on
     #: a transformers release (:func:`layerswap.proof.ensure_proven`)
     proven_at_first_use: bool = False
+    #: whether a substitution of this slot puts a layer of its own in each decoder layer's
+    #: place (its weights converted layer by layer): its gradients are mapped back to the
+    #: original layout, and :func:`layerswap.verify` can compare it layer by layer while
+    #: streaming
+    replaces_layers: bool = False
 
     def original(self, family: Family) -> str:
         """``"module:Class"`` of what this slot replaces in ``family``."""
@@ -335,6 +341,22 @@ class SwapHandle:
         """A readable summary: the substitution and what it swapped."""
         raise NotImplementedError
 
+    def original_code(self) -> AbstractContextManager[Any]:
+        """A context inside which the original code runs while the swap stays in effect.
+
+        A swap of a model's own parts changes no code another model runs: nothing to do
+        (the default). A swap that changes shared code (an adopted patch function,
+        :mod:`layerswap.slots.patch`) takes it back inside, so that a reference model runs
+        the original beside the swapped one.
+        """
+        return contextlib.nullcontext()
+
+    def release(self) -> None:
+        """The swapped model is let go without being needed again (the working copy a
+        comparison swapped): take back what the swap changed beyond it. A swap of a
+        model's own parts changed nothing beyond it (the default: nothing is done, the
+        copy goes with its swap); a patch of shared code is undone."""
+
     def __iter__(self) -> Iterator[tuple[str, type[nn.Module], type[nn.Module]]]:
         return iter(self.swapped)
 
@@ -402,8 +424,9 @@ class Substitution:
     requirement: Callable[[], str | None] = runs_anywhere
     upstream: UpstreamCheck | None = check_structure
     description: str = ""
-    #: what it replaces: ``"decoder"`` (every decoder layer) or ``"head"`` (the causal LM's
-    #: head and loss, a class swap of the model: :mod:`layerswap.slots.head`)
+    #: what it replaces: ``"decoder"`` (every decoder layer), ``"head"`` (the causal LM's
+    #: head and loss, a class swap of the model: :mod:`layerswap.slots.head`) or
+    #: ``"patch"`` (what an adopted patch function rebinds: :mod:`layerswap.slots.patch`)
     slot: str = "decoder"
     #: what the slot's forward runs in during verification (the head's fused loss in
     #: eval mode), ``None``: nothing

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedConfig
 
+    from layerswap.adoption.changes import Change
     from layerswap.family import Family
     from layerswap.verify.inputs import InputsLike
     from layerswap.verify.report import VerificationReport
@@ -74,6 +76,25 @@ class Adoption:
     def changes(self) -> list[str]:
         """One line per change the function made."""
         return self._recording.report()
+
+    @property
+    def records(self) -> tuple[Change, ...]:
+        """The changes themselves (:mod:`layerswap.adoption.changes`), oldest first: where,
+        what happened there, and the objects before and after."""
+        return tuple(self._recording.changes)
+
+    def suspended(self) -> AbstractContextManager[None]:
+        """A context inside which the original code runs: the changes taken back on entry,
+        made again on exit (the adoption stays in effect around it).
+
+        Example::
+
+            with adoption.suspended():
+                reference = model(input_ids).logits     # the code before the patch
+        """
+        if not self._active:
+            raise AdoptionError(f"{self.name} was undone: there is nothing to suspend")
+        return self._recording.suspended()
 
     def verify(
         self,

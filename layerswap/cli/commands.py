@@ -336,27 +336,44 @@ def check_command(
     again: Annotated[
         bool, typer.Option("--again", help="Prove again, whatever is stored.")
     ] = False,
+    substitution_names: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--substitution",
+            "-s",
+            metavar="NAME",
+            help="Also prove a substitution by full name (repeatable), e.g. one registered "
+            "from a patch function.",
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonOption = False,
 ) -> None:
     """Prove substitutions equal to the original on the installed transformers and torch.
 
     Each family's tiny model runs with original and replacement layers: a left-padded
     forward, decoding with a dynamic and a static cache, a backward pass. Verdicts are
-    stored (LAYERSWAP_CACHE), as at first use. Exit 1 when one fails.
+    stored (LAYERSWAP_CACHE), as at first use. A substitution named with --substitution
+    is proven as its slot proves it before a swap. Exit 1 when one fails.
     """
     with exit_codes(), Progress(not json_output) as progress:
         from layerswap.cli.proving import check_rows
-        from layerswap.registry import families, get_backend
+        from layerswap.registry import families, get, get_backend
 
         get_backend(backend)  # an unknown backend is a usage error, with close names
-        if all_families == bool(family_names):
-            raise UsageProblem("name the families to prove, or give --all")
+        named = [get(name).name for name in substitution_names or []]  # unknown: exit 2
+        if all_families and family_names:
+            raise UsageProblem("name the families to prove, or give --all, not both")
+        if not (all_families or family_names or named):
+            raise UsageProblem("name the families to prove, give --all, or --substitution")
         names = (
             sorted(families())
             if all_families
             else [find_family(n).name for n in family_names or []]
         )
-        rows = check_rows(names, backend, again, on_step=lambda d, t, f: progress.count(d, t, f))
+        rows = check_rows(
+            names, backend, again, lambda d, t, f: progress.count(d, t, f), substitutions=named
+        )
     if json_output:
         print_json(rows)
     else:

@@ -3,16 +3,22 @@
 A family is proven when its substitution passed the behaviour proof
 (:mod:`layerswap.proof`) on the installed transformers, torch and layerswap. ``check``
 proves on demand (the family's tiny config); the proof also runs by itself at first use.
+A substitution named with ``--substitution`` is checked as its slot checks it before a
+swap (an adopted patch function's: proven on the family's tiny model).
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import LayerswapError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
+
+    from layerswap.substitution import Substitution
 
 __all__ = ["check_rows", "proofs_row"]
 
@@ -23,26 +29,53 @@ def _row(family: str, name: str, **fields: Any) -> dict[str, Any]:
 
 def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     """The check of one family: its static contract, then the behaviour proof."""
-    from layerswap.proof import changed_here, prove
     from layerswap.registry import get, get_backend, get_family
-    from layerswap.versions import transformers_version
 
     name = f"{family}.decoder.{backend}"
     # asked first: a backend reading the family's source, or making the substitution,
     # would find it missing
-    if get_family(family).absence() is not None:
-        version = transformers_version()
-        return _row(family, name, status="absent", detail=f"not in transformers {version}")
+    absent = _absent(family, name)
+    if absent is not None:
+        return absent
     refused = get_backend(backend).unsupported(get_family(family))
     if refused is not None:
         return _row(family, name, status="refused", detail=f"the backend refuses it: {refused}")
+    return _check(get(name), again)
+
+
+def check_named(name: str, again: bool) -> dict[str, Any]:
+    """The check of one substitution by name (one registered by hand: an adopted patch
+    function's, :func:`layerswap.adoption.patch_substitution`, too)."""
+    from layerswap.registry import get
+
     sub = get(name)
+    absent = _absent(sub.family, sub.name)
+    return absent if absent is not None else _check(sub, again)
+
+
+def _absent(family: str, name: str) -> dict[str, Any] | None:
+    from layerswap.registry import get_family
+    from layerswap.versions import transformers_version
+
+    if get_family(family).absence() is None:
+        return None
+    version = transformers_version()
+    return _row(family, name, status="absent", detail=f"not in transformers {version}")
+
+
+def _check(sub: Substitution, again: bool) -> dict[str, Any]:
+    """Its requirement, then the slot's checks on the family's tiny config: for the decoder
+    slot the stored behaviour proof, for another slot what it checks before a swap (the
+    patch slot: the patch function adopted and proven on a tiny model)."""
+    from layerswap.proof import changed_here, prove
+
+    family, name = sub.family, sub.name
     reason = sub.unmet_requirement()
     if reason is not None:
         return _row(family, name, status="skipped", detail=f"cannot run here: {reason}")
     try:
         # the config as a model sets it (its attention implementation chosen)
-        config = get_family(family).build().config
+        config = sub.parts.family.build().config
     except Exception as error:  # not layerswap's to prove: the original fails here too
         detail = f"the original cannot be built here: {type(error).__name__}: {error}"
         return _row(family, name, status="unbuildable", detail=detail)
@@ -54,7 +87,12 @@ def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
         if changed
         else ""
     )
+    started = time.perf_counter()
     try:
+        if not sub.parts.slot.proven_at_first_use:
+            sub.parts.slot.prepare(sub, config)
+            seconds = round(time.perf_counter() - started, 3)
+            return _row(family, name, status="proven", seconds=seconds)
         sub.check_upstream(config)
         verdict = prove(sub, None, force=again)
     except LayerswapError as error:
@@ -75,18 +113,24 @@ def check_rows(
     backend: str,
     again: bool,
     on_step: Callable[[int, int, str], None] | None = None,
+    substitutions: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """One row per family: ``proven``, ``failed`` (with the first difference), ``skipped``
-    (cannot run here), ``refused`` (the backend does not express the family, and says
-    why), ``absent`` (not in the installed transformers) or ``unbuildable`` (the original
-    itself fails to build on it: nothing to prove)."""
+    """One row per family (its ``<family>.decoder.<backend>``), then per substitution
+    named: ``proven``, ``failed`` (with the first difference), ``skipped`` (cannot run
+    here), ``refused`` (the backend does not express the family, and says why),
+    ``absent`` (not in the installed transformers) or ``unbuildable`` (the original itself
+    fails to build on it: nothing to prove)."""
+    steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        (family, functools.partial(check_one, family, backend, again)) for family in families
+    ]
+    steps += [(name, functools.partial(check_named, name, again)) for name in substitutions]
     rows = []
-    for done, family in enumerate(families):
+    for done, (label, step) in enumerate(steps):
         if on_step is not None:
-            on_step(done, len(families), family)
-        rows.append(check_one(family, backend, again))
+            on_step(done, len(steps), label)
+        rows.append(step())
     if on_step is not None:
-        on_step(len(families), len(families), "")
+        on_step(len(steps), len(steps), "")
     return rows
 
 

@@ -1,7 +1,8 @@
 """What a substitution can replace in a model: the slots, as objects.
 
 A :class:`Slot` is everything layerswap knows about one kind of part — every decoder
-layer (``decoder``), or the causal LM's head and loss (``head``): its original class for
+layer (``decoder``), the causal LM's head and loss (``head``), or what an adopted patch
+function rebinds (``patch``): its original class for
 a family, how to swap a substitution into a built model and undo it, the patches that
 build it inside :func:`layerswap.use`, which substitution a model runs in it, how to
 rebuild the original for :func:`layerswap.verify`, and what it replaces
@@ -32,7 +33,11 @@ __all__ = ["ModelParts", "Slot", "get_slot", "register_slot", "slot_names", "unr
 
 
 #: the builtin slots, imported when first asked for
-_BUILTIN = {"decoder": "layerswap.slots.decoder", "head": "layerswap.slots.head"}
+_BUILTIN = {
+    "decoder": "layerswap.slots.decoder",
+    "head": "layerswap.slots.head",
+    "patch": "layerswap.slots.patch",
+}
 _SLOTS: dict[str, Slot] = {}
 _ADDED: list[str] = []  # names of slots registered beyond the builtin ones, in order
 _LOCK = threading.RLock()
@@ -43,7 +48,7 @@ def slot_names() -> tuple[str, ...]:
 
     Example::
 
-        slot_names()   # ("decoder", "head")
+        slot_names()   # ("decoder", "head", "patch")
     """
     with _LOCK:
         return (*_BUILTIN, *_ADDED)

@@ -258,6 +258,7 @@ class DecoderSlot(Slot):
     name = "decoder"
     description = "every decoder layer"
     proven_at_first_use = True
+    replaces_layers = True
 
     def original(self, family: Family) -> str:
         return f"{family.module}:{family.decoder}"

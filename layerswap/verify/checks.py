@@ -3,6 +3,7 @@ two models."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -15,7 +16,7 @@ from layerswap.proof import comparing
 from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
 from layerswap.verify.compare import Comparison
-from layerswap.verify.forward import Run, forward
+from layerswap.verify.forward import ContextFactory, Run, forward
 from layerswap.verify.fp8 import ideal_fp8
 from layerswap.verify.inputs import InputsLike, prepare_inputs, unreached_thresholds
 from layerswap.verify.kept_loss import left_out_positions, relearnt, run_candidate
@@ -67,12 +68,14 @@ def _float32_floor(
     backward: bool,
     generate: int,
     left_out: torch.Tensor | None,
+    context: ContextFactory = contextlib.nullcontext,
 ) -> Run:
     """``original`` (original layers) run in float32: how far the reference itself is, in
     bfloat16 or float16, from the function both models compute. A mixture-of-experts
     router's near-ties, or a tiny random model's near-tied next tokens, flip under that
     rounding on either side; such a candidate is as close as the original's own run.
-    ``left_out``: the positions the two runs' loss left out, left out here too."""
+    ``left_out``: the positions the two runs' loss left out, left out here too; ``context``:
+    what the run is made in (the original code, where a swap changed shared code)."""
     exact = working_copy(original, device, torch.float32, trainable=backward)
     return forward(
         exact,
@@ -80,6 +83,7 @@ def _float32_floor(
         backward=backward,
         generate=generate,
         left_out=left_out,
+        context=context,
     )
 
 
@@ -146,32 +150,43 @@ def verify(
 
     work = working_copy(model, target_device, target_dtype, trainable=backward)
     batch = comparison.batch
-    reference, candidate, floor, original = _run_both(
-        model,
-        work,
-        batch,
-        sub,
-        already_swapped=already_swapped,
-        backward=backward,
-        generate=generate,
-        calibrate=_calibrates(sub, target_dtype, tolerance),
-    )
-    left_out = None
-    if backward:
-        left_out = left_out_positions(work, comparison.excused(reference, candidate), batch)
-    if left_out is not None:
-        reference, candidate = _learn_over_kept_positions(
-            reference, candidate, work, model, sub, comparison, left_out, swapped=already_swapped
+    # a swap of the copy that changes shared code (an adopted patch) is taken back when the
+    # comparison ends, and suspended for every pass of the reference after it
+    with contextlib.ExitStack() as swapped:
+        runs = _run_both(
+            model,
+            work,
+            batch,
+            sub,
+            swapped,
+            already_swapped=already_swapped,
+            backward=backward,
+            generate=generate,
+            calibrate=_calibrates(sub, target_dtype, tolerance),
         )
-    report = comparison.report(reference, candidate, mode="full", floor=floor)
-    if report.passed or not _rounds(sub, target_dtype, tolerance):
-        return report
-    # over the fixed tolerance in bfloat16/float16: judged again against the original's
-    # own rounding error, measured by running it in float32 (only then: it costs a copy)
-    del work
-    exact = _float32_floor(
-        original, batch, target_device, backward=backward, generate=generate, left_out=left_out
-    )
+        reference, candidate, floor = runs.reference, runs.candidate, runs.floor
+        left_out = None
+        if backward:
+            left_out = left_out_positions(work, comparison.excused(reference, candidate), batch)
+        if left_out is not None:
+            reference, candidate = _learn_over_kept_positions(
+                runs, work, model, sub, comparison, left_out, swapped=already_swapped
+            )
+        report = comparison.report(reference, candidate, mode="full", floor=floor)
+        if report.passed or not _rounds(sub, target_dtype, tolerance):
+            return report
+        # over the fixed tolerance in bfloat16/float16: judged again against the original's
+        # own rounding error, measured by running it in float32 (only then: it costs a copy)
+        del work
+        exact = _float32_floor(
+            runs.original,
+            batch,
+            target_device,
+            backward=backward,
+            generate=generate,
+            left_out=left_out,
+            context=runs.original_code,
+        )
     return comparison.report(reference, candidate, mode="full", floor=exact, floor_kind="float32")
 
 
@@ -186,6 +201,11 @@ def _swapped_already(
     if streaming and generate:
         raise ValueError(
             "generate= needs the whole swapped model; use streaming=False to compare generation"
+        )
+    if streaming and not sub.parts.slot.replaces_layers:
+        raise ValueError(
+            f"streaming mode builds one replacement layer at a time; {sub.name} replaces "
+            f"{sub.parts.slot.description}, not the decoder layers: use streaming=False"
         )
     already_swapped = sub.parts.slot.swapped_by(model) is not None
     if already_swapped and streaming:
@@ -203,6 +223,9 @@ class _BothRuns(NamedTuple):
     floor: Run | None
     #: the model holding original layers, for a float32 run (:func:`_float32_floor`)
     original: nn.Module
+    #: what every pass of the reference made after the swap runs in (the swap's
+    #: :meth:`~layerswap.handle.SwapHandle.original_code`)
+    original_code: ContextFactory = contextlib.nullcontext
 
 
 def _run_both(
@@ -210,6 +233,7 @@ def _run_both(
     work: nn.Module,
     batch: dict[str, torch.Tensor],
     sub: Substitution,
+    swapped: contextlib.ExitStack,
     *,
     already_swapped: bool,
     backward: bool,
@@ -217,7 +241,8 @@ def _run_both(
     calibrate: bool,
 ) -> _BothRuns:
     """The reference and the candidate run on ``work`` (a working copy of ``model``), one
-    after the other, so both hold exactly the same weights."""
+    after the other, so both hold exactly the same weights. The swap of ``work`` is
+    released when ``swapped`` closes."""
     if already_swapped:
         # built inside use(): the copy runs as the candidate, then gets original layers
         # holding its weights converted back, and runs again as the reference
@@ -231,14 +256,14 @@ def _run_both(
     reference = forward(work, batch, backward=backward, generate=generate)
     floor = _fp8_floor(work, batch, generate) if calibrate else None
     with comparing():  # this comparison is the proof: it reports, rather than refuses
-        swap(work, sub)
+        handle = swap(work, sub)
+    swapped.callback(handle.release)
     candidate = run_candidate(work, batch, sub, backward=backward, generate=generate)
-    return _BothRuns(reference, candidate, floor, model)
+    return _BothRuns(reference, candidate, floor, model, handle.original_code)
 
 
 def _learn_over_kept_positions(
-    reference: Run,
-    candidate: Run,
+    runs: _BothRuns,
     work: nn.Module,
     model: nn.Module,
     sub: Substitution,
@@ -256,9 +281,9 @@ def _learn_over_kept_positions(
     again = working_copy(model, comparison.device, comparison.dtype, trainable=True)
     original, replaced = (work, again) if swapped else (again, work)
     batch = comparison.batch
-    reference = relearnt(reference, forward(original, batch, backward=True, left_out=left_out))
+    learnt = forward(original, batch, backward=True, left_out=left_out, context=runs.original_code)
     cand = run_candidate(replaced, batch, sub, backward=True, left_out=left_out)
-    return reference, relearnt(candidate, cand)
+    return relearnt(runs.reference, learnt), relearnt(runs.candidate, cand)
 
 
 def _warn_unreached(model: nn.Module, batch: dict[str, torch.Tensor], generate: int) -> None:

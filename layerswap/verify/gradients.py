@@ -63,7 +63,10 @@ def gradients_to_original(
     gradients: Mapping[str, torch.Tensor],
     substitution: Substitution,
 ) -> dict[str, torch.Tensor]:
-    """The swapped model's gradients, keyed and shaped as in the original model."""
+    """The swapped model's gradients, keyed and shaped as in the original model (as they
+    are where the substitution puts no layer of its own in place of the decoder layers)."""
+    if not substitution.parts.slot.replaces_layers:
+        return dict(gradients)
     replacement = substitution.replacement_class()
     config = text_config(model)
     mapped = dict(gradients)
