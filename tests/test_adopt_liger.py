@@ -73,7 +73,10 @@ def test_adopting_with_a_model_undoes_every_instance() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: Liger's kernels run")
 @pytest.mark.parametrize("with_model", [False, True], ids=["classes", "model"])
 def test_refused_without_a_gpu_with_the_requirement_after_undoing(with_model: bool) -> None:
-    model = layerswap.get_family("llama").build(seed=0) if with_model else None
+    # built either way first: transformers fills caches of its own when a model is first
+    # built (the output-capturing registry), which the proof's tiny model would do here
+    built = layerswap.get_family("llama").build(seed=0)
+    model = built if with_model else None
     before = state_of(model)
     apply = monkey_patch.apply_liger_kernel_to_llama
     with pytest.raises(RequirementError, match="needs CUDA"):
