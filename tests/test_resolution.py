@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import torch
+from models import text_vocab
 
 import layerswap
 from layerswap import slots
 from layerswap.catalog import REGISTRY
 from layerswap.errors import SubstitutionError, UnknownSubstitutionError
 from layerswap.substitution import Substitution
-from tests.models import text_vocab
 
 
 def test_a_substitution_from_the_registry_holds_its_family_and_slot() -> None:
