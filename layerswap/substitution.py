@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
@@ -573,3 +575,24 @@ class Substitution:
 
     def __str__(self) -> str:
         return self.name
+
+
+#: names this module had before they moved: (module now, why)
+_MOVED = {
+    "original_of": "layerswap.backend",
+    "check_layer_call": "layerswap.slots.layer_call",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # a name that moved is still found here, with a warning naming where it lives now
+    # (imported by name when asked: those modules sit above this one)
+    moved = _MOVED.get(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"layerswap.substitution.{name} moved to {moved}.{name}; import it from there",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(moved), name)

@@ -115,3 +115,21 @@ def test_a_substitution_nobody_resolved_says_so_without_the_registry(
     monkeypatch.setattr(substitution, "_RESOLVE_PARTS", None)
     with pytest.raises(SubstitutionError, match=r"llama.decoder.bare is not resolved"):
         made.parts  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("name", "now"),
+    [("original_of", "layerswap.backend"), ("check_layer_call", "layerswap.slots.layer_call")],
+)
+def test_a_name_that_moved_out_of_substitution_is_found_there_with_a_warning(
+    name: str, now: str
+) -> None:
+    import importlib
+
+    from layerswap import substitution
+
+    with pytest.warns(DeprecationWarning, match=f"moved to {now}.{name}"):
+        found = getattr(substitution, name)
+    assert found is getattr(importlib.import_module(now), name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        substitution.no_such_name  # noqa: B018
