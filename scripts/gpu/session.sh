@@ -6,12 +6,13 @@
 #   [STEPS="verify pytest ..."] [PYTEST_FILES="tests/..."] bash scripts/gpu/session.sh [seconds]
 #
 # (default: every step that needs no TransformerEngine, 540 seconds; the steps: doctor bench
-# head-memory verify pytest bench-7b check-liger; with TE installed (stage_te.sh), also
-# te-7b-bf16 te-7b-fp8 te-verify te-bench te-pytest, run only when STEPS names them)
+# head-memory verify pytest bench-7b check-liger adopt-liger; named in STEPS only: the peers
+# at 7B, peer-compiled-7b peer-liger-7b (PEER_SEQ=256 or 1024); with TE installed
+# (stage_te.sh), also te-7b-bf16 te-7b-fp8 te-verify te-bench te-pytest)
 #
-# Writes under $OUT (8 files): session.log (versions, doctor, each step's exit code and
+# Writes under $OUT (9 files): session.log (versions, doctor, each step's exit code and
 # time), bench.log, bench.json, head_memory.txt, verify.log, pytest_gpu.log, bench_7b.txt,
-# check_liger.json; the te steps: te_7b_bf16.txt, te_7b_fp8.txt, te_verify.log, te_bench.log,
+# check_liger.json, adopt_liger.log; the peers: peer_compiled_7b.txt, peer_liger_7b.txt; the te steps: te_7b_bf16.txt, te_7b_fp8.txt, te_verify.log, te_bench.log,
 # te_pytest.log.
 set -u
 OUT=${OUT:-gpu_results}
@@ -46,7 +47,7 @@ step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee -a "$OUT/session.log"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/session.log"
-wanted() { [[ " ${STEPS:-doctor bench head-memory verify pytest bench-7b check-liger} " == *" $1 "* ]]; }
+wanted() { [[ " ${STEPS:-doctor bench head-memory verify pytest bench-7b check-liger adopt-liger} " == *" $1 "* ]]; }
 wanted doctor && python3 -m layerswap doctor 2>&1 | tee -a "$OUT/session.log"
 # the benchmark model (0.85 B Llama, 8 x 512): verified, then every contender timed
 wanted bench && step bench 120 bench.log python3 scripts/gpu/verify_and_bench.py \
@@ -67,6 +68,19 @@ wanted bench-7b && step bench-7b 100 bench_7b.txt python3 scripts/gpu/verify_and
   --layers 32 --heads 32 --kv-heads 32 --batch 8 --seq 256 --warmup 2 --rounds 5
 wanted check-liger && step check-liger 60 check_liger.json python3 -m layerswap check --all \
   --backend liger --json
+# Liger-Kernel's own apply functions, every key, adopted, undone object for object, and
+# the llama one proven on this GPU (tests/test_adopt_liger.py)
+wanted adopt-liger && step adopt-liger 90 adopt_liger.log python3 -m pytest --full -q \
+  -p no:cacheprovider -n 4 tests/test_adopt_liger.py
+# the peers at Llama-2-7B's shape, one process per pair (two 7B contenders with AdamW are
+# what one H200 holds): the original under torch.compile, and Liger's own patch (adopted,
+# suspended while the original steps)
+peers=(--skip-verify --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --kv-heads 32
+  --batch 8 --seq "${PEER_SEQ:-256}" --warmup 3 --rounds 5)
+wanted peer-compiled-7b && step peer-compiled-7b 150 peer_compiled_7b.txt python3 \
+  scripts/gpu/verify_and_bench.py --out /tmp/pc7b --contenders original,compiled "${peers[@]}"
+wanted peer-liger-7b && step peer-liger-7b 120 peer_liger_7b.txt python3 \
+  scripts/gpu/verify_and_bench.py --out /tmp/pl7b --contenders original,liger-patch "${peers[@]}"
 # TransformerEngine at Llama-2-7B's shape, batch 8 x 256 (its tutorial's): two 7B contenders
 # with AdamW are what one H200 holds, so bf16 and FP8 each run beside the original
 seven_b=(--skip-verify --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --kv-heads 32

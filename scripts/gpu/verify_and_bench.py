@@ -313,7 +313,9 @@ def rotations(items: list[Contender]) -> Iterator[list[Contender]]:
 def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Contender], list[str]]:
     """The contenders ``args.contenders`` names, each on its own copy of the same weights.
 
-    ``original``; ``fused`` / ``liger`` (decoder layers swapped); ``fused+head`` /
+    ``original``; ``compiled`` (the original under ``torch.compile``); ``liger-patch``
+    (Liger-Kernel's own ``apply_liger_kernel_to_llama``, adopted: every other contender
+    steps with it suspended); ``fused`` / ``liger`` (decoder layers swapped); ``fused+head`` /
     ``liger+head`` (the decoder layers and the head's loss); ``te`` (bf16, then one FP8
     contender per recipe in ``args.fp8_recipes``). A contender that cannot run here is
     left out with a note saying why.
@@ -331,9 +333,23 @@ def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Conte
 
     notes = []
     contenders = []
+    adopted: list[Any] = []  # Liger's own patch, in effect for its contender's steps only
     for wanted in args.contenders:
         if wanted == "original":
             contenders.append(Contender("original", original, optimizer(original)))
+        elif wanted == "compiled":
+            # what a user may pick instead of a swap: the original under torch.compile
+            model = torch.compile(copy.deepcopy(original))
+            contenders.append(Contender("original compiled", model, optimizer(model)))
+        elif wanted == "liger-patch":
+            # the peer: Liger-Kernel's own apply_liger_kernel_to_llama, adopted so that it
+            # can be suspended while every other contender steps (it rebinds modeling_llama)
+            adoption, why_not = liger_patched(original)
+            if adoption is None:
+                notes.append(f"liger-patch skipped: {why_not}")
+                continue
+            adopted.append(adoption)
+            contenders.append(Contender("liger patch", why_not, optimizer(why_not)))
         elif wanted in ("fused", "liger", "fused+head", "liger+head"):
             backend = wanted.split("+")[0]
             names = [f"llama.decoder.{backend}"]
@@ -389,7 +405,36 @@ def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Conte
                         context=functools.partial(te.fp8_autocast, recipe),
                     )
                 )
+    for adoption in adopted:
+        for contender in contenders:
+            if contender.name != "liger patch":
+                contender.context = _suspending(contender.context, adoption)
     return contenders, notes
+
+
+def liger_patched(original: Any) -> tuple[Any, Any]:
+    """(the adoption, a copy of ``original`` patched by Liger's apply_liger_kernel_to_llama),
+    or ``(None, why not)``."""
+    if DEVICE.type != "cuda":
+        return None, "Liger-Kernel's Triton kernels need CUDA"
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except Exception as exc:
+        return None, f"liger_kernel does not import here ({type(exc).__name__}: {exc})"
+    model = copy.deepcopy(original)
+    adoption = layerswap.adopt(apply_liger_kernel_to_llama, model=model, prove=False)
+    return adoption, model
+
+
+def _suspending(context: StepContext, adoption: Any) -> StepContext:
+    """``context``, run with ``adoption``'s changes taken back (the original code)."""
+
+    @contextlib.contextmanager
+    def suspended() -> Iterator[None]:
+        with adoption.suspended(), context():
+            yield
+
+    return suspended
 
 
 class GraphableLayer(torch.nn.Module):
@@ -639,7 +684,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--contenders",
         default="original,fused,fused+head,liger,liger+head,te",
-        help="benchmarked: original, fused, liger, fused+head, liger+head, te (bf16 and FP8), "
+        help="benchmarked: original, compiled (the original under torch.compile), "
+        "liger-patch (Liger-Kernel's own apply_liger_kernel_to_llama, adopted), fused, liger, "
+        "fused+head, liger+head, te (bf16 and FP8), "
         "te-bf16, te-fp8 (one FP8 contender per --fp8-recipes), te-graphed (bf16 and FP8 "
         "current, each layer a CUDA graph), fused-graphed",
     )
