@@ -54,6 +54,22 @@ def _patch_norms(norm: type[nn.Module], model: nn.Module | None) -> None:
             module.__class__ = norm
 
 
+ORIGINAL_NORM_FORWARD = ORIGINAL_NORM.forward
+
+
+def slightly_wrong_norm_forward() -> None:
+    """Every RMSNorm's forward, the built ones' too, a fifth off: past bfloat16's fixed
+    tolerance, within what a float32 rerun of the patched code itself would excuse."""
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return ORIGINAL_NORM_FORWARD(self, hidden_states) * SLIGHT
+
+    ORIGINAL_NORM.forward = forward
+
+
+SLIGHT = 1.2
+
+
 def fast_norm(model: nn.Module | None = None) -> None:
     _patch_norms(EquivalentRMSNorm, model)
 
@@ -207,6 +223,23 @@ def test_verify_fails_a_wrong_patch_naming_the_first_divergent_layer(registered,
     assert report.first_divergent_layer == 0
     assert "model.layers.0" in report.summary()
     assert modeling_llama.LlamaRMSNorm is ORIGINAL_NORM
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_a_wrong_patch_fails_in_bfloat16_where_the_original_is_run_again_in_float32(
+    registered, model, backward
+):
+    """In bfloat16 a comparison over the fixed tolerance is judged again against the
+    original run in float32 (its own rounding). That run is made with the patch taken
+    back: made with the patched code it would vouch for the patch, and the wrong one
+    would pass."""
+    sub = layerswap.patch_substitution(
+        slightly_wrong_norm_forward, "llama", name="llama.patch.slight"
+    )
+    report = layerswap.verify(model, sub, dtype=torch.bfloat16, backward=backward)
+    assert not report.passed
+    assert report.first_divergent_layer == 0
+    assert ORIGINAL_NORM.forward is ORIGINAL_NORM_FORWARD
 
 
 def test_verify_refuses_what_it_cannot_compare(registered, model):
