@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import runpy
 import sys
 import types
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -574,36 +576,17 @@ def test_kernelize_without_a_fitting_kernels_package_changes_nothing(model: nn.M
 
 # --- the command line ----------------------------------------------------------------------------
 
-PATCHES = """
-import torch
-from torch import nn
-from transformers.models.llama import modeling_llama
 
-
-class FastRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        shape = (hidden_states.shape[-1],)
-        return nn.functional.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
-
-
-def fast_rms_norm():
-    modeling_llama.LlamaRMSNorm = FastRMSNorm
-
-
-def forgot_epsilon():
-    modeling_llama.LlamaRMSNorm = lambda hidden_size, eps=1e-6: FastRMSNorm(hidden_size, 0.1)
-"""
+def _patches() -> str:
+    """The patch module ``docs/cli.md`` shows ``verify --adopt`` with (its generator's)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gen_cli_docs.py"
+    return str(runpy.run_path(str(script))["PATCHES"])
 
 
 def test_cli_verify_adopt_proves_and_undoes(make_module, capsys) -> None:
     from command_line import run
 
-    name = make_module("cli_patches", PATCHES)
+    name = make_module("cli_patches", _patches())
     original = modeling_llama.LlamaRMSNorm
     code, out, _ = run(capsys, "verify", "--adopt", f"{name}:fast_rms_norm", "--model", "llama")
     assert code == 0, out
@@ -617,7 +600,7 @@ def test_cli_verify_adopt_names_the_first_divergent_layer(make_module, capsys) -
 
     from command_line import run
 
-    name = make_module("cli_patches", PATCHES)
+    name = make_module("cli_patches", _patches())
     args = ("verify", "--adopt", f"{name}:forgot_epsilon", "--model", "llama", "--json")
     code, out, _ = run(capsys, *args)
     assert code == 1
@@ -628,7 +611,7 @@ def test_cli_verify_adopt_names_the_first_divergent_layer(make_module, capsys) -
 def test_cli_verify_adopt_refuses_a_missing_function_with_close_names(make_module, capsys):
     from command_line import run
 
-    name = make_module("cli_patches", PATCHES)
+    name = make_module("cli_patches", _patches())
     code, _, err = run(capsys, "verify", "--adopt", f"{name}:fast_rms_nrom", "--model", "llama")
     assert code == 2
     assert "fast_rms_norm" in err
