@@ -26,11 +26,16 @@ from dataclasses import dataclass
 
 from layerswap.backend import Backend
 from layerswap.backends import builtin_modules
-from layerswap.errors import SubstitutionError, UnknownBackendError, UnknownSubstitutionError
+from layerswap.errors import (
+    SubstitutionError,
+    UnknownBackendError,
+    UnknownSubstitutionError,
+    UnsupportedFamilyError,
+)
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family
 from layerswap.plugins import BACKEND_ENTRY_POINT_GROUP, ENTRY_POINT_GROUP, load_group
-from layerswap.slots import get_slot
+from layerswap.slots import get_slot, takes_any_model_type
 from layerswap.substitution import Parts, Substitution, resolve_parts_with
 from layerswap.suggestions import did_you_mean
 
@@ -150,6 +155,9 @@ class Registry:
         #: derived substitutions made so far, and the backends' answers: dropped on any change
         self._made: dict[str, tuple[Family, Backend, Substitution]] = {}
         self._answers: dict[tuple[str, str, str], tuple[Family, Backend, str | None]] = {}
+        #: families made for slots that take any model type, by model type (``None``:
+        #: transformers has no causal LM of that type)
+        self._bare: dict[str, Family | None] = {}
         self._lock = threading.RLock()
         self._loaded = False
 
@@ -227,7 +235,7 @@ class Registry:
         registry has all of them (whether the backend supports the family is not asked)."""
         family_name, _, rest = name.partition(".")
         slot, _, backend_name = rest.partition(".")
-        family = self.family(family_name)
+        family = self._family_for(family_name, slot)
         if family is None:
             return None
         for backend in self._backends.values():
@@ -529,10 +537,30 @@ class Registry:
             self._made.pop(name, None)
             return existing
 
+    def _family_for(self, name: str, slot: str) -> Family | None:
+        """The family ``name`` as ``slot`` takes it: a registered one, or, for a slot that
+        takes any model type (:func:`~layerswap.slots.takes_any_model_type`), the bare
+        family of that model type (made once)."""
+        found = self.family(name)
+        if found is not None or not takes_any_model_type(slot):
+            return found
+        if name not in self._bare:
+            from layerswap.model_types import bare_family
+
+            try:
+                self._bare[name] = bare_family(name)
+            except UnsupportedFamilyError:
+                self._bare[name] = None
+        return self._bare[name]
+
     def parts_of(self, sub: Substitution) -> Parts:
         """What ``sub``'s names stand for: its family (one this thread sees) and slot;
         :class:`UnknownSubstitutionError` for a family nobody registered."""
-        return Parts(self.get_family(sub.family), get_slot(sub.slot))
+        with self._lock:
+            family = self._family_for(sub.family, sub.slot)
+        if family is None:
+            family = self.get_family(sub.family)  # raises, naming the families there are
+        return Parts(family, get_slot(sub.slot))
 
     def resolved(self, sub: Substitution) -> Substitution:
         """``sub``, holding its parts (resolved now where it holds none, or other ones
@@ -540,7 +568,7 @@ class Registry:
         parts = sub.resolution()
         if (
             parts is None
-            or parts.family is not self.family(sub.family)
+            or parts.family is not self._family_for(sub.family, sub.slot)
             or parts.slot.name != sub.slot
         ):
             return sub.bound(self.parts_of(sub))

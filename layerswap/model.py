@@ -178,6 +178,16 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def decoder_layers_if_known(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`decoder_layers`, or none for a model no registered family describes: a
+    model whose ``norm`` substitution names its model type alone is compared by its
+    outputs, with no layer of its own to capture."""
+    try:
+        return decoder_layers(model)
+    except UnknownSubstitutionError:
+        return []
+
+
 def layer_config(config: PreTrainedConfig) -> PreTrainedConfig:
     """The config a decoder layer reads: the text config of a composite model, else ``config``.
 

@@ -225,13 +225,16 @@ def _randomize(model: nn.Module) -> None:
 def _original_model(
     family: Family, sub: Substitution, config: PreTrainedConfig, device: torch.device
 ) -> nn.Module:
-    """A causal LM of ``config`` with original decoder layers, random from the seed."""
+    """A causal LM of ``config`` with the originals in ``sub``'s slot, random from the seed."""
     model = family.causal_lm_class()(config)
-    original = sub.original_class()
-    for position, (name, layer) in enumerate(decoder_layers(model)):
-        if type(layer) is not original:  # built inside use(): put an original there
-            parent, key = locate(model, name)
-            parent._modules[key] = original(layer_config(config), layer_index(layer, position))
+    if not sub.parts.slot.replaces_layers:  # built inside use(): the slot puts them back
+        sub.parts.slot.rebuild_originals(model, sub)
+    else:
+        original = sub.original_class()
+        for position, (name, layer) in enumerate(decoder_layers(model)):
+            if type(layer) is not original:  # built inside use(): put an original there
+                parent, key = locate(model, name)
+                parent._modules[key] = original(layer_config(config), layer_index(layer, position))
     _randomize(model)
     placed: nn.Module = model.to(device=device, dtype=torch.float32)
     return placed.eval()
@@ -239,6 +242,9 @@ def _original_model(
 
 def _swapped_copy(model: nn.Module, sub: Substitution, config: PreTrainedConfig) -> nn.Module:
     candidate = copy.deepcopy(model)
+    if not sub.parts.slot.replaces_layers:  # a slot whose swap converts no weights
+        sub.parts.slot.swap(candidate, sub)
+        return candidate
     for position, (name, layer) in enumerate(decoder_layers(candidate)):
         replacement = convert_layer(
             layer, sub, config, layer_idx=layer_index(layer, position), detach=True

@@ -269,6 +269,8 @@ class Slot:
     #: original layout, and :func:`layerswap.verify` can compare it layer by layer while
     #: streaming
     replaces_layers: bool = False
+    #: whether its substitutions may name any causal-LM model type, not only a family
+    takes_any_model_type: bool = False
 
     def original(self, family: Family) -> str:
         """``"module:Class"`` of what this slot replaces in ``family``."""

@@ -22,7 +22,7 @@ import warnings
 
 from torch import nn
 
-from layerswap.errors import SubstitutionError, SwapWarning
+from layerswap.errors import SubstitutionError, SwapWarning, UnknownSubstitutionError
 from layerswap.family import Family
 from layerswap.handle import SwapHandle
 from layerswap.layers import build_replacement_layer
@@ -71,6 +71,20 @@ def _choose(
     return get(substitution)
 
 
+def _family_for(target: nn.Module, sub: Substitution) -> Family:
+    """The family ``target`` is of, for swapping ``sub``: a registered one, or ``sub``'s
+    own model type's where its slot takes any model type and the model is one of it."""
+    try:
+        return family_of(target)
+    except UnknownSubstitutionError:
+        family = sub.parts.family
+        if not sub.parts.slot.takes_any_model_type or not any(
+            type(module).__module__ == family.module for module in target.modules()
+        ):
+            raise
+        return family
+
+
 def swap(
     model: nn.Module,
     substitution: str | Substitution | None = None,
@@ -101,8 +115,12 @@ def swap(
             SwapWarning,
             stacklevel=2,
         )
-    family = family_of(target)
-    sub = _choose(substitution, backend, family)
+    if substitution is not None and backend is None:
+        sub = get(substitution)
+        family = _family_for(target, sub)
+    else:
+        family = family_of(target)
+        sub = _choose(substitution, backend, family)
     if sub.family != family.name:
         raise SubstitutionError(
             f"{sub.name} is for {sub.family} models, but this model is {family.name} "

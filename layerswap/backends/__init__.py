@@ -13,7 +13,7 @@ its optional dependencies (those are its ``requirement``).
 Every builtin backend's decoder layer derives from ``_layer.DecoderLayer``, which holds the
 transformers decoder-layer contract (forward signature, residual structure, cache update,
 ``extra_repr``); a backend supplies only its attention and feed-forward. Its head derives
-from ``head.CausalLMHead``. What they share stays here: ``_layer``, ``_original``,
+from ``head.CausalLMHead``. What they share stays here: ``_layer``, ``_original``, ``norm`` (the norm slot's base),
 ``_runtime``, ``head``, ``per_family`` and ``declarations.head_slot``.
 
 Adding a builtin backend is adding its package here, with a ``declaration`` module.

@@ -23,10 +23,29 @@ _TINY_MOE: dict[str, Any] = {
 }
 
 
+#: multi-head latent attention sizes, given to a config that has the fields: small latent
+#: ranks, rotary and value dims; every head its own keys and values (its attention has
+#: no grouped-query form), and ``head_dim`` the rotary part (what its rotary embedding is
+#: built for)
+_TINY_MLA: dict[str, Any] = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "head_dim": 8,
+}
+
+
 #: fields a model type's config leaves unset by default although its model cannot be built
 #: without them (transformers' own default config does not build either): the tiny
 #: values that let inference read the layers and give its real reason
 _TINY_FIXES: dict[str, dict[str, Any]] = {
+    # hybrids whose default pattern puts no attention layer among the first four: every
+    # layer kind present (Mamba and attention), as a proof needs them
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1, 3]},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"] * 2},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2}},
     "gemma3n_text": {"num_kv_shared_layers": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
@@ -104,6 +123,10 @@ def tiny_config_for(config_class: type, **overrides: Any) -> Any:
     sizes = {key: value for key, value in sizes.items() if not _read_only(config_class, key)}
     fields = inspect.signature(config_class).parameters
     sizes.update({key: value for key, value in _TINY_MOE.items() if key in fields})
+    if "kv_lora_rank" in fields:
+        sizes.update({key: value for key, value in _TINY_MLA.items() if key in fields})
+        sizes["head_dim"] = _TINY_MLA["head_dim"]  # a field some configs derive, not take
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     sizes["rope_parameters"] = dict(_PLAIN_ROPE)
     sizes.update(_TINY_FIXES.get(getattr(config_class, "model_type", ""), {}))

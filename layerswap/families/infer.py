@@ -62,6 +62,7 @@ __all__ = [
     "VERIFIED",
     "Prove",
     "decoder_model_types",
+    "model_type_classes",
     "infer_declaration",
     "seeded_layer",
     "tiny_config_for",
@@ -137,7 +138,7 @@ class _Classes(NamedTuple):
     config_class: type  # the class that builds the causal LM's config
 
 
-def _classes(model_type: str) -> _Classes:
+def model_type_classes(model_type: str) -> _Classes:
     """The modeling module, causal LM and config class of ``model_type``; a model type
     they cannot be imported for is refused."""
     module_name, causal_lm_name, config_name = _auto_names(model_type)
@@ -208,7 +209,7 @@ def _decoder_layers(
 
 def _subject(model_type: str, prove: Prove | None) -> Subject:
     """The classes of ``model_type``, a tiny config, and the model built on the meta device."""
-    module_name, module, causal_lm_name, causal_lm, config_class = _classes(model_type)
+    module_name, module, causal_lm_name, causal_lm, config_class = model_type_classes(model_type)
     config, query_scale = _tiny_config(model_type, causal_lm, config_class)
     model, layers = _decoder_layers(model_type, causal_lm, config_class, config, prove)
     decoder = type(layers[0])

@@ -29,7 +29,15 @@ import threading
 from layerswap.errors import SubstitutionError
 from layerswap.substitution import ModelParts, Slot
 
-__all__ = ["ModelParts", "Slot", "get_slot", "register_slot", "slot_names", "unregister_slot"]
+__all__ = [
+    "ModelParts",
+    "Slot",
+    "get_slot",
+    "register_slot",
+    "slot_names",
+    "takes_any_model_type",
+    "unregister_slot",
+]
 
 
 #: the builtin slots, imported when first asked for
@@ -37,7 +45,11 @@ _BUILTIN = {
     "decoder": "layerswap.slots.decoder",
     "head": "layerswap.slots.head",
     "patch": "layerswap.slots.patch",
+    "norm": "layerswap.slots.norm",
 }
+#: the builtin slots whose substitutions may name any causal-LM model type, with or
+#: without a registered family (their modules are not imported to say so)
+_ANY_MODEL_TYPE = frozenset({"norm"})
 _SLOTS: dict[str, Slot] = {}
 _ADDED: list[str] = []  # names of slots registered beyond the builtin ones, in order
 _LOCK = threading.RLock()
@@ -69,6 +81,16 @@ def get_slot(name: str) -> Slot:
         slot: Slot = importlib.import_module(module).SLOT
         _SLOTS[name] = slot
         return slot
+
+
+def takes_any_model_type(name: str) -> bool:
+    """Whether substitutions of the slot ``name`` may name any causal-LM model type (the
+    ``norm`` slot), not only a registered family; ``False`` for an unknown slot."""
+    with _LOCK:
+        if name in _BUILTIN and name not in _SLOTS:
+            return name in _ANY_MODEL_TYPE
+        found = _SLOTS.get(name)
+    return bool(getattr(found, "takes_any_model_type", False))
 
 
 def register_slot(slot: Slot, *, replace: bool = False) -> Slot:

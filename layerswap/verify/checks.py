@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import SwapWarning, VerificationError
-from layerswap.model import decoder_layers, unwrap
+from layerswap.model import decoder_layers_if_known, unwrap
 from layerswap.proof import comparing
 from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
@@ -41,7 +41,7 @@ __all__ = ["DEFAULT_DECODE_TOKENS", "assert_equivalent", "decode_tokens", "verif
 def _fp8_floor(model: nn.Module, batch: dict[str, torch.Tensor], generate: int) -> Run:
     """``model`` (original layers) run, and decoding ``generate`` tokens, with its decoder
     GEMMs on FP8-rounded operands."""
-    with ideal_fp8(layer for _, layer in decoder_layers(model)):
+    with ideal_fp8(layer for _, layer in decoder_layers_if_known(model)):
         return forward(model, batch, generate=generate)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from layerswap.errors import UnsupportedModelError
-from layerswap.model import decoder_layers
+from layerswap.model import decoder_layers_if_known
 from layerswap.verify.inputs import pad_token_id, text_config
 from layerswap.verify.model_classes import task_of
 from layerswap.verify.routing import Routing, capture_decode_routing, capture_routing
@@ -153,7 +153,7 @@ def forward(
     labels = task.labels(batch, text_config(model), left_out=left_out) if wants_loss else {}
     gradients = None
     loss_value: torch.Tensor | None = None
-    layers = decoder_layers(model)
+    layers = decoder_layers_if_known(model)
     recording = capture_routing(layers, valid) if routing else contextlib.nullcontext(None)
     capturing: contextlib.AbstractContextManager[list[tuple[str, torch.Tensor]]] = (
         capture_layers(layers, valid) if layer_outputs else contextlib.nullcontext([])
@@ -240,7 +240,7 @@ def _generate(
             f"{type(model).__name__} cannot generate; use generate=0 or a *ForCausalLM model"
         )
     recording = (
-        capture_decode_routing(decoder_layers(model), batch["attention_mask"].bool())
+        capture_decode_routing(decoder_layers_if_known(model), batch["attention_mask"].bool())
         if routing
         else contextlib.nullcontext(None)
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from layerswap.backend import Backend, Implementation, Lazy
 from layerswap.backends.declarations.head_slot import head_slot
+from layerswap.backends.declarations.norm_slot import norm_slot
 
 __all__ = ["BACKEND"]
 
@@ -30,6 +31,13 @@ BACKEND = Backend(
             description=(
                 "pure PyTorch, CPU and GPU: in training, linear + cross-entropy chunk by chunk "
                 "(never the full logits; logits None)"
+            ),
+        ),
+        "norm": norm_slot(
+            "layerswap.backends.fused.norm:FusedNorm",
+            description=(
+                "pure PyTorch, CPU and GPU: each norm the model's classes compute as one "
+                "F.rms_norm / F.layer_norm kernel, in the original's casts"
             ),
         ),
     },

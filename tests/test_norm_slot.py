@@ -1,0 +1,305 @@
+"""The ``norm`` slot: what each norm computes, named by running it; swapped exactly on the
+models the decoder slot refuses (hybrids, multi-head latent attention, Llama 4, Gemma 4)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import layerswap
+from layerswap.backends.fused.norm import FusedNorm
+from layerswap.backends.norm import NormReplacement
+from layerswap.errors import SubstitutionError, UnknownSubstitutionError, UpstreamDriftError
+from layerswap.families.infer import model_type_classes, tiny_config_for
+from layerswap.norms import KINDS, classify
+from layerswap.proof import comparing
+
+#: the model types people run in late 2026 that no decoder substitution takes
+POPULAR = (
+    "qwen3_next",
+    "qwen3_5_text",
+    "falcon_h1",
+    "lfm2",
+    "jamba",
+    "bamba",
+    "nemotron_h",
+    "granitemoehybrid",
+    "deepseek_v2",
+    "deepseek_v3",
+    "llama4_text",
+    "gemma4_text",
+    "gemma3n_text",
+    "granitemoeshared",
+    "hyperclovax",
+)
+#: the fast lane's share of them: a linear-attention hybrid, latent attention, Llama 4
+FAST = ("qwen3_next", "deepseek_v3", "llama4_text")
+
+
+def _model(model_type: str, seed: int = 0) -> nn.Module:
+    classes = model_type_classes(model_type)
+    config = tiny_config_for(classes.config_class)
+    config._attn_implementation = "sdpa" if classes.causal_lm._supports_sdpa else "eager"
+    torch.manual_seed(seed)
+    model = classes.causal_lm(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and param.dim() == 1:
+                param.add_(torch.randn_like(param), alpha=0.1)
+    return model.eval()
+
+
+def _ids(model: nn.Module) -> torch.Tensor:
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(3, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _lanes() -> list[Any]:
+    return [pytest.param(t, marks=() if t in FAST else pytest.mark.slow, id=t) for t in POPULAR]
+
+
+# --- what a norm computes, by running it --------------------------------------------------
+
+
+class _Llama(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class _NamedRMSButOffset(nn.Module):
+    """Called an RMSNorm; scales by (1 + w) in float32, as Gemma's does."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class _Gated(_Llama):
+    def forward(self, hidden_states: torch.Tensor, gate: Any = None) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(hidden_states)
+        return out if gate is None else out * F.silu(gate)
+
+
+class _MeanAbs(_Llama):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        scale = hidden_states.abs().mean(-1, keepdim=True) + self.variance_epsilon
+        return self.weight * hidden_states / scale
+
+
+def test_a_norm_is_named_by_what_it_computes_not_by_its_class_name() -> None:
+    llama = classify(_Llama(16))
+    assert not isinstance(llama, str) and llama.kind == "rms"
+    assert llama.eps_name == "variance_epsilon"
+    offset = classify(_NamedRMSButOffset(16))
+    assert not isinstance(offset, str) and offset.kind == "rms_offset"
+
+
+def test_the_cast_order_shows_in_bfloat16() -> None:
+    # float32-then-cast and cast-then-scale agree in float32; bfloat16 tells them apart
+    class FloatThenCast(_Llama):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            x = hidden_states.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.weight.float() * x).to(hidden_states.dtype)
+
+    spec = classify(FloatThenCast(64))
+    assert not isinstance(spec, str) and spec.kind == "rms_float"
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        (_Gated(16), "not one tensor alone"),
+        (_MeanAbs(16), "none of the norms"),
+        (nn.LayerNorm(16), "torch's own one-kernel norm"),
+    ],
+    ids=["gated", "mean-abs", "torch-layer-norm"],
+)
+def test_what_no_kind_computes_is_refused_with_the_reason(module: nn.Module, why: str) -> None:
+    reason = classify(module)
+    assert isinstance(reason, str) and why in reason
+
+
+def test_classifying_touches_nothing_and_reads_a_meta_module() -> None:
+    norm = _Llama(16)
+    before = norm.weight.detach().clone()
+    classify(norm)
+    assert torch.equal(norm.weight, before) and norm.variance_epsilon == 1e-6
+    with torch.device("meta"):
+        on_meta = _Llama(16)
+    spec = classify(on_meta)
+    assert not isinstance(spec, str) and spec.kind == "rms"
+
+
+def test_every_kind_is_one_the_fused_backend_computes() -> None:
+    assert set(FusedNorm.kernels) == set(KINDS)
+
+
+# --- swapped exactly on the models the decoder slot refuses -------------------------------
+
+
+@pytest.mark.parametrize("model_type", _lanes())
+def test_a_popular_model_swaps_its_norms_exactly(model_type: str, tmp_path: Path) -> None:
+    model = _model(model_type)
+    ids = _ids(model)
+    before = _state(model)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+
+    handle = layerswap.swap(model, f"{model_type}.norm.fused")
+    assert len(handle) > 0
+    for name, original, made in handle.swapped:
+        module = model.get_submodule(name)
+        assert type(module) is made and issubclass(made, NormReplacement)
+        assert isinstance(module, original)  # transformers' _init_weights still knows it
+    with torch.no_grad():
+        swapped = model(ids).logits
+    torch.testing.assert_close(swapped, logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+    # the very same parameters under the same names: the original layout is what is saved
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(p is params[n] for n, p in model.named_parameters())
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not any(isinstance(m, NormReplacement) for m in plain.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+    handle.undo()
+    assert not any(isinstance(m, NormReplacement) for m in model.modules())
+    after = _state(model)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+
+
+def test_the_report_names_what_was_swapped_and_what_stays() -> None:
+    model = _model("qwen3_next")
+    with layerswap.swap(model, "qwen3_next.norm.fused") as handle:
+        report = handle.report()
+        assert "Qwen3NextRMSNorm -> rms_offset" in report
+        # the gated norm of the linear-attention layers takes a second tensor: kept
+        assert "Qwen3NextRMSNormGated" in handle.kept
+        assert "not one tensor alone" in handle.kept["Qwen3NextRMSNormGated"][1]
+    assert not handle.active
+
+
+def test_use_builds_and_loads_with_the_norms_swapped(tmp_path: Path) -> None:
+    original = _model("deepseek_v3")
+    ids = _ids(original)
+    with torch.no_grad():
+        expected = original(ids).logits
+    original.save_pretrained(tmp_path)
+    with layerswap.use("deepseek_v3.norm.fused"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    for model in (loaded, built):
+        assert any(isinstance(m, NormReplacement) for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    # a model built after the block has the original norms
+    assert not any(
+        isinstance(m, NormReplacement)
+        for m in AutoModelForCausalLM.from_config(original.config).modules()
+    )
+
+
+def test_verify_compares_a_norm_swap_with_the_original() -> None:
+    report = layerswap.verify(_model("llama4_text"), "llama4_text.norm.fused")
+    assert report.passed, report
+
+
+def test_a_registered_family_takes_the_norm_slot_beside_its_decoder() -> None:
+    model = layerswap.get_family("llama").build()
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    decoder = layerswap.swap(model, "llama.decoder.fused")
+    norms = layerswap.swap(model, "llama.norm.fused")
+    # the fused layers have their own norms; the final norm is the original's class
+    assert [name for name, _, _ in norms.swapped] == ["model.norm"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-5)
+    norms.undo()
+    decoder.undo()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+
+
+# --- refused, changing nothing ------------------------------------------------------------
+
+
+def test_swapping_twice_is_refused() -> None:
+    model = _model("qwen3_next")
+    with (
+        layerswap.swap(model, "qwen3_next.norm.fused"),
+        pytest.raises(SubstitutionError, match=r"already swapped by qwen3_next\.norm\.fused"),
+    ):
+        layerswap.swap(model, "qwen3_next.norm.fused")
+
+
+def test_a_model_type_without_norms_of_its_own_is_refused_with_the_reason() -> None:
+    with pytest.raises(UnknownSubstitutionError, match="no norm class"):
+        layerswap.get("gpt2.norm.fused")
+
+
+def test_a_model_whose_norms_none_computes_is_refused_unchanged() -> None:
+    model = _model("dory")
+    classes = {type(m) for m in model.modules()}
+    with pytest.raises(SubstitutionError, match="DoryL2Norm"):
+        layerswap.swap(model, layerswap.get("dory.norm.fused"))
+    assert {type(m) for m in model.modules()} == classes
+
+
+def test_the_first_use_proof_catches_a_wrong_kernel() -> None:
+    """A backend whose kernel for Llama's norm forgets the weight: its proof fails and the
+    swap is refused before the model changes."""
+
+    class Forgetful(NormReplacement):
+        backend = "forgetful"
+        kernels = {"rms": lambda x, w, b, eps: KINDS["rms"](x, None, b, eps)}
+
+    base = layerswap.get("llama.norm.fused")
+    sub = dataclasses.replace(base, name="llama.norm.forgetful", replacement=Forgetful)
+    model = layerswap.get_family("llama").build()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(UpstreamDriftError, match=r"llama\.norm\.forgetful"):
+        layerswap.swap(model, sub)
+    assert not any(isinstance(m, NormReplacement) for m in model.modules())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_inside_a_proof_a_swap_is_not_proven_again() -> None:
+    model = _model("qwen3_next")
+    with comparing():
+        handle = layerswap.swap(model, "qwen3_next.norm.fused")
+    assert len(handle) > 0
+    handle.undo()
