@@ -16,6 +16,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import json
 import multiprocessing
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +41,13 @@ from layerswap.family import Family
 from layerswap.inference import infer_family
 from layerswap.model import decoder_layers
 from layerswap.registry import backends, families, get_family, substitutions
-from layerswap.slots import ModelParts, get_slot, slot_names
+from layerswap.slots import ModelParts, get_slot, slot_names, takes_any_model_type
 from layerswap.spans import index_spans
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
+
+    from layerswap.backend import Backend
 
 __all__ = [
     "Coverage",
@@ -73,11 +77,32 @@ class Coverage:
     #: the decoder layers of another kind that stay the original's (Mllama's
     #: cross-attention layers); ``None``: every decoder layer is swapped
     kept: str | None = None
+    #: the slots below the decoder layer that take any model type (``norm``): per slot,
+    #: every backend implementing it, ``None`` when it swaps some of the model's modules,
+    #: else why not
+    slots: Mapping[str, Mapping[str, str | None]] = field(default_factory=dict)
 
     @property
     def covered(self) -> bool:
         """Whether a registered family covers the model type."""
         return self.family is not None
+
+    @property
+    def below_decoder(self) -> dict[str, list[str]]:
+        """The slots below the decoder layer that swap some of its modules, and with
+        which backends (``{"norm": ["fused"]}``)."""
+        found: dict[str, list[str]] = {}
+        for slot, answers in self.slots.items():
+            usable = [backend for backend, why in answers.items() if why is None]
+            if usable:
+                found[slot] = usable
+        return found
+
+    @property
+    def swapped(self) -> bool:
+        """Whether anything of the model type is swapped: its decoder layers (a family
+        covers it) or a slot below them."""
+        return self.covered or bool(self.below_decoder)
 
 
 def coverage(
@@ -129,6 +154,10 @@ def coverage(
             continue
         reason = why_not_covered(model_type)
         report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
+    for model_type, row in report.items():
+        report[model_type] = dataclasses.replace(
+            row, slots=_below_decoder(model_type, by_type.get(model_type), declared)
+        )
     for model_type, (family, media) in _wrapped().items():
         answers = {name: backend.unsupported(family) for name, backend in declared.items()}
         tower = "audio" if media == "audio" else "vision"
@@ -137,6 +166,49 @@ def coverage(
             model_type, family.name, None, answers, wrapper=kept, kept=_kept(family)
         )
     return report
+
+
+def _below_decoder(
+    model_type: str, family: Family | None, declared: Mapping[str, Backend]
+) -> dict[str, dict[str, str | None]]:
+    """Per slot that takes any model type (``norm``), each backend implementing it: ``None``
+    when it swaps some of ``model_type``'s modules, else why not. A model type no family
+    covers is asked through its bare family (:mod:`layerswap.model_types`), once per
+    transformers release (:func:`~layerswap.verdicts.remembered`)."""
+    answers: dict[str, dict[str, str | None]] = {}
+    for name, backend in declared.items():
+        for slot in backend.slots:
+            if not takes_any_model_type(slot):
+                continue
+            if family is not None:
+                why = backend.unsupported(family, slot)
+            else:
+                why = verdicts.remembered(
+                    f"{slot}-model-type",
+                    f"{name}|{model_type}",
+                    functools.partial(_bare_refusal, model_type, backend, slot),
+                    module=_module_of(model_type),
+                )
+            answers.setdefault(slot, {})[name] = why
+    return answers
+
+
+def _module_of(model_type: str) -> str | None:
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    package = model_type_to_module_name(model_type)
+    return f"transformers.models.{package}.modeling_{package}"
+
+
+def _bare_refusal(model_type: str, backend: Backend, slot: str) -> str | None:
+    from layerswap.model_types import bare_family
+
+    try:
+        return backend.unsupported(bare_family(model_type), slot)
+    except UnsupportedFamilyError as exc:
+        return str(exc)
+    except Exception as exc:  # a modeling module that fails to import or build here
+        return f"{model_type}: {type(exc).__name__}: {exc}"
 
 
 def _kept(family: Family) -> str | None:

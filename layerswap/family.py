@@ -281,8 +281,10 @@ class Family:
         return f"transformers {transformers_version()} has no {self.name} model (no {self.module})"
 
     def _class(self, name: str) -> type:
+        # a name of the modeling module, or "module:Class" (a config another module keeps:
+        # a model type that reuses another's causal LM with a config class of its own)
         try:
-            cls = resolve(f"{self.module}:{name}")
+            cls = resolve(name if ":" in name else f"{self.module}:{name}")
         except (ImportError, AttributeError) as exc:
             raise UpstreamDriftError(
                 f"{self.name}: transformers {transformers_version()} has no {name} in "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any
 
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.family import Family
@@ -29,7 +30,15 @@ def bare_family(model_type: str) -> Family:
     the reason for a model type transformers has no causal LM for."""
     from layerswap.families.infer import model_type_classes, tiny_config_for
 
-    classes = model_type_classes(model_type)
+    try:
+        classes = model_type_classes(model_type)
+    except UnsupportedFamilyError:
+        classes = _reused_classes(model_type)
+    config_class = classes.config_class.__name__
+    if classes.config_class.__module__ != classes.module_name.replace(
+        "modeling_", "configuration_"
+    ):
+        config_class = f"{classes.config_class.__module__}:{config_class}"
     try:
         # every field of the tiny config inference builds the model type on: sizes it
         # derives from others (latent ranks, per-layer kinds) included
@@ -46,28 +55,51 @@ def bare_family(model_type: str) -> Family:
         model_type=model_type,
         module=classes.module_name,
         decoder="",
-        config_class=classes.config_class.__name__,
+        config_class=config_class,
         causal_lm=classes.causal_lm_name,
         tiny=tiny,
         description=f"{model_type}, read off {classes.module_name} (its norms only)",
     )
 
 
+def _reused_classes(model_type: str) -> Any:
+    """The classes of a model type whose causal LM is another model type's (EXAONE,
+    InternLM3: ``LlamaForCausalLM`` with a config class of their own), as
+    :func:`~layerswap.families.infer.model_type_classes` gives them."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from layerswap.families.infer import ModelTypeClasses
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    try:
+        causal_lm = getattr(transformers, str(name))
+        config_class = CONFIG_MAPPING[model_type]
+    except (AttributeError, KeyError, ImportError) as exc:
+        raise UnsupportedFamilyError(f"{model_type}: transformers has no causal LM for it") from exc
+    module_name = causal_lm.__module__
+    module = importlib.import_module(module_name)
+    return ModelTypeClasses(module_name, module, str(name), causal_lm, config_class)
+
+
 def norm_class_name(module_name: str) -> str:
-    """The first class of ``module_name`` named as a norm (what a ``norm`` substitution
-    names as its original); every such class of a model is asked what it computes."""
+    """The first class ``module_name`` defines (else imports from another model's module)
+    named as a norm: what a ``norm`` substitution names as its original; every such class
+    of a model is asked what it computes."""
     from torch import nn
 
     module = importlib.import_module(module_name)
     named = [
-        name
+        (value.__module__ != module_name, not name.endswith("Norm"), name)
         for name, value in vars(module).items()
         if inspect.isclass(value)
         and issubclass(value, nn.Module)
-        and value.__module__ == module_name
+        and value.__module__.startswith("transformers.models.")
         and "Norm" in name
     ]
-    # a plain norm's name ends so (LlamaRMSNorm); a gated one's goes on (...RMSNormGated)
-    for name in sorted(named, key=lambda name: not name.endswith("Norm")):
+    # its own first (then one it imports from another model: Gemma 4's assistant), and a
+    # plain norm's name ends so (LlamaRMSNorm) where a gated one's goes on (...RMSNormGated)
+    for _, _, name in sorted(named, key=lambda row: row[:2]):
         return name
     raise UnsupportedFamilyError(f"{module_name} defines no norm class")

@@ -96,6 +96,7 @@ KINDS: dict[str, NormFunction] = {
     "layer_offset": _layer_offset,
 }
 
+_MODELING = "transformers.models."
 #: names a norm's epsilon goes by
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
 #: torch's own norm modules: one kernel already, nothing faster to put there
@@ -120,15 +121,17 @@ def fused_norm(spec: NormSpec) -> NormFunction:
 
 def candidate_norm_classes(model: nn.Module, module_name: str) -> dict[type, list[str]]:
     """The norm classes of ``model`` the ``norm`` slot considers, with the names of their
-    instances: classes defined in ``module_name`` (the model's modeling module) whose name
-    has ``Norm`` in it and that hold no modules, in the order they first appear."""
+    instances: classes defined in ``module_name`` (the model's modeling module) or another
+    of transformers' modeling modules (a model built of another's parts: Gemma 4's
+    assistant) whose name has ``Norm`` in it and that hold no modules, in the order they
+    first appear."""
     found: dict[type, list[str]] = {}
     for name, module in model.named_modules():
         cls = type(module)
         original = getattr(cls, "_layerswap_original", None)
         cls = original if original is not None else cls
         if (
-            cls.__module__ == module_name
+            (cls.__module__ == module_name or cls.__module__.startswith(_MODELING))
             and "Norm" in cls.__name__
             and not any(True for _ in module.children())  # a block named after its norm
         ):

@@ -74,15 +74,19 @@ def _choose(
 def _family_for(target: nn.Module, sub: Substitution) -> Family:
     """The family ``target`` is of, for swapping ``sub``: a registered one, or ``sub``'s
     own model type's where its slot takes any model type and the model is one of it."""
+    own = sub.parts.family
     try:
-        return family_of(target)
+        found = family_of(target)
     except UnknownSubstitutionError:
-        family = sub.parts.family
         if not sub.parts.slot.takes_any_model_type or not any(
-            type(module).__module__ == family.module for module in target.modules()
+            type(module).__module__ == own.module for module in target.modules()
         ):
             raise
-        return family
+        return own
+    # a model type reusing another's classes (EXAONE's model is a LlamaForCausalLM)
+    if sub.parts.slot.takes_any_model_type and found.module == own.module:
+        return own
+    return found
 
 
 def swap(

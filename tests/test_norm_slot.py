@@ -303,3 +303,30 @@ def test_inside_a_proof_a_swap_is_not_proven_again() -> None:
         handle = layerswap.swap(model, "qwen3_next.norm.fused")
     assert len(handle) > 0
     handle.undo()
+
+
+# --- what coverage says -------------------------------------------------------------------
+
+
+def test_model_coverage_names_the_norms_the_slot_replaces() -> None:
+    from layerswap.coverage import model_coverage
+
+    row = {r.substitution: r for r in model_coverage("qwen3").rows}["qwen3.norm.fused"]
+    assert row.unsupported is None
+    layers = layerswap.get_family("qwen3").tiny_config().num_hidden_layers
+    # two per layer and its q/k norms, and the final norm
+    assert row.replaces == (f"the norms (Qwen3RMSNorm x{4 * layers + 1})",)
+
+
+@pytest.mark.slow  # every model type of the installed transformers, on the meta device
+def test_list_all_counts_the_model_types_with_something_swapped() -> None:
+    from layerswap.coverage import coverage
+
+    report = coverage(jobs=1)
+    swapped = [t for t, row in report.items() if row.swapped]
+    alone = [t for t in swapped if not report[t].covered]
+    # transformers 5.24: 74 by a family's decoder layers, 69 more by their norms alone
+    assert len(swapped) >= 143, (len(swapped), len(alone))
+    for model_type in POPULAR:
+        assert report[model_type].below_decoder == {"norm": ["fused"]}, model_type
+    assert "torch's own norms" in str(report["gpt2"].slots["norm"]["fused"])

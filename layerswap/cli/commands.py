@@ -132,6 +132,8 @@ def _list_coverage(json_output: bool, jobs: int | None) -> None:
                     "reason": found.reason,
                     "wrapper": found.wrapper,
                     "kept": found.kept,
+                    # the slots below the decoder layer swapping some of its modules
+                    "below_decoder": found.below_decoder,
                     "not_covered": {
                         backend: why for backend, why in found.backends.items() if why is not None
                     }

@@ -166,8 +166,9 @@ def render_substitutions(console: Output, rows: list[dict[str, Any]]) -> None:
 def render_coverage(
     console: Output, rows: list[dict[str, Any]], held_back: str | None = None
 ) -> None:
-    """One row per decoder model type: the family and backends covering it, or why not."""
-    table = _table("model type", "family", "backends", "why not")
+    """One row per decoder model type: the family and backends covering it, or why not;
+    the slots below the decoder layer (``norm``) and their backends."""
+    table = _table("model type", "family", "backends", "below the layer", "why not")
     for row in rows:
         why = row["reason"]
         if why is None:
@@ -178,13 +179,26 @@ def render_coverage(
             why = "; ".join(part for part in (row["wrapper"], why) if part)
         if row.get("kept"):  # a hybrid: its layers of another kind stay the original's
             why = "; ".join(part for part in (row["kept"], why) if part)
-        table.add_row(row["model_type"], family, ", ".join(row["backends"]) or "-", Text(why))
+        below = row.get("below_decoder") or {}
+        slots = "; ".join(f"{slot}: {', '.join(names)}" for slot, names in below.items())
+        table.add_row(
+            row["model_type"],
+            family,
+            ", ".join(row["backends"]) or "-",
+            slots or "-",
+            Text(why),
+        )
     console.emit(table)
     covered = sum(row["reason"] is None for row in rows)
     wrappers = sum(bool(row.get("wrapper")) for row in rows)
     console.print(
         f"{covered} of {len(rows)} model types covered ({wrappers} of them multimodal wrappers "
         "whose language model is swapped)"
+    )
+    alone = sum(row["reason"] is not None and bool(row.get("below_decoder")) for row in rows)
+    console.print(
+        f"{covered + alone} of {len(rows)} model types with something swapped: {alone} more "
+        "by a slot below the decoder layer alone (their norms), proven at first use"
     )
     if held_back is not None:
         console.print(held_back)

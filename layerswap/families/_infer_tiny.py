@@ -46,6 +46,12 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
     "bamba": {"attn_layer_indices": [1, 3]},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"] * 2},
+    # Mamba 2 heads: hidden_size * expand = num_heads * head_dim
+    "mamba2": {"num_heads": 8, "head_dim": 32, "n_groups": 1},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"] * 2, "n_mamba_heads": 8},
+    "zaya": {"num_experts_per_tok": 1},
+    "longcat_flash": {"n_routed_experts": 4, "expert_ffn_hidden_size": 64},
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2}},
     "gemma3n_text": {"num_kv_shared_layers": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},

@@ -62,6 +62,7 @@ __all__ = [
     "VERIFIED",
     "Prove",
     "decoder_model_types",
+    "ModelTypeClasses",
     "model_type_classes",
     "infer_declaration",
     "seeded_layer",
@@ -128,7 +129,7 @@ def decoder_model_types() -> Iterator[str]:
     yield from sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-class _Classes(NamedTuple):
+class ModelTypeClasses(NamedTuple):
     """What transformers has for a model type, imported (:func:`_classes`)."""
 
     module_name: str  # the modeling module's
@@ -138,7 +139,7 @@ class _Classes(NamedTuple):
     config_class: type  # the class that builds the causal LM's config
 
 
-def model_type_classes(model_type: str) -> _Classes:
+def model_type_classes(model_type: str) -> ModelTypeClasses:
     """The modeling module, causal LM and config class of ``model_type``; a model type
     they cannot be imported for is refused."""
     module_name, causal_lm_name, config_name = _auto_names(model_type)
@@ -155,7 +156,7 @@ def model_type_classes(model_type: str) -> _Classes:
     own_config = getattr(causal_lm, "config_class", None)
     if isinstance(own_config, type) and own_config is not config_class:
         config_class = own_config
-    return _Classes(module_name, module, causal_lm_name, causal_lm, config_class)
+    return ModelTypeClasses(module_name, module, causal_lm_name, causal_lm, config_class)
 
 
 def _tiny_config(model_type: str, causal_lm: Any, config_class: type) -> tuple[Any, str | None]:

@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 _SPECS: dict[tuple[Any, ...], NormSpec | str] = {}
+#: the most parameters a tiny model may have for its first-use proof to run
+_TINY_LIMIT = 300_000_000
 _SPECS_LOCK = threading.Lock()
 
 
@@ -152,6 +154,12 @@ def read_norm_refusal(family: Family, replacement: str) -> str | None:
             model = family.causal_lm_class()(family.tiny_config())
     except Exception as exc:
         return f"its tiny model does not build here ({type(exc).__name__}: {exc})"
+    size = sum(param.numel() for param in model.parameters())
+    if size > _TINY_LIMIT:
+        return (
+            f"its tiny config builds {size / 1e6:.0f}M parameters (parts it builds at their "
+            "full size): too large to prove here"
+        )
     classes = candidate_norm_classes(model, family.module)
     if not classes:
         return f"its model has no norm class of {family.module} (torch's own norms are one kernel already)"
@@ -262,9 +270,15 @@ class NormSlot(Slot):
     takes_any_model_type = True
 
     def original(self, family: Family) -> str:
+        """The first norm class the family's modeling module names; its causal LM where it
+        names none (its parts are another model's, built through an ``Auto`` class)."""
+        from layerswap.errors import UnsupportedFamilyError
         from layerswap.model_types import norm_class_name
 
-        return f"{family.module}:{norm_class_name(family.module)}"
+        try:
+            return f"{family.module}:{norm_class_name(family.module)}"
+        except UnsupportedFamilyError:
+            return f"{family.module}:{family.causal_lm}"
 
     def swap(self, model: nn.Module, sub: Substitution) -> NormSwapHandle:
         """Swap every norm of ``model`` that ``sub``'s backend computes; refuse when none."""
