@@ -330,3 +330,39 @@ def test_list_all_counts_the_model_types_with_something_swapped() -> None:
     for model_type in POPULAR:
         assert report[model_type].below_decoder == {"norm": ["fused"]}, model_type
     assert "torch's own norms" in str(report["gpt2"].slots["norm"]["fused"])
+
+
+def test_the_liger_norm_expresses_every_rms_kind_and_needs_a_gpu_here() -> None:
+    from layerswap.backends.liger.norm import LigerNorm
+
+    assert {k for k in KINDS if k.startswith("rms")} == set(LigerNorm.kernels)
+    sub = layerswap.get("qwen3_next.norm.liger")
+    assert sub.devices == ("cuda",)
+    if not torch.cuda.is_available():
+        assert sub.unmet_requirement() is not None
+        model = _model("qwen3_next")
+        with pytest.raises(layerswap.errors.RequirementError, match="cannot run here"):
+            layerswap.swap(model, sub)
+        assert not any(isinstance(m, NormReplacement) for m in model.modules())
+
+
+def _liger_reason() -> str | None:
+    from layerswap.backends.liger.runtime import unmet_requirement
+
+    return unmet_requirement()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_liger_reason() is not None, reason=f"needs CUDA and liger ({_liger_reason()})")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["fused", "liger"])
+@pytest.mark.parametrize("model_type", POPULAR)
+def test_on_a_gpu_the_norms_verify(model_type: str, backend: str, dtype: torch.dtype) -> None:
+    report = layerswap.verify(
+        _model(model_type),
+        f"{model_type}.norm.{backend}",
+        dtype=dtype,
+        device="cuda",
+        backward=True,
+    )
+    assert report.passed, report.summary()

@@ -2,7 +2,8 @@
 
 - :mod:`~layerswap.backends.fused.declaration`: what it is, as data (read without torch);
 - :mod:`~layerswap.backends.fused.decoder`: its decoder layer, ``FusedDecoderLayer``;
-- :mod:`~layerswap.backends.fused.head`: its head, ``FusedHead``.
+- :mod:`~layerswap.backends.fused.head`: its head, ``FusedHead``;
+- :mod:`~layerswap.backends.fused.norm`: its norm (the ``norm`` slot), ``FusedNorm``.
 
 The declaration's and the decoder module's names import from here too, on first use, the
 per-family classes included::

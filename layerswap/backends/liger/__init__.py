@@ -5,6 +5,7 @@ head, GPU only.
   expresses, as data (read without torch);
 - :mod:`~layerswap.backends.liger.decoder`: its decoder layer, ``LigerDecoderLayer``;
 - :mod:`~layerswap.backends.liger.head`: its head, ``LigerHead``;
+- :mod:`~layerswap.backends.liger.norm`: its norm (the ``norm`` slot), ``LigerNorm``;
 - :mod:`~layerswap.backends.liger.runtime`: what it needs at run time.
 
 The declaration's, the runtime's and the decoder module's names import from here too, on

@@ -13,6 +13,7 @@ import functools
 from layerswap.backend import Backend, Dependency, Implementation, Lazy
 from layerswap.backends._answers import answered
 from layerswap.backends.declarations.head_slot import head_slot
+from layerswap.backends.declarations.norm_slot import norm_slot
 from layerswap.backends.liger.runtime import unmet_requirement
 from layerswap.capabilities import Capability, refusal
 from layerswap.family import Family
@@ -164,6 +165,13 @@ BACKEND = Backend(
                 "(never the full logits; logits None)"
             ),
             upstream=Lazy("layerswap.backends.liger.head:check_liger_head"),
+        ),
+        "norm": norm_slot(
+            "layerswap.backends.liger.norm:LigerNorm",
+            description=(
+                "Liger-Kernel, GPU only: each RMS norm the model's classes compute as Liger's "
+                "RMSNorm kernel, in its casting mode and offset"
+            ),
         ),
     },
     requirement=unmet_requirement,
