@@ -366,3 +366,46 @@ def test_on_a_gpu_the_norms_verify(model_type: str, backend: str, dtype: torch.d
         backward=True,
     )
     assert report.passed, report.summary()
+
+
+# --- the contract's clients: torch.compile, PEFT -----------------------------------------
+
+
+def _breaks(model: nn.Module, ids: torch.Tensor) -> tuple[int, int]:
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(ids)
+    return explained.graph_count, explained.graph_break_count
+
+
+@pytest.mark.slow  # compiles twice
+def test_compile_adds_no_graph_break_and_computes_the_same() -> None:
+    model = layerswap.get_family("qwen3").build()
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+        before = _breaks(model, ids)
+        with layerswap.swap(model, "qwen3.norm.fused"):
+            assert _breaks(model, ids) == before
+            compiled = torch.compile(model, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_adapter_moves_between_the_swapped_and_the_original_model(
+    tmp_path: Path,
+) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    family = layerswap.get_family("llama")
+    ids = _ids(family.build())
+    swapped = family.build(seed=0)
+    handle = layerswap.swap(swapped, "llama.norm.fused")
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(swapped, config)
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path)
+    handle.undo()
+    # the adapter saved from the swapped model loads, every tensor, into a plain one
+    plain = PeftModel.from_pretrained(family.build(seed=0), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)

@@ -46,6 +46,7 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
     "bamba": {"attn_layer_indices": [1, 3]},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"] * 2},
+    "bailing_hybrid": {"layer_group_size": 2, "num_expert_group": 1, "topk_group": 1},
     # Mamba 2 heads: hidden_size * expand = num_heads * head_dim
     "mamba2": {"num_heads": 8, "head_dim": 32, "n_groups": 1},
     "zamba2": {"layers_block_type": ["mamba", "hybrid"] * 2, "n_mamba_heads": 8},

@@ -1,0 +1,132 @@
+"""Prove the ``norm`` slot on every model type ``layerswap list --all`` says it takes, and
+write what was swapped, what was kept and the verdict to ``docs/norms.md``.
+
+Each model type runs in a process of its own (a model type that crashes its process is
+recorded as such, not the sweep), two at a time by default::
+
+    python scripts/norm_sweep.py [--jobs 2] [--backend fused] [MODEL_TYPE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "norms.md"
+
+ONE = r"""
+import json, logging, sys, time, warnings
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+import torch
+torch.set_num_threads(1)
+import layerswap
+from layerswap.proof import prove, comparing
+from layerswap.slots.norm import norm_plan
+
+model_type, backend = sys.argv[1], sys.argv[2]
+row = {"model_type": model_type}
+started = time.perf_counter()
+try:
+    sub = layerswap.get(f"{model_type}.norm.{backend}")
+    verdict = prove(sub, force=True)
+    row.update(passed=verdict.passed, check=verdict.check, detail=verdict.detail)
+    family = sub.parts.family
+    with torch.device("meta"), comparing():
+        model = family.causal_lm_class()(family.tiny_config())
+    plan = norm_plan(model, sub)
+    kinds = {}
+    for _, _, made in plan.swapped:
+        kinds.setdefault(made._layerswap_original.__name__, set()).add(made._layerswap_spec.kind)
+    row["swapped"] = {name: sorted(k) for name, k in kinds.items()}
+    row["kept"] = {name: reason for name, (_, reason) in plan.kept.items()}
+except Exception as exc:
+    row.update(passed=False, check="making it", detail=f"{type(exc).__name__}: {exc}")
+row["seconds"] = round(time.perf_counter() - started, 1)
+print(json.dumps(row))
+"""
+
+
+def _listed(backend: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "layerswap", "list", "--all", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = json.loads(out.stdout)
+    return [
+        r["model_type"] for r in rows if backend in (r.get("below_decoder") or {}).get("norm", [])
+    ]
+
+
+def _one(model_type: str, backend: str) -> dict[str, object]:
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", ONE, model_type, backend],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except Exception as exc:  # killed (memory), timed out, or printed nothing
+        return {
+            "model_type": model_type,
+            "passed": False,
+            "check": "its process",
+            "detail": f"{type(exc).__name__}: {exc}",
+            "seconds": 0,
+        }
+
+
+def _write(rows: list[dict[str, object]], backend: str) -> None:
+    import transformers
+
+    passed = sum(bool(r["passed"]) for r in rows)
+    lines = [
+        "# The `norm` slot, proven on every model type it takes",
+        "",
+        f"`python scripts/norm_sweep.py --backend {backend}` on transformers "
+        f"{transformers.__version__}, CPU, float32: each model type that `layerswap list --all` "
+        f"says the `{backend}` norm takes, proven on its tiny model (padded forward, prefill and "
+        "decode with dynamic and static caches, backward). "
+        f"**{passed} of {len(rows)} proven.** A verdict is kept per transformers source; a "
+        "user's model is proven again at first use on its own config.",
+        "",
+        "| model type | swapped (kind) | kept (why) | verdict | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        swapped = "; ".join(f"{n}: {', '.join(k)}" for n, k in (r.get("swapped") or {}).items())
+        kept = "; ".join(f"{n}: {why}" for n, why in (r.get("kept") or {}).items())
+        verdict = "proven" if r["passed"] else f"{r.get('check')}: {str(r.get('detail'))[:120]}"
+        lines.append(
+            f"| {r['model_type']} | {swapped or '-'} | {kept or '-'} | {verdict} | {r['seconds']} |"
+        )
+    DOC.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model_types", nargs="*")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--backend", default="fused")
+    args = parser.parse_args()
+    types = args.model_types or _listed(args.backend)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        rows = []
+        for row in pool.map(lambda t: _one(t, args.backend), types):
+            print(json.dumps(row)[:200], flush=True)
+            rows.append(row)
+    if not args.model_types:
+        _write(rows, args.backend)
+    print(f"{sum(bool(r['passed']) for r in rows)} of {len(rows)} proven")
+
+
+if __name__ == "__main__":
+    main()
