@@ -42,7 +42,7 @@ def bare_family(model_type: str) -> Family:
     try:
         # every field of the tiny config inference builds the model type on: sizes it
         # derives from others (latent ranks, per-layer kinds) included
-        built = tiny_config_for(classes.config_class)
+        built = tiny_config_for(classes.config_class, **_tiny_parts(classes.config_class))
         tiny = {
             key: value
             for key, value in built.to_diff_dict().items()
@@ -60,6 +60,27 @@ def bare_family(model_type: str) -> Family:
         tiny=tiny,
         description=f"{model_type}, read off {classes.module_name} (its norms only)",
     )
+
+
+def _tiny_parts(config_class: type) -> dict[str, Any]:
+    """A multimodal config's parts (``text_config``, ``vision_config`` ...), each tiny: their
+    towers are built too, and at their default sizes a tiny model would not be one."""
+    parts: dict[str, Any] = {}
+    try:
+        default = config_class()
+    except Exception:  # a config that needs arguments: its parts as they come
+        return parts
+    from layerswap.families.infer import tiny_config_for
+
+    for key in getattr(config_class, "sub_configs", None) or {}:
+        part = getattr(default, key, None)
+        if part is None or not hasattr(part, "to_diff_dict"):
+            continue
+        try:
+            parts[key] = tiny_config_for(type(part)).to_diff_dict()
+        except Exception:  # a part tiny sizes do not fit: left at its own
+            continue
+    return parts
 
 
 def _reused_classes(model_type: str) -> Any:

@@ -4,7 +4,10 @@ write what was swapped, what was kept and the verdict to ``docs/norms.md``.
 Each model type runs in a process of its own (a model type that crashes its process is
 recorded as such, not the sweep), two at a time by default::
 
-    python scripts/norm_sweep.py [--jobs 2] [--backend fused] [MODEL_TYPE ...]
+    python scripts/norm_sweep.py [--jobs 2] [--backend fused]
+    python scripts/norm_sweep.py --update MODEL_TYPE ...   # prove these again, keep the rest
+
+The rows are kept in ``docs/norms.json``; the page is written from them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "norms.md"
+RAW = ROOT / "docs" / "norms.json"
 
 ONE = r"""
 import json, logging, sys, time, warnings
@@ -116,6 +120,7 @@ def main() -> None:
     parser.add_argument("model_types", nargs="*")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--backend", default="fused")
+    parser.add_argument("--update", action="store_true", help="merge into docs/norms.json")
     args = parser.parse_args()
     types = args.model_types or _listed(args.backend)
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -123,7 +128,12 @@ def main() -> None:
         for row in pool.map(lambda t: _one(t, args.backend), types):
             print(json.dumps(row)[:200], flush=True)
             rows.append(row)
-    if not args.model_types:
+    if args.update and RAW.exists():
+        kept = {r["model_type"]: r for r in json.loads(RAW.read_text())}
+        kept.update({r["model_type"]: r for r in rows})
+        rows = [kept[t] for t in sorted(kept)]
+    if not args.model_types or args.update:
+        RAW.write_text(json.dumps(rows, indent=1) + "\n")
         _write(rows, args.backend)
     print(f"{sum(bool(r['passed']) for r in rows)} of {len(rows)} proven")
 

@@ -409,3 +409,18 @@ def test_a_lora_adapter_moves_between_the_swapped_and_the_original_model(
     plain = PeftModel.from_pretrained(family.build(seed=0), tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_command_line_patches_a_model_type_no_family_covers() -> None:
+    from typer.testing import CliRunner
+
+    from layerswap.cli import app
+
+    result = CliRunner().invoke(app, ["patch", "--substitution", "qwen3_next.norm.fused"])
+    assert result.exit_code == 0, result.output
+    assert "11 norms swapped: Qwen3NextRMSNorm -> FusedNorm[Qwen3NextRMSNorm]" in result.output
+    assert "PASS: the swapped model matches the original" in result.output
+    wrong = CliRunner().invoke(
+        app, ["patch", "--model", "llama", "--substitution", "qwen3_next.norm.fused"]
+    )
+    assert wrong.exit_code == 2 and "is for qwen3_next, not --model llama" in wrong.output

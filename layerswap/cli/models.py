@@ -83,6 +83,12 @@ def find_family(name: str, option: str = "--model") -> Family:
     return known[key]
 
 
+def _families() -> dict[str, Family]:
+    from layerswap.registry import families
+
+    return families()
+
+
 def _refuse_path(name: str, option: str) -> None:
     """A path where a family name was expected: say what to pass instead."""
     path = Path(name).expanduser()
@@ -142,6 +148,14 @@ def _choose_substitution(choice: ModelChoice) -> tuple[Family, Substitution]:
         if choice.fp8:
             raise UsageProblem(_fp8_usage())
         sub = get(substitution)
+        if sub.parts.slot.takes_any_model_type and sub.parts.family.name not in _families():
+            # a slot that takes any model type (the norm slot): the model type's own family
+            family = sub.parts.family
+            if model is not None and model.strip().lower() != family.name:
+                raise UsageProblem(
+                    f"--substitution {sub.name} is for {family.name}, not --model {model}"
+                )
+            return family, sub
         family = find_family(sub.family)
         if model is not None and find_family(model).name != family.name:
             raise UsageProblem(

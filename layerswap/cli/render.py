@@ -281,6 +281,11 @@ def render_adapter(console: Output, directory: str, family: str, found: AdapterL
         )
 
 
+def _swapped_word(patched: Patched) -> str:
+    """What the rows of a swap are: decoder ``layers``, or the ``norm`` slot's ``norms``."""
+    return {"norm": "norms"}.get(patched.setup.substitution.slot, "layers")
+
+
 def render_patch(console: Output, patched: Patched) -> None:
     """``layerswap patch``'s report for a reader: what was swapped, verified, timed, saved."""
     from layerswap.verify.placement import dtype_name
@@ -290,7 +295,7 @@ def render_patch(console: Output, patched: Patched) -> None:
         console,
         patched.setup,
         "patch",
-        f"{len(patched.swapped)} layers swapped: "
+        f"{len(patched.swapped)} {_swapped_word(patched)} swapped: "
         + ", ".join(f"{old} -> {new}" for old, new in kinds),
     )
     if patched.report is not None:
