@@ -21,7 +21,20 @@ from typing import Any
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.family import Family
 
-__all__ = ["bare_family", "norm_class_name"]
+__all__ = ["NOT_STANDALONE", "bare_family", "norm_class_name"]
+
+#: model types whose causal LM does not run on token ids alone, so no tiny model of theirs
+#: can be proven, and why
+NOT_STANDALONE = {
+    "gemma4_assistant": (
+        "a draft model that runs inside its target model (it reads the target's shared "
+        "key/value states): no model of its own runs on token ids"
+    ),
+    "gemma4_unified_assistant": (
+        "a draft model that runs inside its target model (it reads the target's shared "
+        "key/value states): no model of its own runs on token ids"
+    ),
+}
 
 
 def bare_family(model_type: str) -> Family:
@@ -30,6 +43,8 @@ def bare_family(model_type: str) -> Family:
     the reason for a model type transformers has no causal LM for."""
     from layerswap.families.infer import model_type_classes, tiny_config_for
 
+    if model_type in NOT_STANDALONE:
+        raise UnsupportedFamilyError(f"{model_type}: {NOT_STANDALONE[model_type]}")
     try:
         classes = model_type_classes(model_type)
     except UnsupportedFamilyError:
