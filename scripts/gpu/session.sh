@@ -60,7 +60,7 @@ wanted head-memory && step head-memory 90 head_memory.txt python3 benchmarks/ben
 wanted verify && step verify 220 verify.log python3 scripts/gpu/verify_and_bench.py \
   --out /tmp/verify --skip-bench --backends fused,liger --hidden 256 --intermediate 512 \
   --layers 2 --heads 4 --kv-heads 2 --vocab 1024
-wanted pytest && step pytest-gpu 120 pytest_gpu.log python3 -m pytest --full -m gpu -q \
+wanted pytest && step pytest-gpu 200 pytest_gpu.log python3 -m pytest --full -m gpu -q \
   -p no:cacheprovider -n 4 ${PYTEST_FILES:-}
 # Llama-2-7B's shape at the TransformerEngine tutorial's batch (8 x 256)
 wanted bench-7b && step bench-7b 100 bench_7b.txt python3 scripts/gpu/verify_and_bench.py \
