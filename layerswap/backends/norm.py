@@ -73,9 +73,24 @@ class NormReplacement(nn.Module):
                 _MADE[key] = made
             return made
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickled as how to make its class again (a made class is not importable by name)
+        # and its state: torch.save(model) and copies of a swapped model keep their norms
+        made = type(self)
+        base = next(c for c in made.__mro__[1:] if issubclass(c, NormReplacement))
+        arguments = (base, made._layerswap_original, made._layerswap_spec, made._layerswap_norm_of)
+        return (_remade, arguments, dict(self.__dict__))
+
     def extra_repr(self) -> str:
         spec = self._layerswap_spec
         return f"{spec.kind}, eps={getattr(self, spec.eps_name)} ({self.backend})"
+
+
+def _remade(
+    base: type[NormReplacement], original: type, spec: NormSpec, substitution: str
+) -> NormReplacement:
+    made = base.subclass_for(original, spec, substitution)
+    return made.__new__(made)
 
 
 def is_replaced_norm(module: nn.Module) -> bool:
