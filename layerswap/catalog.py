@@ -21,8 +21,7 @@ import importlib
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 from layerswap.backend import Backend
 from layerswap.backends import builtin_modules
@@ -34,6 +33,7 @@ from layerswap.errors import (
 )
 from layerswap.families import BUILTIN_FAMILIES
 from layerswap.family import Family
+from layerswap.offers import Offer, derived_offers
 from layerswap.plugins import BACKEND_ENTRY_POINT_GROUP, ENTRY_POINT_GROUP, load_group
 from layerswap.slots import get_slot, takes_any_model_type
 from layerswap.substitution import Parts, Substitution, resolve_parts_with
@@ -63,71 +63,6 @@ def _builtin_backends() -> list[Backend]:
         if isinstance(backend, Backend):
             found.append(backend)
     return found
-
-
-@dataclass(frozen=True)
-class Offer:
-    """One substitution the registry offers, read without making it: its name, family,
-    backend (a variant's name included), slot and description, and why it cannot run
-    here (:meth:`unmet_requirement`). ``layerswap list`` shows these; making the
-    :class:`Substitution` (:func:`get`) imports its layers.
-    """
-
-    name: str
-    family: str
-    backend: str
-    slot: str
-    description: str
-    requirement: Callable[[], str | None]
-
-    def unmet_requirement(self) -> str | None:
-        """Why the substitution cannot run here, or ``None`` when it can."""
-        return self.requirement()
-
-
-def _always(reason: str) -> Callable[[], str | None]:
-    return lambda: reason
-
-
-def _both(
-    first: Callable[[], str | None], then: Callable[[], str | None]
-) -> Callable[[], str | None]:
-    def requirement() -> str | None:
-        reason = first()
-        return reason if reason is not None else then()
-
-    return requirement
-
-
-def _derived_offers(
-    family: Family, backend: Backend, absence: str | None, refused: Callable[[str], str | None]
-) -> list[Offer]:
-    """``backend``'s offers for ``family``. A family the installed transformers lacks
-    (``absence``, its reason) is not asked of the backend, which would read its missing
-    source: each slot is offered, and cannot run here for that reason."""
-    offers = []
-    for slot, implementation in backend.slots.items():
-        name = f"{family.name}.{slot}.{backend.name}"
-        if absence is None and refused(slot) is not None:
-            continue
-        requirement = backend.requirement if absence is None else _always(absence)
-        offers.append(
-            Offer(name, family.name, backend.name, slot, implementation.description, requirement)
-        )
-        for variant in backend.variants:
-            if slot not in variant.slots:
-                continue
-            offers.append(
-                Offer(
-                    f"{name}_{variant.name}",
-                    family.name,
-                    f"{backend.name}_{variant.name}",
-                    slot,
-                    variant.description or f"{implementation.description} ({variant.name})",
-                    _both(requirement, variant.unmet_requirement),
-                )
-            )
-    return offers
 
 
 #: families seen by one thread (and its tasks) only: :meth:`Registry.visible`
@@ -223,7 +158,7 @@ class Registry:
         return answer
 
     def _offers_of(self, family: Family, backend: Backend) -> list[Offer]:
-        return _derived_offers(
+        return derived_offers(
             family,
             backend,
             family.absence(),
