@@ -143,6 +143,13 @@ def coverage(
             for model_type, family in covering.items()
             if family is not None
         }
+        # the slots below the decoder layer of each family's model type (those of the
+        # model types no family covers come from the processes, with their reasons)
+        below = {
+            model_type: _below_decoder(model_type, by_type[model_type], declared)
+            for model_type in model_types
+            if model_type in by_type
+        }
     for done, model_type in enumerate(model_types):
         if on_step is not None:
             on_step(done, len(model_types), model_type)
@@ -155,9 +162,10 @@ def coverage(
         reason = why_not_covered(model_type)
         report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
     for model_type, row in report.items():
-        report[model_type] = dataclasses.replace(
-            row, slots=_below_decoder(model_type, by_type.get(model_type), declared)
-        )
+        slots = below.get(model_type)
+        if slots is None:
+            slots = _below_decoder(model_type, None, declared)
+        report[model_type] = dataclasses.replace(row, slots=slots)
     for model_type, (family, media) in _wrapped().items():
         answers = {name: backend.unsupported(family) for name, backend in declared.items()}
         tower = "audio" if media == "audio" else "vision"
@@ -184,13 +192,18 @@ def _below_decoder(
                 why = backend.unsupported(family, slot)
             else:
                 why = verdicts.remembered(
-                    f"{slot}-model-type",
+                    _SLOT_KIND.format(slot=slot),
                     f"{name}|{model_type}",
                     functools.partial(_bare_refusal, model_type, backend, slot),
                     module=_module_of(model_type),
                 )
             answers.setdefault(slot, {})[name] = why
     return answers
+
+
+#: the table of answers a backend gives a slot below the decoder layer for model types no
+#: family covers (:func:`~layerswap.verdicts.remembered`)
+_SLOT_KIND = "{slot}-model-type"
 
 
 def _module_of(model_type: str) -> str | None:
@@ -324,14 +337,22 @@ def inferring(
     pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
     try:
         # with fork, every process is started at the first submit, before the pool's threads
-        futures = {pool.submit(_infer_reason, t): t for t in model_types}
+        futures = {pool.submit(_answers_of, t): t for t in model_types}
         yield
         for done, future in enumerate(as_completed(futures)):
             model_type = futures[future]
             if on_step is not None:
                 on_step(done, len(model_types), model_type)
             try:
-                _store(model_type, future.result())
+                reason, slots = future.result()
+                _store(model_type, reason)
+                for (slot, backend), answer in slots.items():
+                    verdicts.remember(
+                        _SLOT_KIND.format(slot=slot),
+                        f"{backend}|{model_type}",
+                        answer,
+                        module=_module_of(model_type),
+                    )
             except BrokenProcessPool:
                 break  # what was not answered is inferred in this process
     finally:
@@ -355,6 +376,18 @@ _AT_LEAST = 8
 def _one_thread() -> None:
     # the processes share the CPUs: one torch thread each (and no OpenMP pool forked)
     torch.set_num_threads(1)
+
+
+def _answers_of(model_type: str) -> tuple[str, dict[tuple[str, str], str | None]]:
+    """In a forked process: why no family covers ``model_type``, and each backend's answer
+    for each slot below the decoder layer (the modeling module is imported there once)."""
+    reason = _infer_reason(model_type)
+    slots = {}
+    for name, backend in backends().items():
+        for slot in backend.slots:
+            if takes_any_model_type(slot):
+                slots[(slot, name)] = _bare_refusal(model_type, backend, slot)
+    return reason, slots
 
 
 def _infer_reason(model_type: str) -> str:

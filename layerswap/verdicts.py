@@ -35,6 +35,7 @@ __all__ = [
     "key_for",
     "layerswap_digest",
     "read",
+    "remember",
     "remembered",
     "stored",
     "versions",
@@ -168,11 +169,18 @@ def remembered(
             answer = entry["answer"]
             return answer if answer is None else str(answer)
     answer = compute()
+    remember(kind, key, answer, module=module)
+    return answer
+
+
+def remember(kind: str, key: str, answer: str | None, *, module: str | None = None) -> None:
+    """Keep ``answer`` as :func:`remembered` would have computed it (an answer computed in
+    another process: the model types :mod:`layerswap.coverage` infers in forked ones)."""
+    stamp = _source_stamp(module) if module is not None else None
     with _ANSWERS_LOCK:
         table = _answers(kind)
         table[key] = {"answer": answer, "stamp": stamp}
         write(_answers_key(kind), table, kind="answers")
-    return answer
 
 
 def _answers_key(kind: str) -> str:
