@@ -56,8 +56,9 @@ def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int
         reference = copy.deepcopy(model_built_in_use)
         rebuild_originals(reference, "llama.decoder.fused")
     """
-    sub = _choose(substitution, None, family_of(model))
     target = unwrap(model, parallel=False)
+    sub = get(substitution)
+    _family_for(target, sub)  # a model no family (nor the slot's model type) fits: refused
     return sub.parts.slot.rebuild_originals(target, sub)
 
 

@@ -455,3 +455,14 @@ def test_a_swapped_model_pickles_and_copies_with_its_norms() -> None:
         assert kinds == {name: made for name, _, made in handle.swapped}
         with torch.no_grad():
             assert torch.equal(again(ids).logits, expected)
+
+
+def test_a_model_built_inside_use_verifies_against_its_original() -> None:
+    family = layerswap.get("llama4_text.norm.fused").parts.family
+    with layerswap.use("llama4_text.norm.fused"):
+        model = family.build(seed=0)
+    assert any(isinstance(m, NormReplacement) for m in model.modules())
+    report = layerswap.verify(model, "llama4_text.norm.fused", generate=2)
+    assert report.passed, report.summary()
+    # the model is left as it was built: its norms still swapped
+    assert any(isinstance(m, NormReplacement) for m in model.modules())
