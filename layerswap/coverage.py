@@ -184,21 +184,27 @@ def _below_decoder(
     covers is asked through its bare family (:mod:`layerswap.model_types`), once per
     transformers release (:func:`~layerswap.verdicts.remembered`)."""
     answers: dict[str, dict[str, str | None]] = {}
+    for slot, name, backend in _below_decoder_slots(declared):
+        if family is not None:
+            why = backend.unsupported(family, slot)
+        else:
+            why = verdicts.remembered(
+                _SLOT_KIND.format(slot=slot),
+                f"{name}|{model_type}",
+                functools.partial(_bare_refusal, model_type, backend, slot),
+                module=_module_of(model_type),
+            )
+        answers.setdefault(slot, {})[name] = why
+    return answers
+
+
+def _below_decoder_slots(declared: Mapping[str, Backend]) -> Iterator[tuple[str, str, Backend]]:
+    """(slot, backend name, backend) for every slot below the decoder layer that takes any
+    model type (``norm``) and every backend implementing it."""
     for name, backend in declared.items():
         for slot in backend.slots:
-            if not takes_any_model_type(slot):
-                continue
-            if family is not None:
-                why = backend.unsupported(family, slot)
-            else:
-                why = verdicts.remembered(
-                    _SLOT_KIND.format(slot=slot),
-                    f"{name}|{model_type}",
-                    functools.partial(_bare_refusal, model_type, backend, slot),
-                    module=_module_of(model_type),
-                )
-            answers.setdefault(slot, {})[name] = why
-    return answers
+            if takes_any_model_type(slot):
+                yield slot, name, backend
 
 
 #: the table of answers a backend gives a slot below the decoder layer for model types no
@@ -381,13 +387,11 @@ def _one_thread() -> None:
 def _answers_of(model_type: str) -> tuple[str, dict[tuple[str, str], str | None]]:
     """In a forked process: why no family covers ``model_type``, and each backend's answer
     for each slot below the decoder layer (the modeling module is imported there once)."""
-    reason = _infer_reason(model_type)
-    slots = {}
-    for name, backend in backends().items():
-        for slot in backend.slots:
-            if takes_any_model_type(slot):
-                slots[(slot, name)] = _bare_refusal(model_type, backend, slot)
-    return reason, slots
+    slots = {
+        (slot, name): _bare_refusal(model_type, backend, slot)
+        for slot, name, backend in _below_decoder_slots(backends())
+    }
+    return _infer_reason(model_type), slots
 
 
 def _infer_reason(model_type: str) -> str:

@@ -125,14 +125,15 @@ def norm_class_name(module_name: str) -> str:
     of a model is asked what it computes."""
     from torch import nn
 
+    from layerswap.norms import is_norm_class
+
     module = importlib.import_module(module_name)
     named = [
         (value.__module__ != module_name, not name.endswith("Norm"), name)
         for name, value in vars(module).items()
         if inspect.isclass(value)
         and issubclass(value, nn.Module)
-        and value.__module__.startswith("transformers.models.")
-        and "Norm" in name
+        and is_norm_class(value, module_name)
     ]
     # its own first (then one it imports from another model: Gemma 4's assistant), and a
     # plain norm's name ends so (LlamaRMSNorm) where a gated one's goes on (...RMSNormGated)

@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KINDS", "NormSpec", "candidate_norm_classes", "classify", "fused_norm"]
+__all__ = [
+    "KINDS",
+    "NormSpec",
+    "candidate_norm_classes",
+    "classify",
+    "fused_norm",
+    "is_norm_class",
+]
 
 Tensor = torch.Tensor
 NormFunction = Callable[[Tensor, Tensor | None, Tensor | None, float], Tensor]
@@ -119,6 +126,15 @@ def fused_norm(spec: NormSpec) -> NormFunction:
     return KINDS[spec.kind]
 
 
+def is_norm_class(cls: type, module_name: str) -> bool:
+    """Whether ``cls`` is named as a norm and defined in ``module_name`` (a model's modeling
+    module) or another of transformers' modeling modules (a model built of another's
+    parts: Gemma 4's assistant). What it computes is asked by running it."""
+    return (cls.__module__ == module_name or cls.__module__.startswith(_MODELING)) and (
+        "Norm" in cls.__name__
+    )
+
+
 def candidate_norm_classes(model: nn.Module, module_name: str) -> dict[type, list[str]]:
     """The norm classes of ``model`` the ``norm`` slot considers, with the names of their
     instances: classes defined in ``module_name`` (the model's modeling module) or another
@@ -130,11 +146,8 @@ def candidate_norm_classes(model: nn.Module, module_name: str) -> dict[type, lis
         cls = type(module)
         original = getattr(cls, "_layerswap_original", None)
         cls = original if original is not None else cls
-        if (
-            (cls.__module__ == module_name or cls.__module__.startswith(_MODELING))
-            and "Norm" in cls.__name__
-            and not any(True for _ in module.children())  # a block named after its norm
-        ):
+        # a module holding others is a block named after its norm, not one
+        if is_norm_class(cls, module_name) and not any(True for _ in module.children()):
             found.setdefault(cls, []).append(name)
     return found
 

@@ -466,3 +466,26 @@ def test_a_model_built_inside_use_verifies_against_its_original() -> None:
     assert report.passed, report.summary()
     # the model is left as it was built: its norms still swapped
     assert any(isinstance(m, NormReplacement) for m in model.modules())
+
+
+def test_a_model_built_in_use_with_no_norm_the_backend_computes_says_so() -> None:
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    from layerswap.errors import SwapWarning
+
+    class OnlyGated(qwen3_next.Qwen3NextPreTrainedModel):  # type: ignore[misc]
+        """A model of the family whose only norm is a gated one (none computes it)."""
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.gated = qwen3_next.Qwen3NextRMSNormGated(16)
+            self.post_init()
+
+    OnlyGated.__module__ = qwen3_next.__name__
+    sub = layerswap.get("qwen3_next.norm.fused")
+    with (
+        layerswap.use(sub),
+        pytest.warns(SwapWarning, match=r"built inside use\(\) with its original norms"),
+    ):
+        model = OnlyGated(sub.parts.family.tiny_config())
+    assert type(model.gated) is qwen3_next.Qwen3NextRMSNormGated

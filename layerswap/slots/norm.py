@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from torch import nn
 
 from layerswap import hf_internals
 from layerswap.backends.norm import NormReplacement
-from layerswap.errors import SubstitutionError, UpstreamDriftError
+from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
 from layerswap.handle import SwapHandle
 from layerswap.norms import NormSpec, candidate_norm_classes, classify
 from layerswap.patching.undo import UndoLog
@@ -327,6 +328,14 @@ class NormSlot(Slot):
                         self.prepare(sub, instance.config)
                         prepared.append(True)
                     _apply(plan, UndoLog())  # kept: a built model has no handle
+                elif plan.kept and not plan.taken:  # built, and nothing of it swapped
+                    warnings.warn(
+                        f"{sub.name}: this {type(instance).__name__} was built inside use() "
+                        f"with its original norms, none of which the {sub.backend} backend "
+                        f"computes: {_kept_text(plan)}",
+                        SwapWarning,
+                        stacklevel=2,
+                    )
             return result
 
         return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
