@@ -7,7 +7,10 @@
 #
 # (default: every step that needs no TransformerEngine, 540 seconds; the steps: doctor bench
 # head-memory verify pytest bench-7b check-liger adopt-liger; named in STEPS only: the peers
-# at 7B, peer-compiled-7b peer-liger-7b (PEER_SEQ=256 or 1024); with TE installed
+# at 7B, peer-compiled-7b peer-liger-7b (PEER_SEQ=256 or 1024); reprove (verify, pytest,
+# adopt-liger and check-liger at once, the verification in VERIFY_SHARDS processes);
+# pairs-256 / pairs-1024 (the original beside each of PAIRS_256 / PAIRS_1024 at Llama-2-7B's
+# layer shape, LAYERS_256 / LAYERS_1024 layers, batch 8, one process per pair); with TE installed
 # (stage_te.sh), also te-7b-bf16 te-7b-fp8 te-verify te-bench te-pytest)
 #
 # Writes under $OUT (9 files): session.log (versions, doctor, each step's exit code and
@@ -100,4 +103,50 @@ wanted te-bench && step te-bench 150 te_bench.log python3 scripts/gpu/verify_and
   --contenders "${TE_BENCH_CONTENDERS:-original,fused,fused-graphed,te,te-graphed}"
 wanted te-pytest && step te-pytest 70 te_pytest.log python3 -m pytest --full -m gpu -q \
   -p no:cacheprovider -n 4 tests/test_te.py tests/test_verify_fp8.py
+# the re-proof, in parallel: tiny models leave the GPU mostly idle and the host is the bound,
+# so the verification runs in VERIFY_SHARDS processes beside the GPU tests and the adoption
+if wanted reprove; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+  mapfile -t shards < <(python3 -c "
+from layerswap.registry import families
+names = sorted(families())
+for index in range(${VERIFY_SHARDS:-4}):
+    print(','.join(names[index::${VERIFY_SHARDS:-4}]))")
+  for index in "${!shards[@]}"; do
+    step "verify-$index" 220 "verify_$index.log" python3 scripts/gpu/verify_and_bench.py \
+      --out "/tmp/verify$index" --skip-bench --families "${shards[$index]}" --backends fused,liger \
+      --hidden 256 --intermediate 512 --layers 2 --heads 4 --kv-heads 2 --vocab 1024 &
+  done
+  step pytest-gpu 220 pytest_gpu.log python3 -m pytest --full -m gpu -q -p no:cacheprovider \
+    -n 4 ${PYTEST_FILES:-} &
+  step adopt-liger 220 adopt_liger.log python3 -m pytest --full -q -p no:cacheprovider -n 2 \
+    tests/test_adopt_liger.py &
+  step check-liger 220 check_liger.json python3 -m layerswap check --all --backend liger --json &
+  wait
+  unset OMP_NUM_THREADS
+  # at most 8 files come back: the shards in one
+  for index in "${!shards[@]}"; do cat "$OUT/verify_$index.log"; done > "$OUT/verify.log"
+  rm -f "$OUT"/verify_*.log
+  grep -h "^verification:" "$OUT/verify.log" | tee -a "$OUT/session.log"
+fi
+# one process per pair: the original and one contender (two 7B models with AdamW are what
+# one H200 holds), each pair appended to pairs_<seq>.txt as it ends
+pair_shape() {  # pair_shape SEQ LAYERS CONTENDER...
+  local seq=$1 layers=$2; shift 2
+  for contender in "$@"; do
+    local budget=70
+    [[ $contender == *compiled* ]] && budget=150
+    step "pair-$seq-$contender" "$budget" "pair.txt" python3 scripts/gpu/verify_and_bench.py \
+      --out "/tmp/pair" --skip-verify --contenders "original,$contender" --hidden 4096 \
+      --intermediate 11008 --layers "$layers" --heads 32 --kv-heads 32 --batch 8 --seq "$seq" \
+      --warmup 3 --rounds 5
+    { echo "### original,$contender at 8 x $seq, $layers layers"; cat "$OUT/pair.txt"; } \
+      >> "$OUT/pairs_$seq.txt"
+    rm -f "$OUT/pair.txt"
+  done
+}
+wanted pairs-256 && pair_shape 256 "${LAYERS_256:-32}" ${PAIRS_256:-liger-patch \
+  fused+head-compiled compiled fused-compiled liger+head fused liger fused+head}
+wanted pairs-1024 && pair_shape 1024 "${LAYERS_1024:-16}" ${PAIRS_1024:-liger-patch \
+  fused+head-compiled compiled fused-compiled liger+head fused}
 log "== done"

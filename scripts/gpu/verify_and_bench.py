@@ -350,16 +350,22 @@ def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Conte
                 continue
             adopted.append(adoption)
             contenders.append(Contender("liger patch", why_not, optimizer(why_not)))
-        elif wanted in ("fused", "liger", "fused+head", "liger+head"):
-            backend = wanted.split("+")[0]
+        elif wanted.removesuffix("-compiled") in ("fused", "liger", "fused+head", "liger+head"):
+            base = wanted.removesuffix("-compiled")
+            backend = base.split("+")[0]
             names = [f"llama.decoder.{backend}"]
-            if wanted.endswith("+head"):
+            if base.endswith("+head"):
                 names.append(f"llama.head.{backend}")
             reason = next(filter(None, (get(name).unmet_requirement() for name in names)), None)
             if reason is not None:
                 notes.append(f"{wanted} skipped: {reason}")
                 continue
             model = swapped(*names)
+            if wanted.endswith("-compiled"):
+                # regional compilation: each swapped decoder layer under torch.compile (one
+                # graph reused by every layer), the rest of the model eager
+                for layer in model.model.layers:
+                    layer.compile()
             contenders.append(Contender(wanted, model, optimizer(model)))
         elif wanted in ("te-graphed", "fused-graphed"):
             # the decoder layers captured as CUDA graphs (forward and backward), one per
@@ -634,7 +640,7 @@ def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
         f"timed with {'CUDA events' if DEVICE.type == 'cuda' else 'perf_counter'}"
     )
     header = (
-        f"{'contender':<16}{'fwd ms':>9}{'fwd tok/s':>12}{'x orig':>8}"
+        f"{'contender':<22}{'fwd ms':>9}{'fwd tok/s':>12}{'x orig':>8}"
         f"{'train ms':>10}{'train tok/s':>13}{'x orig':>8}{'fwd peak':>10}{'train peak':>12}"
         f"{'x orig':>8}{'fwd MFU':>9}{'train MFU':>10}"
     )
@@ -642,7 +648,7 @@ def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
     log("-" * len(header))
     for row in rows:
         log(
-            f"{row['contender']:<16}{row['forward_ms']:>9.2f}{row['forward_tokens_per_s']:>12,.0f}"
+            f"{row['contender']:<22}{row['forward_ms']:>9.2f}{row['forward_tokens_per_s']:>12,.0f}"
             f"{row['forward_speedup']:>8.2f}{row['train_step_ms']:>10.2f}"
             f"{row['train_tokens_per_s']:>13,.0f}{row['train_speedup']:>8.2f}"
             f"{row['forward_peak_gib']:>9.2f}G{row['train_peak_gib']:>11.2f}G"
@@ -658,7 +664,7 @@ def benchmark(args: argparse.Namespace, original: Any) -> dict[str, Any]:
     log("x orig: original's time / contender's time (above 1 is faster); peak: memory a step")
     log("allocates above the resident weights and optimizer state; losses of the last steps:")
     for row in rows:
-        log(f"  {row['contender']:<16}" + " ".join(f"{loss:.4f}" for loss in row["losses"][-3:]))
+        log(f"  {row['contender']:<22}" + " ".join(f"{loss:.4f}" for loss in row["losses"][-3:]))
     return {
         "notes": notes,
         "tokens_per_step": tokens,
@@ -688,7 +694,9 @@ def parse_args() -> argparse.Namespace:
         "liger-patch (Liger-Kernel's own apply_liger_kernel_to_llama, adopted), fused, liger, "
         "fused+head, liger+head, te (bf16 and FP8), "
         "te-bf16, te-fp8 (one FP8 contender per --fp8-recipes), te-graphed (bf16 and FP8 "
-        "current, each layer a CUDA graph), fused-graphed",
+        "current, each layer a CUDA graph), fused-graphed; a swapped contender with "
+        "'-compiled' (fused-compiled, fused+head-compiled, ...) has each decoder layer under "
+        "torch.compile",
     )
     parser.add_argument("--verify-fp8-recipe", default="current")
     parser.add_argument("--skip-verify", action="store_true")
