@@ -282,6 +282,51 @@ def test_a_model_whose_norms_none_computes_is_refused_unchanged() -> None:
     assert {type(m) for m in model.modules()} == classes
 
 
+def test_a_class_computing_another_kind_under_other_settings_is_swapped_where_it_computes_one() -> (
+    None
+):
+    """Qwen4-Exp's RMSNorm is grouped in its hyper-connections (no kind computes that) and a
+    plain ``(1 + w)`` norm in its attention: the model is not refused, the plain ones swap."""
+    model = _model("qwen4_exp_text")
+    ids, before = _ids(model), _state(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    handle = layerswap.swap(model, "qwen4_exp_text.norm.fused")
+
+    swapped = [m for m in model.modules() if isinstance(m, NormReplacement)]
+    grouped = [m for m in model.modules() if getattr(m, "group_size", None) is not None]
+    assert swapped and grouped
+    assert all(m.group_size is None for m in swapped)
+    assert not any(isinstance(m, NormReplacement) for m in grouped)
+    assert f"Qwen4ExpTextRMSNorm x{len(grouped)}" in handle.report()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected)
+    handle.undo()
+    assert not any(isinstance(m, NormReplacement) for m in model.modules())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("model_type", ["beam", "blt"])
+def test_model_types_whose_defaults_build_no_tiny_model_swap_their_norms(model_type: str) -> None:
+    """Beam keys its rotary parameters per layer type, full attention to none; BLT's hashed
+    byte-group embeddings hold 500,002 rows each by default: both get a tiny model."""
+    from layerswap.model_types import bare_family
+
+    family = bare_family(model_type)
+    model = family.build(seed=0)
+    assert sum(p.numel() for p in model.parameters()) < 10_000_000
+    if model_type == "beam":
+        assert family.tiny_config().rope_parameters["full_attention"] is None
+
+    report = layerswap.verify(model, f"{model_type}.norm.fused")
+
+    assert report.passed, report.summary()
+    handle = layerswap.swap(model, f"{model_type}.norm.fused")
+    assert len(handle) > 0 and not handle.kept
+    handle.undo()
+
+
 def test_the_first_use_proof_catches_a_wrong_kernel() -> None:
     """A backend whose kernel for Llama's norm forgets the weight: its proof fails and the
     swap is refused before the model changes."""
@@ -328,8 +373,8 @@ def test_list_all_counts_the_model_types_with_something_swapped() -> None:
     report = coverage(jobs=1)
     swapped = [t for t, row in report.items() if row.swapped]
     alone = [t for t in swapped if not report[t].covered]
-    # transformers 5.24: 74 by a family's decoder layers, 73 more by their norms alone
-    assert len(swapped) >= 147, (len(swapped), len(alone))
+    # transformers 5.24: 74 by a family's decoder layers, 77 more by their norms alone
+    assert len(swapped) >= 151, (len(swapped), len(alone))
     for model_type in POPULAR:
         assert "fused" in report[model_type].below_decoder["norm"], model_type
     assert "torch's own norms" in str(report["gpt2"].slots["norm"]["fused"])

@@ -56,6 +56,12 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2}},
     "gemma3n_text": {"num_kv_shared_layers": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
+    "beam": {"n_group": 1, "topk_group": 1},
+    # BLT: hashed byte-group embeddings of 500,002 rows each, and local layers sized for a
+    # 2048-wide global transformer
+    "blt": {"encoder_hash_byte_group_vocab": 64, "encoder_hash_byte_group_size": [3, 4]},
+    "blt_local_encoder": {"hidden_size_global": 128},
+    "blt_local_decoder": {"hidden_size_global": 128},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
     # its causal LM holds the image and audio encoders: at their default sizes 870M
     # parameters, which take a minute and a half to verify
@@ -97,8 +103,8 @@ def _read_only(config_class: type, name: str) -> bool:
 
 def _keyed_rope(config_class: type) -> dict[str, Any] | None:
     """The plain rotary parameters per layer type, where the config's default keys them so
-    (Gemma 4: ``{"sliding_attention": {...}, "full_attention": {...}}``); ``None``: it
-    does not."""
+    (Gemma 4: ``{"sliding_attention": {...}, "full_attention": {...}}``; a type keyed to
+    ``None`` stays so); ``None``: it does not."""
     try:
         default = config_class()
     except Exception:  # a config that needs arguments: nothing to read
@@ -106,12 +112,15 @@ def _keyed_rope(config_class: type) -> dict[str, Any] | None:
     rope = getattr(default, "rope_parameters", None)
     if not isinstance(rope, Mapping):
         return None
-    if rope and all(isinstance(v, Mapping) for v in rope.values()):
-        keys: Any = rope
-    elif not rope:  # empty: keyed by the layer types it has (Cohere Compass)
-        keys = dict.fromkeys(getattr(default, "layer_types", None) or ())
-    else:
+    if any(isinstance(v, Mapping) for v in rope.values()) and all(
+        isinstance(v, Mapping) or v is None for v in rope.values()
+    ):
+        # a layer type keyed to None runs without positions (Beam's full attention)
+        return {key: None if value is None else dict(_PLAIN_ROPE) for key, value in rope.items()}
+    if rope:
         return None
+    # empty: keyed by the layer types it has (Cohere Compass)
+    keys = dict.fromkeys(getattr(default, "layer_types", None) or ())
     return {key: dict(_PLAIN_ROPE) for key in keys} or None
 
 

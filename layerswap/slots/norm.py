@@ -164,12 +164,15 @@ def read_norm_refusal(family: Family, replacement: str) -> str | None:
     classes = candidate_norm_classes(model, family.module)
     if not classes:
         return f"its model has no norm class of {family.module} (torch's own norms are one kernel already)"
-    reasons = []
+    reasons: dict[str, None] = {}
     for cls, names in classes.items():
-        spec = spec_of(model.get_submodule(names[0]))
-        if not isinstance(spec, str) and spec.kind in kernels:
-            return None
-        reasons.append(f"{cls.__name__}: " + (spec if isinstance(spec, str) else spec.kind))
+        # one instance per setting: a class may compute another kind under other settings
+        # (Qwen4-Exp's RMSNorm is grouped in its hyper-connections, plain in attention)
+        for module in {_settings(m): m for m in map(model.get_submodule, names)}.values():
+            spec = spec_of(module)
+            if not isinstance(spec, str) and spec.kind in kernels:
+                return None
+            reasons[f"{cls.__name__}: " + (spec if isinstance(spec, str) else spec.kind)] = None
     return "no norm of its model is one this backend computes (" + "; ".join(reasons) + ")"
 
 
