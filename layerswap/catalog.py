@@ -488,6 +488,24 @@ class Registry:
                 self._bare[name] = None
         return self._bare[name]
 
+    def bare_families_with(self, causal_lm_suffix: str) -> list[Family]:
+        """The bare families (:meth:`_family_for`) of the model types no family is
+        registered for whose causal-LM class name ends ``causal_lm_suffix``'s name: where
+        a per-family class named for one of them is found (``FusedOPTForCausalLM``)."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        found = []
+        with self._lock:
+            for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+                if not causal_lm_suffix.endswith(str(class_name)) or self.family(model_type):
+                    continue
+                family = self._family_for(model_type, "head")
+                if family is not None:
+                    found.append(family)
+        # where model types share a causal LM (GPT-SW3's is GPT-2's, Llama 4's its text
+        # model's), the one its config class names first
+        return sorted(found, key=lambda f: f.causal_lm_class().config_class.model_type != f.name)
+
     def parts_of(self, sub: Substitution) -> Parts:
         """What ``sub``'s names stand for: its family (one this thread sees) and slot;
         :class:`UnknownSubstitutionError` for a family nobody registered."""

@@ -77,9 +77,9 @@ class Coverage:
     #: the decoder layers of another kind that stay the original's (Mllama's
     #: cross-attention layers); ``None``: every decoder layer is swapped
     kept: str | None = None
-    #: the slots below the decoder layer that take any model type (``norm``): per slot,
-    #: every backend implementing it, ``None`` when it swaps some of the model's modules,
-    #: else why not
+    #: the slots beside the decoder layer that take any model type (``head``, ``norm``):
+    #: per slot, every backend implementing it, ``None`` when it swaps some of the model's
+    #: modules, else why not
     slots: Mapping[str, Mapping[str, str | None]] = field(default_factory=dict)
 
     @property
@@ -89,8 +89,8 @@ class Coverage:
 
     @property
     def below_decoder(self) -> dict[str, list[str]]:
-        """The slots below the decoder layer that swap some of its modules, and with
-        which backends (``{"norm": ["fused"]}``)."""
+        """The slots beside the decoder layer (its norms, the head) that swap some of the
+        model's modules, and with which backends (``{"norm": ["fused"]}``)."""
         found: dict[str, list[str]] = {}
         for slot, answers in self.slots.items():
             usable = [backend for backend, why in answers.items() if why is None]
@@ -341,6 +341,8 @@ def inferring(
     importlib.import_module("transformers.modeling_utils")
     context = multiprocessing.get_context("fork")
     pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
+    # each slot's answers, kept together at the end (one write of its table)
+    answers: dict[str, dict[str, tuple[str | None, str | None]]] = {}
     try:
         # with fork, every process is started at the first submit, before the pool's threads
         futures = {pool.submit(_answers_of, t): t for t in model_types}
@@ -353,14 +355,13 @@ def inferring(
                 reason, slots = future.result()
                 _store(model_type, reason)
                 for (slot, backend), answer in slots.items():
-                    verdicts.remember(
-                        _SLOT_KIND.format(slot=slot),
-                        f"{backend}|{model_type}",
-                        answer,
-                        module=_module_of(model_type),
-                    )
+                    answers.setdefault(_SLOT_KIND.format(slot=slot), {})[
+                        f"{backend}|{model_type}"
+                    ] = (answer, _module_of(model_type))
             except BrokenProcessPool:
                 break  # what was not answered is inferred in this process
+        for kind, entries in answers.items():
+            verdicts.remember_all(kind, entries)
     finally:
         # an error (or an interrupt) here: the model types not started are dropped
         pool.shutdown(wait=True, cancel_futures=True)

@@ -310,7 +310,12 @@ def _prove(sub: Substitution, family: Family, config: PreTrainedConfig | None) -
             candidate = _swapped_copy(reference, sub, proven)
             batch = _batch(proven, device)
             check, detail = first_difference(
-                reference, candidate, batch, _tolerance(device), new_tokens=_NEW_TOKENS
+                reference,
+                candidate,
+                batch,
+                _tolerance(device),
+                new_tokens=_NEW_TOKENS,
+                candidate_context=sub.parts.slot.proof_context(sub),
             )
     return Verdict(
         substitution=sub.name,
@@ -417,7 +422,7 @@ def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
 
         ensure_proven(layerswap.get("llama.decoder.fused"), model.config)
     """
-    if not sub.parts.slot.proven_at_first_use or sub.upstream is None or _PROVING.get():
+    if not sub.parts.slot.proves(sub) or sub.upstream is None or _PROVING.get():
         return  # replace_decoder's classes take no converted weights: nothing to compare
     verdict = prove(sub, config)
     if verdict.passed:

@@ -231,4 +231,4 @@ def load_entry_points() -> list[Substitution]:
 
 # the backends' per-family classes named by a substitution (the head slot's) are found
 # among these families: given to them here, as they import nothing above them
-per_family.find_families_with(families)
+per_family.find_families_with(families, REGISTRY.bare_families_with)

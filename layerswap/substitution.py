@@ -1,18 +1,13 @@
 """A substitution: family x slot x backend, as data; the slot it fills, the handle its
 swap returns, and the upstream checks.
 
-A :class:`Substitution` names an original (a decoder layer, or a causal LM for the
-``head`` slot), its replacement, the weight layout converter between them, a
-requirement check, an upstream-structure check, and the context its forward runs in.
-The registry derives them from families x backends (:mod:`layerswap.backend`); other
-packages add theirs through the entry-point group ``layerswap.substitutions``.
-
-The declarations that name each other live here together: a substitution holds its
-:class:`Slot` (what it replaces, and how a swap is made and undone), a slot's swap
-returns a :class:`SwapHandle` holding the substitution, and a :class:`Variant` (the same
-layers run another way) belongs to one. The slot registry is :mod:`layerswap.slots`;
-the handles and slots themselves are in :mod:`layerswap.slots.decoder` and
-:mod:`layerswap.slots.head`.
+A :class:`Substitution` names an original (a decoder layer, a norm, or a causal LM for the
+``head`` slot), its replacement, the weight converter, a requirement check, an
+upstream-structure check and the context its forward runs in. The registry derives them
+from families x backends (:mod:`layerswap.backend`); other packages add theirs through the
+entry-point group ``layerswap.substitutions``. The declarations that name each other live
+here together (:class:`Slot`, :class:`SwapHandle`, :class:`Variant`); the slot registry
+and the slots themselves are in :mod:`layerswap.slots`.
 
 Example::
 
@@ -262,7 +257,7 @@ class Slot:
     #: what it replaces, in a few words (``layerswap list``)
     description: str = ""
     #: whether a substitution of this slot is compared with its original at first use on
-    #: a transformers release (:func:`layerswap.proof.ensure_proven`)
+    #: a transformers release (:func:`layerswap.proof.ensure_proven`; :meth:`proves`)
     proven_at_first_use: bool = False
     #: whether a substitution of this slot puts a layer of its own in each decoder layer's
     #: place (its weights converted layer by layer): its gradients are mapped back to the
@@ -298,6 +293,14 @@ class Slot:
         config, unwrapped once there), then what the slot adds (the decoder slot: the
         first-use proof). Raises; changes nothing."""
         sub.check_upstream(config)
+
+    def proves(self, sub: Substitution) -> bool:
+        """Whether ``sub`` is proven at first use (:attr:`proven_at_first_use`)."""
+        return self.proven_at_first_use
+
+    def proof_context(self, sub: Substitution) -> Callable[[], AbstractContextManager[Any]]:
+        """What the proof's swapped copy computes its loss in (the head: its fused loss)."""
+        return contextlib.nullcontext
 
     def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
         """Raise :class:`~layerswap.errors.UpstreamDriftError` when transformers calls the
@@ -487,14 +490,8 @@ class Substitution:
         return reason
 
     def forward_context(self) -> AbstractContextManager[Any]:
-        """What the swapped model's forward passes run in: the slot's and the variant's contexts.
-
-        Example::
-
-            sub = layerswap.get("llama.decoder.te_fp8")
-            with layerswap.swap(model, sub), sub.forward_context():
-                logits = model(input_ids).logits
-        """
+        """What the swapped model's forward passes run in: the slot's and the variant's
+        contexts (``with layerswap.swap(model, sub), sub.forward_context(): model(ids)``)."""
         stack = ExitStack()
         if self.context is not None:
             stack.enter_context(self.context())

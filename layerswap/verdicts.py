@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -176,10 +176,19 @@ def remembered(
 def remember(kind: str, key: str, answer: str | None, *, module: str | None = None) -> None:
     """Keep ``answer`` as :func:`remembered` would have computed it (an answer computed in
     another process: the model types :mod:`layerswap.coverage` infers in forked ones)."""
-    stamp = _source_stamp(module) if module is not None else None
+    remember_all(kind, {key: (answer, module)})
+
+
+def remember_all(kind: str, answers: Mapping[str, tuple[str | None, str | None]]) -> None:
+    """:func:`remember` each ``key: (answer, module)`` of ``answers``, the table written
+    once."""
+    if not answers:
+        return
     with _ANSWERS_LOCK:
         table = _answers(kind)
-        table[key] = {"answer": answer, "stamp": stamp}
+        for key, (answer, module) in answers.items():
+            stamp = _source_stamp(module) if module is not None else None
+            table[key] = {"answer": answer, "stamp": stamp}
         write(_answers_key(kind), table, kind="answers")
 
 

@@ -1,13 +1,15 @@
-"""Prove the ``norm`` slot on every model type ``layerswap list --all`` says it takes, and
-write what was swapped, what was kept and the verdict to ``docs/norms.md``.
+"""Prove the ``norm`` slot on every model type ``layerswap list --all`` says it takes (or,
+with ``--slot head``, the ``head`` slot on every model type no family covers that it
+takes), and write what was swapped, what was kept and the verdict to ``docs/norms.md``
+(``docs/heads.md``).
 
 Each model type runs in a process of its own (a model type that crashes its process is
 recorded as such, not the sweep), two at a time by default::
 
-    python scripts/norm_sweep.py [--jobs 2] [--backend fused]
+    python scripts/norm_sweep.py [--jobs 2] [--backend fused] [--slot norm]
     python scripts/norm_sweep.py --update MODEL_TYPE ...   # prove these again, keep the rest
 
-The rows are kept in ``docs/norms.json``; the page is written from them.
+The rows are kept in ``docs/norms.json`` (``docs/heads.json``); the page is written from them.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "norms.md"
-RAW = ROOT / "docs" / "norms.json"
+#: where each slot's rows and page go
+PAGES = {"norm": "norms", "head": "heads"}
 
 ONE = r"""
 import json, logging, sys, time, warnings
@@ -33,14 +35,17 @@ import layerswap
 from layerswap.proof import prove, comparing
 from layerswap.slots.norm import norm_plan
 
-model_type, backend = sys.argv[1], sys.argv[2]
+model_type, backend, slot = sys.argv[1], sys.argv[2], sys.argv[3]
 row = {"model_type": model_type}
 started = time.perf_counter()
 try:
-    sub = layerswap.get(f"{model_type}.norm.{backend}")
+    sub = layerswap.get(f"{model_type}.{slot}.{backend}")
     verdict = prove(sub, force=True)
     row.update(passed=verdict.passed, check=verdict.check, detail=verdict.detail)
     family = sub.parts.family
+    if slot == "head":
+        row["swapped"] = {family.causal_lm: ["head and loss"]}
+        raise StopIteration
     with torch.device("meta"), comparing():
         model = family.causal_lm_class()(family.tiny_config())
     plan = norm_plan(model, sub)
@@ -49,6 +54,8 @@ try:
         kinds.setdefault(made._layerswap_original.__name__, set()).add(made._layerswap_spec.kind)
     row["swapped"] = {name: sorted(k) for name, k in kinds.items()}
     row["kept"] = {name: reason for name, (_, reason) in plan.kept.items()}
+except StopIteration:
+    pass
 except Exception as exc:
     row.update(passed=False, check="making it", detail=f"{type(exc).__name__}: {exc}")
 row["seconds"] = round(time.perf_counter() - started, 1)
@@ -56,7 +63,7 @@ print(json.dumps(row))
 """
 
 
-def _listed(backend: str) -> list[str]:
+def _listed(backend: str, slot: str) -> list[str]:
     out = subprocess.run(
         [sys.executable, "-m", "layerswap", "list", "--all", "--json"],
         capture_output=True,
@@ -65,14 +72,17 @@ def _listed(backend: str) -> list[str]:
     )
     rows = json.loads(out.stdout)
     return [
-        r["model_type"] for r in rows if backend in (r.get("below_decoder") or {}).get("norm", [])
+        r["model_type"]
+        for r in rows
+        if backend in (r.get("below_decoder") or {}).get(slot, [])
+        and (slot == "norm" or r["reason"] is not None)  # a family's head: its own tests
     ]
 
 
-def _one(model_type: str, backend: str) -> dict[str, object]:
+def _one(model_type: str, backend: str, slot: str) -> dict[str, object]:
     try:
         done = subprocess.run(
-            [sys.executable, "-c", ONE, model_type, backend],
+            [sys.executable, "-c", ONE, model_type, backend, slot],
             capture_output=True,
             text=True,
             timeout=600,
@@ -88,17 +98,22 @@ def _one(model_type: str, backend: str) -> dict[str, object]:
         }
 
 
-def _write(rows: list[dict[str, object]], backend: str) -> None:
+def _write(rows: list[dict[str, object]], backend: str, slot: str) -> None:
     import transformers
 
     passed = sum(bool(r["passed"]) for r in rows)
+    which = "every model type it takes" if slot == "norm" else "every model type no family covers"
     lines = [
-        "# The `norm` slot, proven on every model type it takes",
+        f"# The `{slot}` slot, proven on {which}",
         "",
-        f"`python scripts/norm_sweep.py --backend {backend}` on transformers "
+        f"`python scripts/norm_sweep.py --backend {backend} --slot {slot}` on transformers "
         f"{transformers.__version__}, CPU, float32: each model type that `layerswap list --all` "
-        f"says the `{backend}` norm takes, proven on its tiny model (padded forward, prefill and "
-        "decode with dynamic and static caches, backward). "
+        f"says the `{backend}` {slot} takes"
+        + ("" if slot == "norm" else " (no family covering it)")
+        + ", proven on its tiny model (padded forward, prefill and "
+        "decode with dynamic and static caches, backward"
+        + (")." if slot == "norm" else ": the fused loss and its gradients).")
+        + " "
         f"**{passed} of {len(rows)} proven.** A verdict is kept per transformers source; a "
         "user's model is proven again at first use on its own config.",
         "",
@@ -112,7 +127,7 @@ def _write(rows: list[dict[str, object]], backend: str) -> None:
         lines.append(
             f"| {r['model_type']} | {swapped or '-'} | {kept or '-'} | {verdict} | {r['seconds']} |"
         )
-    DOC.write_text("\n".join(lines) + "\n")
+    (ROOT / "docs" / f"{PAGES[slot]}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -120,21 +135,23 @@ def main() -> None:
     parser.add_argument("model_types", nargs="*")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--backend", default="fused")
-    parser.add_argument("--update", action="store_true", help="merge into docs/norms.json")
+    parser.add_argument("--slot", default="norm", choices=sorted(PAGES))
+    parser.add_argument("--update", action="store_true", help="merge into docs/<page>.json")
     args = parser.parse_args()
-    types = args.model_types or _listed(args.backend)
+    raw = ROOT / "docs" / f"{PAGES[args.slot]}.json"
+    types = args.model_types or _listed(args.backend, args.slot)
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = []
-        for row in pool.map(lambda t: _one(t, args.backend), types):
+        for row in pool.map(lambda t: _one(t, args.backend, args.slot), types):
             print(json.dumps(row)[:200], flush=True)
             rows.append(row)
-    if args.update and RAW.exists():
-        kept = {r["model_type"]: r for r in json.loads(RAW.read_text())}
+    if args.update and raw.exists():
+        kept = {r["model_type"]: r for r in json.loads(raw.read_text())}
         kept.update({r["model_type"]: r for r in rows})
         rows = [kept[t] for t in sorted(kept)]
     if not args.model_types or args.update:
-        RAW.write_text(json.dumps(rows, indent=1) + "\n")
-        _write(rows, args.backend)
+        raw.write_text(json.dumps(rows, indent=1) + "\n")
+        _write(rows, args.backend, args.slot)
     print(f"{sum(bool(r['passed']) for r in rows)} of {len(rows)} proven")
 
 

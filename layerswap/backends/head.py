@@ -490,6 +490,17 @@ def read_head_refusal(family: Family) -> str | None:
         head_contract(family.causal_lm_class())
     except UpstreamDriftError as exc:
         return str(exc)
+    if not family.decoder:  # a model type no family covers: its lm_head, on the meta device
+        try:
+            with torch.device("meta"):
+                head = getattr(family.causal_lm_class()(family.tiny_config()), "lm_head", None)
+        except Exception as exc:
+            return f"its tiny model does not build here ({type(exc).__name__}: {exc})"
+        if type(head) is not nn.Linear:
+            return (
+                f"its lm_head is a {type(head).__module__}.{type(head).__qualname__}, not the "
+                "plain nn.Linear the fused loss computes"
+            )
     return None
 
 

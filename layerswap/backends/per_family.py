@@ -85,13 +85,20 @@ def family_class(
 #: every registered family by name: the registry gives its ``families`` here when it
 #: loads (:func:`find_families_with`), so that no backend imports the registry
 _registered: Callable[[], Mapping[str, Family]] | None = None
+#: the bare families of model types no family covers whose causal LM a name ends with
+_bare: Callable[[str], list[Family]] | None = None
 
 
-def find_families_with(source: Callable[[], Mapping[str, Family]]) -> None:
+def find_families_with(
+    source: Callable[[], Mapping[str, Family]],
+    bare: Callable[[str], list[Family]] | None = None,
+) -> None:
     """Where :func:`class_named` finds the registered families (the registry's
-    ``families``, given when the registry loads)."""
-    global _registered
+    ``families``, given when the registry loads), and the bare families of the model types
+    a slot that takes any model type makes its classes for (``bare(name)``)."""
+    global _registered, _bare
     _registered = source
+    _bare = bare
 
 
 def class_named(
@@ -114,6 +121,9 @@ def class_named(
     else:
         families = _registered()
     for family in families.values():
+        if name_of(family) == name:
+            return make(family)
+    for family in _bare(name) if _bare is not None else ():
         if name_of(family) == name:
             return make(family)
     raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")

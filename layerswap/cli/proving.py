@@ -89,7 +89,7 @@ def _check(sub: Substitution, again: bool) -> dict[str, Any]:
     )
     started = time.perf_counter()
     try:
-        if not sub.parts.slot.proven_at_first_use:
+        if not sub.parts.slot.proves(sub):
             sub.parts.slot.prepare(sub, config)
             seconds = round(time.perf_counter() - started, 3)
             return _row(family, name, status="proven", seconds=seconds)

@@ -167,8 +167,8 @@ def render_coverage(
     console: Output, rows: list[dict[str, Any]], held_back: str | None = None
 ) -> None:
     """One row per decoder model type: the family and backends covering it, or why not;
-    the slots below the decoder layer (``norm``) and their backends."""
-    table = _table("model type", "family", "backends", "below the layer", "why not")
+    the other slots that take any model type (``head``, ``norm``) and their backends."""
+    table = _table("model type", "family", "backends", "other slots", "why not")
     for row in rows:
         why = row["reason"]
         if why is None:
@@ -198,7 +198,7 @@ def render_coverage(
     alone = sum(row["reason"] is not None and bool(row.get("below_decoder")) for row in rows)
     console.print(
         f"{covered + alone} of {len(rows)} model types with something swapped: {alone} more "
-        "by a slot below the decoder layer alone (their norms), proven at first use"
+        "by another slot alone (their norms or head), proven at first use"
     )
     if held_back is not None:
         console.print(held_back)

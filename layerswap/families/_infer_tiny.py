@@ -57,6 +57,9 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
     "beam": {"n_group": 1, "topk_group": 1},
+    # a rotary dimension of 64 in 16-wide heads
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
     # BLT: hashed byte-group embeddings of 500,002 rows each, and local layers sized for a
     # 2048-wide global transformer
     "blt": {"encoder_hash_byte_group_vocab": 64, "encoder_hash_byte_group_size": [3, 4]},

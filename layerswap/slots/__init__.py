@@ -49,7 +49,7 @@ _BUILTIN = {
 }
 #: the builtin slots whose substitutions may name any causal-LM model type, with or
 #: without a registered family (their modules are not imported to say so)
-_ANY_MODEL_TYPE = frozenset({"norm"})
+_ANY_MODEL_TYPE = frozenset({"norm", "head"})
 _SLOTS: dict[str, Slot] = {}
 _ADDED: list[str] = []  # names of slots registered beyond the builtin ones, in order
 _LOCK = threading.RLock()

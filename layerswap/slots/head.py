@@ -30,9 +30,12 @@ from layerswap.backends.head import CausalLMHead
 from layerswap.errors import SubstitutionError
 from layerswap.handle import SwapHandle
 from layerswap.patching.undo import UndoLog
+from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from layerswap.family import Family
     from layerswap.patching import Scoped
     from layerswap.substitution import Substitution
@@ -128,6 +131,23 @@ class HeadSlot(Slot):
 
     name = "head"
     description = "the causal LM's head and loss"
+    #: a ``<model type>.head.*`` name needs no registered family (such a head is proven at
+    #: first use: no test of layerswap's covers its model type)
+    takes_any_model_type = True
+
+    def proves(self, sub: Substitution) -> bool:
+        """A model type no family covers (a bare family: no decoder layer named)."""
+        return not sub.parts.family.decoder
+
+    def proof_context(self, sub: Substitution) -> Callable[[], Any]:
+        """The proof compares the fused loss (the head in eval mode takes the original's)."""
+        return sub.forward_context
+
+    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
+        """The head contract read off the source; then, for a model type no family
+        covers, the first-use proof."""
+        super().prepare(sub, config)
+        ensure_proven(sub, config)
 
     def original(self, family: Family) -> str:
         return f"{family.module}:{family.causal_lm}"
@@ -165,7 +185,7 @@ class HeadSlot(Slot):
             result = wrapped(*args, **kwargs)
             if type(instance) is original:
                 if not checked:
-                    sub.check_upstream(instance.config)
+                    self.prepare(sub, instance.config)
                     checked.append(True)
                 instance.__class__ = replacement
             return result

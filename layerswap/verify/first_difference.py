@@ -145,14 +145,16 @@ def gradients_differ(
     tolerance: Tolerance,
     *,
     reference_context: ContextFactory = contextlib.nullcontext,
+    candidate_context: ContextFactory = contextlib.nullcontext,
 ) -> str | None:
-    """How the loss, or the gradients of the input embeddings and the head, differ.
+    """How the loss, or the gradients of the input embeddings and the head, differ
+    (``candidate_context``: what the candidate's loss is computed in: a head's fused loss).
 
     The layers' own gradients, in two layouts, are not compared (:func:`~layerswap.verify.verify`
     maps them back); a layer whose backward is wrong passes a wrong gradient down to the
     embeddings."""
     loss_expected, expected = _loss_and_ends(reference, batch, reference_context)
-    loss_actual, actual = _loss_and_ends(candidate, batch)
+    loss_actual, actual = _loss_and_ends(candidate, batch, candidate_context)
     report = compare_gradients(expected, actual, loss_expected, loss_actual, tolerance, local=False)
     if not tolerance.allows(report.loss_abs_error, abs(report.loss_reference)):
         return f"loss: max abs difference {report.loss_abs_error:.3g}"
@@ -179,12 +181,14 @@ def first_difference(
     *,
     new_tokens: int,
     reference_context: ContextFactory = contextlib.nullcontext,
+    candidate_context: ContextFactory = contextlib.nullcontext,
     failed: Callable[[Exception], None] | None = None,
 ) -> tuple[str | None, str]:
     """The first of :data:`CHECKS` that differs and how, else ``(None, "4 checks equal")``;
     a check that raises differs, with the exception as its detail (``failed`` sees the
     exception first, and may raise another: a kernel that cannot run here).
-    ``reference_context``: what the reference's passes run in.
+    ``reference_context``: what the reference's passes run in; ``candidate_context``: what
+    the candidate's loss is computed in.
 
     Example::
 
@@ -202,7 +206,10 @@ def first_difference(
             reference, candidate, batch, tolerance, new_tokens=new_tokens, cache="static",
             reference_context=context,
         ),
-        lambda: gradients_differ(reference, candidate, batch, tolerance, reference_context=context),
+        lambda: gradients_differ(
+            reference, candidate, batch, tolerance, reference_context=context,
+            candidate_context=candidate_context,
+        ),
     )  # fmt: skip
     for check, step in zip(CHECKS, steps, strict=True):
         try:

@@ -1,0 +1,150 @@
+"""The ``head`` slot on model types no family covers: GPT-2, OPT, Llama 4, Qwen3-Next's
+kin. The fused loss is proven at first use on the type's tiny model (no test of
+layerswap's covers its family), and a head the source shows adding to the loss is
+refused by name."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+import layerswap
+from layerswap.backends.head import head_class
+from layerswap.backends.head_fused import FusedHead
+from layerswap.errors import UnknownSubstitutionError, UpstreamDriftError
+from layerswap.model_types import bare_family
+from layerswap.proof import prove
+from layerswap.slots.head import head_substitution_of
+
+#: no registered family covers these: a GPT-2 block, OPT's, and Llama 4's hybrid layers
+TYPES = ("gpt2", "opt", "llama4_text")
+
+
+def _model(model_type: str) -> PreTrainedModel:
+    model: PreTrainedModel = bare_family(model_type).build(seed=0)
+    return model
+
+
+def _batch(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _train_pass(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    model.train()
+    torch.manual_seed(0)  # the same dropout masks in both models
+    output = model(**batch, use_cache=False)
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(output.loss, list(params.values()), allow_unused=True)
+    return output, dict(zip(params, grads, strict=True))
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_a_model_type_no_family_covers_trains_to_the_original_loss(model_type: str) -> None:
+    assert model_type not in layerswap.families()
+    model = _model(model_type)
+    reference = copy.deepcopy(model)
+    batch = _batch(model)
+
+    handle = layerswap.swap(model, f"{model_type}.head.fused")
+
+    assert head_substitution_of(model) == f"{model_type}.head.fused"
+    out, grads = _train_pass(model, batch)
+    want_out, want_grads = _train_pass(reference, batch)
+    assert out.logits is None  # the fused loss computed no logits
+    torch.testing.assert_close(out.loss, want_out.loss, rtol=1e-5, atol=1e-6)
+    for name, want in want_grads.items():
+        if want is not None:
+            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
+    handle.undo()
+    assert type(model) is type(reference)
+
+
+def test_it_saves_what_plain_transformers_loads_and_pickles_with_its_head(
+    tmp_path: Path,
+) -> None:
+    model = _model("gpt2")
+    layerswap.swap(model, "gpt2.head.fused")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "GPT2LMHeadModel" and head_substitution_of(loaded) is None
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert head_substitution_of(torch.load(buffer, weights_only=False)) == "gpt2.head.fused"
+
+
+def test_use_builds_it_with_the_fused_head_and_verify_passes() -> None:
+    family = bare_family("opt")
+    with layerswap.use("opt.head.fused"):
+        built = family.causal_lm_class()(family.tiny_config())
+    assert head_substitution_of(built) == "opt.head.fused"
+    report = layerswap.verify(_model("opt"), "opt.head.fused", backward=True)
+    assert report.passed, report.summary()
+
+
+def test_the_first_use_proof_catches_a_wrong_loss() -> None:
+    """A head whose loss is 1% off: its proof fails at the backward check, and the swap is
+    refused before the model changes."""
+
+    class Wrong(FusedHead):
+        backend = "wrong"
+
+        def _summed_loss(self, *args: Any) -> torch.Tensor:
+            return super()._summed_loss(*args) * 1.01
+
+    sub = layerswap.get("gpt2.head.fused")
+    assert sub.parts.slot.proves(sub)  # a model type no family covers
+    wrong = dataclasses.replace(
+        sub, name="gpt2.head.wrong", replacement=head_class(Wrong, sub.parts.family)
+    )
+    verdict = prove(wrong, force=True)
+    assert not verdict.passed and verdict.check == "backward", verdict.detail
+    model = _model("gpt2")
+    with pytest.raises(UpstreamDriftError, match=r"gpt2\.head\.wrong"):
+        layerswap.swap(model, wrong)
+    assert head_substitution_of(model) is None
+
+
+def test_a_family_head_is_not_proven_again_and_a_loss_adding_head_is_refused() -> None:
+    sub = layerswap.get("llama.head.fused")
+    assert not sub.parts.slot.proves(sub)  # its family's tests cover it
+    # Qwen3-Next's causal LM adds the router's auxiliary loss after the head
+    with pytest.raises(UnknownSubstitutionError, match="does more with the loss"):
+        layerswap.get("qwen3_next.head.fused")
+
+
+@pytest.mark.slow  # every model type of the installed transformers, on the meta device
+def test_every_model_type_listed_with_a_fused_head_was_proven_by_the_sweep() -> None:
+    import json
+
+    import transformers
+
+    from layerswap.coverage import coverage
+
+    report = coverage(jobs=1)
+    listed = {
+        model_type
+        for model_type, row in report.items()
+        if not row.covered and "fused" in row.below_decoder.get("head", [])
+    }
+    assert {"gpt2", "opt", "llama4_text"} <= listed
+    assert "qwen3_next" not in listed  # adds the router's loss
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    if f"transformers {transformers.__version__}," in (docs / "heads.md").read_text():
+        rows = {row["model_type"]: row for row in json.loads((docs / "heads.json").read_text())}
+        assert listed == set(rows)
+        assert all(row["passed"] for row in rows.values())
