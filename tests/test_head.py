@@ -62,7 +62,7 @@ def _train_pass(model: PreTrainedModel, batch: dict[str, Any], **kwargs: Any) ->
     model.train()
     torch.manual_seed(0)  # the same dropout masks in both models (some families have dropout)
     output = model(**batch, use_cache=False, **kwargs)
-    params = dict(model.named_parameters())
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     grads = torch.autograd.grad(output.loss, list(params.values()), allow_unused=True)
     return output, dict(zip(params, grads, strict=True))
 
@@ -86,12 +86,13 @@ def test_every_registered_family_has_a_fused_head_but_those_adding_to_the_loss()
     }
     heads = _heads(FAMILIES)
     assert {f"{name}.head.fused" for name in set(layerswap.families()) - refused} <= set(heads)
-    # mixture-of-experts causal LMs add the router's load-balancing loss after the head
-    assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe"} <= refused
+    # the mixture-of-experts causal LMs' router loss, added after the head, is reproduced
+    assert {"mixtral.head.fused", "qwen3_moe.head.fused", "olmoe.head.fused"} <= set(heads)
+    # HY-V3 adds a loss of its own after the head
+    assert "hy_v3" in refused
     assert "does more with the loss" in str(
-        fused.unsupported(layerswap.get_family("olmoe"), "head")
+        fused.unsupported(layerswap.get_family("hy_v3"), "head")
     )
-    assert not any(name.startswith("mixtral.head.") for name in heads)
 
 
 def test_training_matches_the_original_loss_and_every_gradient_without_logits(head: str) -> None:
@@ -427,10 +428,29 @@ def test_a_custom_loss_function_is_refused_in_training() -> None:
 
 
 def test_a_head_that_adds_to_the_loss_is_refused_by_the_contract() -> None:
-    from transformers import MixtralForCausalLM
+    from transformers import BambaForCausalLM, MixtralForCausalLM
 
     with pytest.raises(UpstreamDriftError, match="does more with the loss"):
-        head_contract(MixtralForCausalLM)
+        head_contract(BambaForCausalLM)  # a z-loss on the logits, inside the loss block
+    # the router loss is read, with the attribute that scales it
+    assert head_contract(MixtralForCausalLM).aux_coef == "router_aux_loss_coef"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_router_loss_is_added_as_the_original_adds_it(family: str) -> None:
+    """With ``output_router_logits`` the original adds ``coef * aux_loss`` to its loss: so
+    does the fused head, and every gradient (the routers' too) matches."""
+    model = tiny_model(family, seed=0, num_hidden_layers=2)
+    reference = copy.deepcopy(model)
+    layerswap.swap(model, f"{family}.head.fused")
+    batch = _batch(model)
+    got = _train_pass(model, batch, output_router_logits=True)
+    want = _train_pass(reference, batch, output_router_logits=True)
+    assert want[0].aux_loss is not None and float(want[0].aux_loss) > 0
+    torch.testing.assert_close(got[0].aux_loss, want[0].aux_loss)
+    _assert_same_training(want, got)
+    # without it (the config's default), no router loss on either side
+    _assert_same_training(_train_pass(reference, batch), _train_pass(model, batch))
 
 
 @pytest.mark.parametrize(

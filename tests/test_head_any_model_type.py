@@ -44,7 +44,7 @@ def _train_pass(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[Any, dic
     model.train()
     torch.manual_seed(0)  # the same dropout masks in both models
     output = model(**batch, use_cache=False)
-    params = dict(model.named_parameters())
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     grads = torch.autograd.grad(output.loss, list(params.values()), allow_unused=True)
     return output, dict(zip(params, grads, strict=True))
 
@@ -122,9 +122,38 @@ def test_the_first_use_proof_catches_a_wrong_loss() -> None:
 def test_a_family_head_is_not_proven_again_and_a_loss_adding_head_is_refused() -> None:
     sub = layerswap.get("llama.head.fused")
     assert not sub.parts.slot.proves(sub)  # its family's tests cover it
-    # Qwen3-Next's causal LM adds the router's auxiliary loss after the head
+    # Bamba's causal LM adds a z-loss on the logits inside its loss block
     with pytest.raises(UnknownSubstitutionError, match="does more with the loss"):
-        layerswap.get("qwen3_next.head.fused")
+        layerswap.get("bamba.head.fused")
+
+
+def test_qwen3_next_trains_to_the_original_loss_with_its_router_loss() -> None:
+    model = _model("qwen3_next")
+    reference = copy.deepcopy(model)
+    layerswap.swap(model, "qwen3_next.head.fused")
+    batch = {**_batch(model), "output_router_logits": True}
+    out, grads = _train_pass(model, batch)
+    want_out, want_grads = _train_pass(reference, batch)
+    assert want_out.aux_loss is not None
+    torch.testing.assert_close(out.loss, want_out.loss, rtol=1e-5, atol=1e-6)
+    for name, want in want_grads.items():
+        if want is not None:
+            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_forward_returning_a_tuple_for_return_dict_false_is_taken() -> None:
+    """BLOOM's forward builds a tuple itself where ``return_dict`` is false; the head
+    calls it for a dict and gives the tuple the original gives (the loss first)."""
+    model = _model("bloom")
+    reference = copy.deepcopy(model)
+    layerswap.swap(model, "bloom.head.fused")
+    batch = _batch(model)
+    model.train()
+    reference.train()
+    got = model(**batch, use_cache=False, return_dict=False)
+    want = reference(**batch, use_cache=False, return_dict=False)
+    assert isinstance(got, tuple) and isinstance(want, tuple)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # every model type of the installed transformers, on the meta device
@@ -142,7 +171,8 @@ def test_every_model_type_listed_with_a_fused_head_was_proven_by_the_sweep() -> 
         if not row.covered and "fused" in row.below_decoder.get("head", [])
     }
     assert {"gpt2", "opt", "llama4_text"} <= listed
-    assert "qwen3_next" not in listed  # adds the router's loss
+    assert {"qwen3_next", "bloom"} <= listed  # the router's loss; a tuple for return_dict
+    assert "bamba" not in listed  # a z-loss of its own
     docs = Path(__file__).resolve().parent.parent / "docs"
     if f"transformers {transformers.__version__}," in (docs / "heads.md").read_text():
         rows = {row["model_type"]: row for row in json.loads((docs / "heads.json").read_text())}

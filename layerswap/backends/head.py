@@ -96,13 +96,27 @@ _LOSS_CALL = re.compile(
     r"if labels is not None:\n    loss = self\.loss_function\("
     r"(logits=logits, labels=labels, |logits, labels, )[^\n]*\*\*kwargs\)"
 )
+#: a mixture-of-experts causal LM's router loss, added to the loss after it
+_AUX_LOSS = re.compile(
+    r"if output_router_logits:\n    aux_loss = load_balancing_loss_func\(.*\)\n"
+    r"    if labels is not None:\n"
+    r"        loss \+= self\.(?P<coef>[\w.]+) \* aux_loss\.to\(loss\.device\)"
+)
+#: the tuple a forward called with ``return_dict=False`` returns (the head always calls it
+#: with ``True``, and gives ``to_tuple()`` where the caller asked for a tuple)
+_TUPLE_RETURN = re.compile(
+    r"if not return_dict:\n    output = \(logits,\) \+ \w+\[1:\]\n"
+    r"    return \(loss,\) \+ output if loss is not None else output"
+)
 
 
 @dataclass(frozen=True)
 class HeadContract:
-    """What the original ``forward`` does to the logits: ``(kind, "config.attr")`` steps."""
+    """What the original ``forward`` does to the logits: ``(kind, "config.attr")`` steps;
+    ``aux_coef``: the attribute scaling the router loss it adds to the loss, if it does."""
 
     steps: tuple[tuple[str, str], ...] = ()
+    aux_coef: str | None = None
 
     def transforms(self, model: nn.Module) -> tuple[LogitTransform, ...]:
         """The steps with their values read from ``model`` (an unset soft-cap is skipped)."""
@@ -160,20 +174,32 @@ def head_contract(causal_lm: type) -> HeadContract:
             )
         rest = rest[1:]
     expected = ("loss = None", "the loss statement", "the return")
+    # between the loss and the return: a router loss added to it, a tuple for return_dict
+    middle, aux = rest[2:-1], None
+    if middle[:1] == ["aux_loss = None"] and len(middle) > 1:
+        added = _AUX_LOSS.fullmatch(middle[1])
+        if added:
+            middle, aux = middle[2:], added["coef"]
+    if middle and _TUPLE_RETURN.fullmatch(middle[0]):
+        middle = middle[1:]
     if (
-        len(rest) != 3
+        len(rest) < 3
         or rest[0] != "loss = None"
         or not _LOSS_CALL.fullmatch(rest[1])
-        or not re.fullmatch(r"return \w+\(loss=loss, logits=logits, .*\)", rest[2])
+        or not re.fullmatch(
+            r"return \w+\(loss=loss, (aux_loss=aux_loss, )?logits=logits, .*\)", rest[-1]
+        )
+        or middle
     ):
         extra = next(
-            (text for text in rest[1:] if not _LOSS_CALL.fullmatch(text)), rest[-1] if rest else ""
+            (text for text in [*rest[1:2], *middle] if not _LOSS_CALL.fullmatch(text)),
+            rest[-1] if rest else "",
         )
         raise UpstreamDriftError(
             f"{where} does more with the loss than the head substitution reproduces "
             f"(expected {', '.join(expected)}; found `{_first_line(extra)}`)"
         )
-    return HeadContract(tuple(steps))
+    return HeadContract(tuple(steps), aux)
 
 
 def _first_line(text: str) -> str:
@@ -248,13 +274,26 @@ class CausalLMHead(nn.Module):
             keep_logits = False
         extra = _var_keyword(signature, bound)
         config = getattr(self, "config", None)
-        return_dict = extra.pop("return_dict", getattr(config, "return_dict", True))
-        extra["return_dict"] = True
+        if "return_dict" in signature.parameters:  # a parameter of its own (BLOOM, MPT)
+            return_dict = bound.arguments.get("return_dict")
+            bound.arguments["return_dict"] = True
+        else:
+            return_dict = extra.pop("return_dict", None)
+            extra["return_dict"] = True
+        if return_dict is None:
+            return_dict = getattr(config, "return_dict", True)
         bound.arguments["labels"] = None
         output, projected = self._projected_input(
             lambda: original(*bound.args, **bound.kwargs), keep_logits
         )
         loss = self._causal_lm_loss(projected, labels, extra)
+        coef = self._layerswap_contract.aux_coef
+        aux = output.get("aux_loss") if coef is not None else None
+        if aux is not None:  # the router loss the original adds (output_router_logits)
+            scale: Any = self
+            for part in coef.split("."):  # type: ignore[union-attr]
+                scale = getattr(scale, part)
+            loss = loss + scale * aux.to(loss.device)
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         output = type(output)(loss=loss, logits=output.logits if keep_logits else None, **fields)
         return output if return_dict is not False else output.to_tuple()
