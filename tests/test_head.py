@@ -436,6 +436,20 @@ def test_a_head_that_adds_to_the_loss_is_refused_by_the_contract() -> None:
     assert head_contract(MixtralForCausalLM).aux_coef == "router_aux_loss_coef"
 
 
+def test_a_soft_cap_named_first_and_read_through_the_text_config_is_reproduced() -> None:
+    """Gemma 4's multimodal model: ``if (cap := self.config.get_text_config().cap) ...``."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma4Config
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForConditionalGeneration
+
+    contract = head_contract(Gemma4ForConditionalGeneration)
+    assert contract.steps == (("softcap", "config.get_text_config().final_logit_softcapping"),)
+    config = Gemma4Config()
+    config.get_text_config().final_logit_softcapping = 7.0
+    assert contract.transforms(SimpleNamespace(config=config)) == (LogitTransform("softcap", 7.0),)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_the_router_loss_is_added_as_the_original_adds_it(family: str) -> None:
     """With ``output_router_logits`` the original adds ``coef * aux_loss`` to its loss: so

@@ -89,6 +89,16 @@ _TRANSFORMS: tuple[tuple[re.Pattern[str], str], ...] = (
         ),
         "softcap",
     ),
+    (
+        # the same, its value named first (Gemma 4's multimodal model: its text config's)
+        re.compile(
+            r"if \((?P<name>\w+) := self\.(?P<path>[\w.]+(?:\(\)\.[\w.]+)?)\) is not None:\n"
+            r"    logits = logits / (?P=name)\n"
+            r"    logits = torch\.tanh\(logits\)\n"
+            r"    logits = logits \* (?P=name)"
+        ),
+        "softcap",
+    ),
     (re.compile(r"logits = logits / self\.(?P<path>[\w.]+)"), "div"),
     (re.compile(r"logits = logits \* self\.(?P<path>[\w.]+)"), "mul"),
 )
@@ -123,8 +133,10 @@ class HeadContract:
         found = []
         for kind, path in self.steps:
             value: Any = model
-            for part in path.split("."):
-                value = getattr(value, part)
+            for part in path.split("."):  # "config.get_text_config().x": a call on the way
+                value = getattr(value, part.removesuffix("()"))
+                if part.endswith("()"):
+                    value = value()
             if value is None and kind == "softcap":
                 continue
             if isinstance(value, torch.Tensor):
