@@ -141,6 +141,29 @@ def test_qwen3_next_trains_to_the_original_loss_with_its_router_loss() -> None:
             torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_projection_scaled_in_its_own_statement_is_read() -> None:
+    """Falcon-H1: ``logits = self.lm_head(h) * self.model.lm_head_multiplier``."""
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1ForCausalLM
+
+    from layerswap.backends.head import head_contract
+
+    assert head_contract(FalconH1ForCausalLM).steps == (("mul", "model.lm_head_multiplier"),)
+    # its tiny config sets the multiplier to 0.5, so that a proof of a head dropping it fails
+    assert bare_family("falcon_h1").tiny_config().lm_head_multiplier == 0.5
+
+
+@pytest.mark.slow  # Falcon-H1's Mamba layers run transformers' PyTorch fallback: a minute
+def test_a_projection_scaled_in_its_own_statement_is_reproduced() -> None:
+    model = _model("falcon_h1")
+    assert model.model.lm_head_multiplier == 0.5
+    reference = copy.deepcopy(model)
+    layerswap.swap(model, "falcon_h1.head.fused")
+    batch = _batch(model)
+    out, _ = _train_pass(model, batch)
+    want, _ = _train_pass(reference, batch)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+
+
 def test_a_forward_returning_a_tuple_for_return_dict_false_is_taken() -> None:
     """BLOOM's forward builds a tuple itself where ``return_dict`` is false; the head
     calls it for a dict and gives the tuple the original gives (the loss first)."""

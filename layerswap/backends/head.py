@@ -102,6 +102,8 @@ _TRANSFORMS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"logits = logits / self\.(?P<path>[\w.]+)"), "div"),
     (re.compile(r"logits = logits \* self\.(?P<path>[\w.]+)"), "mul"),
 )
+#: the projection, maybe scaled in the same statement
+_PROJECTION = re.compile(r"logits = self\.lm_head\(.*\)( \* self\.(?P<path>[\w.]+))?")
 _LOSS_CALL = re.compile(
     r"if labels is not None:\n    loss = self\.loss_function\("
     r"(logits=logits, labels=labels, |logits, labels, )[^\n]*\*\*kwargs\)"
@@ -162,17 +164,16 @@ def head_contract(causal_lm: type) -> HeadContract:
         raise UpstreamDriftError(f"{where}: not a plain function")
     statements = [ast.unparse(statement) for statement in function.body]
     projection = [
-        i
-        for i, text in enumerate(statements)
-        if re.fullmatch(r"logits = self\.lm_head\(.*\)", text)
+        (i, found) for i, text in enumerate(statements) if (found := _PROJECTION.fullmatch(text))
     ]
     if len(projection) != 1:
         raise UpstreamDriftError(
             f"{where} does not compute its logits in one `logits = self.lm_head(...)` "
             "statement; the head substitution needs that structure"
         )
-    rest = statements[projection[0] + 1 :]
-    steps: list[tuple[str, str]] = []
+    rest = statements[projection[0][0] + 1 :]
+    scale = projection[0][1]["path"]  # Falcon-H1: `self.lm_head(h) * self.model.multiplier`
+    steps: list[tuple[str, str]] = [] if scale is None else [("mul", scale)]
     while rest and rest[0] != "loss = None":
         for pattern, kind in _TRANSFORMS:
             match = pattern.fullmatch(rest[0])

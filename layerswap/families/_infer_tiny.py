@@ -57,6 +57,9 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 2},
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
     "beam": {"n_group": 1, "topk_group": 1},
+    # a head scale other than 1, so that a proof of the head sees it
+    "falcon_h1": {"lm_head_multiplier": 0.5},
+    "hyperclovax": {"logits_scaling": 0.5},
     # a rotary dimension of 64 in 16-wide heads
     "codegen": {"rotary_dim": 8},
     "gptj": {"rotary_dim": 8},
