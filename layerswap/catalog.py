@@ -42,9 +42,15 @@ from layerswap.suggestions import did_you_mean
 __all__ = ["REGISTRY", "Offer", "Registry"]
 
 
+#: the most names an error lists; beyond, it says how many and where to see them
+_LISTED = 30
+
+
 def _suggest(name: str, known: Iterable[str]) -> str:
     known = sorted(known)
     hint = did_you_mean(name, known)
+    if len(known) > _LISTED:  # hundreds of substitution names bury the hint
+        return f"{'; ' + hint if hint else ''} {len(known)} are known: `layerswap list` lists them."
     return f"{'; ' + hint if hint else ''} Known: {', '.join(known) or '(none)'}."
 
 

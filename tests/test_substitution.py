@@ -442,3 +442,16 @@ def test_use_group_names_its_substitution_and_is_listed_while_applied():
         assert [s.name for s in applied()] == ["llama.decoder.fused"]
         assert "use('llama.decoder.fused')" in repr(group) and "active" in repr(group)
     assert applied() == ()
+
+
+def test_an_unknown_name_gets_the_nearest_names_not_every_name() -> None:
+    """Hundreds of substitution names would bury the suggestion: the error names the
+    nearest ones, says how many there are and where they are listed."""
+    with pytest.raises(LookupError) as info:
+        layerswap.get("lama.decoder.fused")
+    message = str(info.value)
+    assert "did you mean 'llama.decoder.fused'" in message
+    assert "are known: `layerswap list` lists them" in message
+    assert len(message) < 300 and "qwen3.head.fused" not in message
+    with pytest.raises(LookupError, match=r"Known: fused, liger, te\."):
+        layerswap.get_backend("fusd")  # a short list is still given whole
