@@ -177,6 +177,8 @@ def test_a_forward_returning_a_tuple_for_return_dict_false_is_taken() -> None:
     want = reference(**batch, use_cache=False, return_dict=False)
     assert isinstance(got, tuple) and isinstance(want, tuple)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    # the logits not computed keep their place: every other position is the original's
+    assert len(got) == len(want) and got[1] is None and want[1] is not None
 
 
 @pytest.mark.slow  # every model type of the installed transformers, on the meta device

@@ -122,6 +122,17 @@ _TUPLE_RETURN = re.compile(
 )
 
 
+def read_path(model: nn.Module, path: str) -> Any:
+    """``model.<path>``, a call on the way where a part ends ``()``
+    (``"config.get_text_config().final_logit_softcapping"``)."""
+    value: Any = model
+    for part in path.split("."):
+        value = getattr(value, part.removesuffix("()"))
+        if part.endswith("()"):
+            value = value()
+    return value
+
+
 @dataclass(frozen=True)
 class HeadContract:
     """What the original ``forward`` does to the logits: ``(kind, "config.attr")`` steps;
@@ -134,11 +145,7 @@ class HeadContract:
         """The steps with their values read from ``model`` (an unset soft-cap is skipped)."""
         found = []
         for kind, path in self.steps:
-            value: Any = model
-            for part in path.split("."):  # "config.get_text_config().x": a call on the way
-                value = getattr(value, part.removesuffix("()"))
-                if part.endswith("()"):
-                    value = value()
+            value = read_path(model, path)
             if value is None and kind == "softcap":
                 continue
             if isinstance(value, torch.Tensor):
@@ -303,13 +310,15 @@ class CausalLMHead(nn.Module):
         coef = self._layerswap_contract.aux_coef
         aux = output.get("aux_loss") if coef is not None else None
         if aux is not None:  # the router loss the original adds (output_router_logits)
-            scale: Any = self
-            for part in coef.split("."):  # type: ignore[union-attr]
-                scale = getattr(scale, part)
-            loss = loss + scale * aux.to(loss.device)
+            loss = loss + read_path(self, coef) * aux.to(loss.device)  # type: ignore[arg-type]
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         output = type(output)(loss=loss, logits=output.logits if keep_logits else None, **fields)
-        return output if return_dict is not False else output.to_tuple()
+        if return_dict is not False:
+            return output
+        # to_tuple() leaves out what is None: the logits not computed keep their place, so
+        # that the tuple's positions are the original's
+        values = output.to_tuple()
+        return values if keep_logits else (*values[:1], None, *values[1:])
 
     def _projected_input(
         self, run: Callable[[], Any], keep_logits: bool
