@@ -1,10 +1,12 @@
-"""The ``norm`` slot as a declaration names it: the backend's norm replacement, by name.
+"""The class-swapping slots (``norm``, ``mlp``) as a declaration names them: the backend's
+replacement, by name.
 
-The replacement (:class:`~layerswap.backends.norm.NormReplacement`) says which kinds of
-norm it computes; the slot asks each of a model's norms what it computes by running it
-(:mod:`layerswap.norms`). A family is refused when no norm of its tiny model is one the
-backend computes (asked once per transformers release, as the head's refusal is); a
-user's model with none is refused when swapped, with each norm's reason.
+The replacement (a :class:`~layerswap.backends.class_swap.ClassReplacement`) says what it
+computes; the slot asks each of a model's candidate modules what it computes by running it
+(:mod:`layerswap.norms`, :mod:`layerswap.mlps`). A family is refused when no candidate of
+its tiny model is one the backend computes (asked once per transformers release, as the
+head's refusal is); a user's model with none is refused when swapped, with each module's
+reason.
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ from layerswap import verdicts
 from layerswap.backend import Implementation, Lazy
 from layerswap.family import Family
 
-__all__ = ["norm_slot"]
+__all__ = ["class_slot", "norm_slot"]
 
 
-def norm_slot(replacement: str, *, description: str) -> Implementation:
-    """The ``norm`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
+def class_slot(slot: str, replacement: str, *, description: str) -> Implementation:
+    """The class-swapping slot ``slot`` whose replacement is ``replacement``
+    (``"module:Class"``)."""
 
     def named(family: Family) -> str:
         return replacement
 
     def refusal(family: Family) -> str | None:
-        compute = Lazy("layerswap.slots.norm:read_norm_refusal")
+        compute = Lazy(f"layerswap.slots.{slot}:read_refusal")
         return verdicts.remembered(
-            "norm",
+            slot,
             f"{replacement}|{family.module}:{family.causal_lm}",
             lambda: compute(family, replacement),
             module=family.module,
@@ -36,5 +39,10 @@ def norm_slot(replacement: str, *, description: str) -> Implementation:
         converter=Lazy("layerswap.backends.head:no_conversion"),
         description=description,
         supports=refusal,
-        upstream=Lazy("layerswap.slots.norm:check_norm_structure"),
+        upstream=Lazy("layerswap.slots.class_swap:check_class_structure"),
     )
+
+
+def norm_slot(replacement: str, *, description: str) -> Implementation:
+    """The ``norm`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
+    return class_slot("norm", replacement, description=description)

@@ -1,0 +1,397 @@
+"""Slots that swap the class of some of a model's own modules, keeping their parameters.
+
+The ``norm`` and ``mlp`` slots work alike: each module of the model whose class is one of
+the slot's candidates in the model's modeling module is asked what it computes, by running
+a copy of it (the slot's ``classify``); where the backend's replacement computes that, the
+module gets a subclass of its class whose ``forward`` is the backend's kernel
+(:class:`~layerswap.backends.class_swap.ClassReplacement`). Nothing else changes:
+parameters, names, ``state_dict``, ``save_pretrained``, PEFT targets and optimizers see the
+same objects; undo sets the classes back. Modules it does not express stay the original's,
+and the handle's report says which and why; a model with none it expresses is refused.
+
+A concrete slot (:class:`ClassSwapSlot`) names its candidates, its classifier and its
+replacement base; everything else is here, once.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import nn
+
+from layerswap import hf_internals
+from layerswap.backends.class_swap import ClassReplacement
+from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
+from layerswap.handle import SwapHandle
+from layerswap.patching.undo import UndoLog
+from layerswap.proof import ensure_proven
+from layerswap.slots import ModelParts, Slot
+from layerswap.versions import transformers_version
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.family import Family
+    from layerswap.patching import Scoped
+    from layerswap.substitution import Substitution
+
+__all__ = [
+    "ClassPlan",
+    "ClassSwapHandle",
+    "ClassSwapSlot",
+    "check_class_structure",
+    "settings",
+]
+
+#: what each module computes, asked once per classifier, class and settings
+_SPECS: dict[tuple[Any, ...], Any] = {}
+_SPECS_LOCK = threading.Lock()
+#: the most parameters a tiny model may have for its first-use proof to run
+_TINY_LIMIT = 300_000_000
+#: tiny models built on the meta device, the most recent first asked of again
+_TINY_MODELS: OrderedDict[tuple[str, ...], Any] = OrderedDict()
+_TINY_KEPT = 2
+
+
+def settings(module: nn.Module) -> tuple[Any, ...]:
+    """What, besides its class, decides what a module computes: its plain attributes and
+    which parameters it has (a config's ``group_size``, ``elementwise_affine``...)."""
+    plain = tuple(
+        sorted(
+            (key, value)
+            for key, value in vars(module).items()
+            if not key.startswith("_")
+            and key != "training"
+            and isinstance(value, (int, float, str, bool, tuple, type(None)))
+        )
+    )
+    params = tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+    children = tuple((name, type(child)) for name, child in module.named_children())
+    return (type(module), plain, params, children)
+
+
+def _tiny_on_meta(family: Family) -> Any:
+    """``family``'s tiny model built on the meta device, or what building it raised; the
+    last few are kept, since every class-swapping slot and backend asks of the same one."""
+    import torch
+
+    key = (family.module, family.causal_lm, family.config_class, repr(family.tiny))
+    with _SPECS_LOCK:
+        if key in _TINY_MODELS:
+            _TINY_MODELS.move_to_end(key)
+            return _TINY_MODELS[key]
+    built: Any
+    try:
+        with torch.device("meta"):
+            built = family.causal_lm_class()(family.tiny_config())
+    except Exception as exc:
+        built = exc
+    with _SPECS_LOCK:
+        _TINY_MODELS[key] = built
+        while len(_TINY_MODELS) > _TINY_KEPT:
+            _TINY_MODELS.popitem(last=False)
+    return built
+
+
+@dataclass
+class ClassPlan:
+    """What a swap of ``sub`` does to one model: the modules it swaps, and those it keeps."""
+
+    #: (qualified name, module, the class it gets)
+    swapped: list[tuple[str, nn.Module, type[ClassReplacement]]]
+    #: original class name -> (how many, why it stays)
+    kept: dict[str, tuple[int, str]]
+    #: (qualified name, the substitution that swapped it): modules another swap holds
+    taken: list[tuple[str, str]]
+
+
+def check_class_structure(sub: Substitution, config: PreTrainedConfig) -> None:
+    """The class ``sub`` names is still in its modeling module (what each module computes
+    is asked of the module itself, by running it, when it is swapped)."""
+    try:
+        sub.original_class()
+    except (ImportError, AttributeError) as exc:
+        raise UpstreamDriftError(
+            f"{sub.name}: transformers {transformers_version()} has no {sub.original} ({exc})"
+        ) from exc
+
+
+def _kept_text(plan: ClassPlan) -> str:
+    return "; ".join(
+        f"{name} x{count} ({reason})" if count > 1 else f"{name} ({reason})"
+        for name, (count, reason) in plan.kept.items()
+    )
+
+
+class ClassSwapHandle(SwapHandle):
+    """A class swap in effect; ``undo()`` sets every swapped module's class back."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        substitution: Substitution,
+        plan: ClassPlan,
+        changes: UndoLog,
+        slot: ClassSwapSlot,
+    ) -> None:
+        self.model = model
+        self.substitution = substitution
+        self._plan = plan
+        self._changes = changes
+        self._slot = slot
+        self._active = True
+
+    @property
+    def swapped(self) -> list[tuple[str, type[nn.Module], type[nn.Module]]]:
+        """(qualified name, original class, replacement class) per swapped module."""
+        return [(name, made._layerswap_original, made) for name, _, made in self._plan.swapped]
+
+    @property
+    def kept(self) -> dict[str, tuple[int, str]]:
+        """The candidate classes left the original's: name -> (how many, why)."""
+        return dict(self._plan.kept)
+
+    def undo(self) -> None:
+        """Put every original class back (a no-op when already undone)."""
+        if not self._active:
+            return
+        for name, module, made in self._plan.swapped:
+            if type(module) is not made:
+                raise SubstitutionError(
+                    f"cannot undo {self.substitution.name}: {name} is now a "
+                    f"{type(module).__qualname__}, not {made.__qualname__} (changed since)"
+                )
+        self._changes.undo()
+        self._active = False
+
+    def report(self) -> str:
+        """A readable summary: the modules swapped (per class and kind) and those kept."""
+        state = "active" if self._active else "undone"
+        per_class: dict[str, list[str]] = {}
+        for _, _, made in self._plan.swapped:
+            kinds = per_class.setdefault(made._layerswap_original.__name__, [])
+            label = self._slot.spec_label(made._layerswap_spec)
+            if label not in kinds:
+                kinds.append(label)
+        lines = [f"{self.substitution.name}: {len(self)} {self._slot.plural} swapped ({state})"]
+        lines += [f"  {name} -> {', '.join(kinds)}" for name, kinds in per_class.items()]
+        if self._plan.kept:
+            lines.append(f"  kept: {_kept_text(self._plan)}")
+        return "\n".join(lines)
+
+    def __len__(self) -> int:
+        return len(self._plan.swapped)
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return (
+            f"<{type(self).__name__} {self.substitution.name}: {len(self)} "
+            f"{self._slot.plural}, {state}>"
+        )
+
+
+def _apply(plan: ClassPlan, changes: UndoLog) -> None:
+    for _, module, made in plan.swapped:
+        changes.set_class(module, made)
+
+
+class ClassSwapSlot(Slot):
+    """A slot that swaps the class of the model's own modules of one kind (its norms, its
+    MLPs), each for a backend's kernel; subclasses name the kind."""
+
+    proven_at_first_use = True
+    #: a ``<model type>.<slot>.<backend>`` name needs no registered family
+    takes_any_model_type = True
+    #: what one swapped module is called, and many (``"norm"``, ``"norms"``)
+    noun: ClassVar[str] = ""
+    plural: ClassVar[str] = ""
+    #: the base of every backend's replacement of this slot
+    replacement_base: ClassVar[type[ClassReplacement]] = ClassReplacement
+    #: the handle a swap returns
+    handle_class: ClassVar[type[ClassSwapHandle]] = ClassSwapHandle
+
+    # --- what a subclass says -------------------------------------------------------------
+
+    def candidates(self, model: nn.Module, module_name: str) -> dict[type, list[str]]:
+        """The candidate classes of ``model`` (of the modeling module ``module_name``), with
+        the names of their instances, in the order they first appear."""
+        raise NotImplementedError
+
+    def classify(self, module: nn.Module) -> Any:
+        """What ``module`` computes (a spec with a ``kind``), or why none is expressed."""
+        raise NotImplementedError
+
+    def spec_label(self, spec: Any) -> str:
+        """How a report names what a module computes."""
+        return str(spec.kind)
+
+    # --- shared ---------------------------------------------------------------------------
+
+    def spec_of(self, module: nn.Module) -> Any:
+        """:meth:`classify` of ``module``, asked once per class and settings."""
+        key = (type(self), *settings(module))
+        with _SPECS_LOCK:
+            known = _SPECS.get(key)
+        if known is None:
+            known = self.classify(module)
+            with _SPECS_LOCK:
+                _SPECS[key] = known
+        return known
+
+    def plan(self, model: nn.Module, sub: Substitution) -> ClassPlan:
+        """Which of ``model``'s modules ``sub`` swaps (and into which class), and which stay."""
+        replacement: Any = sub.replacement_class()
+        plan = ClassPlan([], {}, [])
+        for cls, names in self.candidates(model, sub.parts.family.module).items():
+            for name in names:
+                module = model.get_submodule(name)
+                if isinstance(module, self.replacement_base):
+                    plan.taken.append((name, module._layerswap_swapped_by))
+                    continue
+                spec = self.spec_of(module)
+                reason = spec if isinstance(spec, str) else replacement.refusal(spec)
+                if reason is None:
+                    made = replacement.subclass_for(cls, spec, sub.name)
+                    plan.swapped.append((name, module, made))
+                    continue
+                count, _ = plan.kept.get(cls.__name__, (0, reason))
+                plan.kept[cls.__name__] = (count + 1, reason)
+        return plan
+
+    def read_refusal(self, family: Family, replacement: str) -> str | None:
+        """Why ``replacement`` (``"module:Class"``) computes none of the candidates of
+        ``family``'s tiny model, built on the meta device (``None``: it computes at least
+        one). A declaration asks it once per transformers release."""
+        from layerswap.family import resolve
+
+        made: Any = resolve(replacement)
+        model = _tiny_on_meta(family)
+        if isinstance(model, Exception):
+            return f"its tiny model does not build here ({type(model).__name__}: {model})"
+        size = sum(param.numel() for param in model.parameters())
+        if size > _TINY_LIMIT:
+            return (
+                f"its tiny config builds {size / 1e6:.0f}M parameters (parts it builds at "
+                "their full size): too large to prove here"
+            )
+        classes = self.candidates(model, family.module)
+        if not classes:
+            return self.none_found(family)
+        reasons: dict[str, None] = {}
+        for cls, names in classes.items():
+            # one instance per setting: a class may compute another kind under other
+            # settings (Qwen4-Exp's RMSNorm is grouped in its hyper-connections only)
+            for module in {settings(m): m for m in map(model.get_submodule, names)}.values():
+                spec = self.spec_of(module)
+                reason = spec if isinstance(spec, str) else made.refusal(spec)
+                if reason is None:
+                    return None
+                reasons[f"{cls.__name__}: {reason}"] = None
+        return (
+            f"no {self.noun} of its model is one this backend computes (" + "; ".join(reasons) + ")"
+        )
+
+    def none_found(self, family: Family) -> str:
+        """Why a model with no candidate class is refused."""
+        return f"its model has no {self.noun} class of {family.module}"
+
+    def _checked_plan(self, model: nn.Module, sub: Substitution) -> ClassPlan:
+        plan = self.plan(model, sub)
+        if plan.taken:
+            name, owner = plan.taken[0]
+            raise SubstitutionError(
+                f"{len(plan.taken)} {self.plural} of this model are already swapped by "
+                f"{owner} ({name}...); undo that swap first"
+            )
+        if not plan.swapped:
+            module = sub.parts.family.module
+            raise SubstitutionError(
+                f"{sub.name}: no {self.noun} of this {type(model).__name__} is one the "
+                f"{sub.backend} backend computes"
+                + (
+                    f": {_kept_text(plan)}"
+                    if plan.kept
+                    else f" (no {self.noun} class of {module} in it)"
+                )
+            )
+        return plan
+
+    def swap(self, model: nn.Module, sub: Substitution) -> ClassSwapHandle:
+        """Swap every module of ``model`` that ``sub``'s backend computes; refuse when none."""
+        config = getattr(model, "config", None)
+        if config is None:
+            raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
+        plan = self._checked_plan(model, sub)
+        self.prepare(sub, config)
+        changes = UndoLog()
+        try:
+            _apply(plan, changes)
+        except BaseException:
+            changes.undo()
+            raise
+        return self.handle_class(model, sub, plan, changes, self)
+
+    def rebuild_originals(self, model: nn.Module, sub: Substitution) -> int:
+        """Give every module ``sub`` swapped its original class back; how many."""
+        rebuilt = 0
+        for name, module in model.named_modules():
+            if not isinstance(module, self.replacement_base):
+                continue
+            if module._layerswap_swapped_by != sub.name:
+                raise SubstitutionError(
+                    f"{name!r} was swapped by {module._layerswap_swapped_by}, not by {sub.name}"
+                )
+            restored: Any = module
+            restored.__class__ = module._layerswap_original
+            rebuilt += 1
+        return rebuilt
+
+    def construction(self, sub: Substitution) -> list[Scoped]:
+        """Every model of the family built inside the block has its modules swapped when
+        its ``__init__`` finishes (``post_init``), before any weight is loaded."""
+        from layerswap.patching import wrap
+
+        module_name = sub.parts.family.module
+        prepared: list[bool] = []
+
+        def adopt(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            result = wrapped(*args, **kwargs)
+            if type(instance).__module__ == module_name:
+                plan = self.plan(instance, sub)
+                if plan.swapped:
+                    if not prepared:
+                        self.prepare(sub, instance.config)
+                        prepared.append(True)
+                    _apply(plan, UndoLog())  # kept: a built model has no handle
+                elif plan.kept and not plan.taken:  # built, and nothing of it swapped
+                    warnings.warn(
+                        f"{sub.name}: this {type(instance).__name__} was built inside use() "
+                        f"with its original {self.plural}, none of which the {sub.backend} "
+                        f"backend computes: {_kept_text(plan)}",
+                        SwapWarning,
+                        stacklevel=2,
+                    )
+            return result
+
+        return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
+
+    def swapped_by(self, model: nn.Module) -> str | None:
+        for module in model.modules():
+            if isinstance(module, self.replacement_base):
+                return module._layerswap_swapped_by
+        return None
+
+    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
+        """The structure check, then the first-use proof for ``config``."""
+        super().prepare(sub, config)
+        ensure_proven(sub, config)
+
+    def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        classes = self.candidates(parts.model, parts.family.module)
+        named = ", ".join(f"{cls.__name__} x{len(names)}" for cls, names in classes.items())
+        return (f"the {self.plural} ({named or 'none'})",), (parts.layers_text, *parts.outside)
