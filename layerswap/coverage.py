@@ -219,11 +219,26 @@ def _module_of(model_type: str) -> str | None:
     return f"transformers.models.{package}.modeling_{package}"
 
 
-def _bare_refusal(model_type: str, backend: Backend, slot: str) -> str | None:
+@functools.lru_cache(maxsize=4)
+def _bare(model_type: str) -> Family | str:
+    """``model_type``'s bare family, or why there is none: made once for every slot and
+    backend that asks in turn."""
     from layerswap.model_types import bare_family
 
     try:
-        return backend.unsupported(bare_family(model_type), slot)
+        return bare_family(model_type)
+    except UnsupportedFamilyError as exc:
+        return str(exc)
+    except Exception as exc:  # a modeling module that fails to import or build here
+        return f"{model_type}: {type(exc).__name__}: {exc}"
+
+
+def _bare_refusal(model_type: str, backend: Backend, slot: str) -> str | None:
+    family = _bare(model_type)
+    if isinstance(family, str):
+        return family
+    try:
+        return backend.unsupported(family, slot)
     except UnsupportedFamilyError as exc:
         return str(exc)
     except Exception as exc:  # a modeling module that fails to import or build here
