@@ -21,7 +21,7 @@ from typing import Any
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.family import Family
 
-__all__ = ["NOT_STANDALONE", "bare_family", "norm_class_name"]
+__all__ = ["NOT_STANDALONE", "SWITCHED_ON", "bare_family", "norm_class_name"]
 
 #: model types whose causal LM does not run on token ids alone, so no tiny model of theirs
 #: can be proven, and why
@@ -34,6 +34,15 @@ NOT_STANDALONE = {
         "a draft model that runs inside its target model (it reads the target's shared "
         "key/value states): no model of its own runs on token ids"
     ),
+}
+
+
+#: modules a model type's default config leaves out, switched on in the tiny model of its
+#: bare family so that the slots below the decoder layer see (and prove) them; family
+#: inference keeps the defaults, and names the switch in its reason
+SWITCHED_ON: dict[str, dict[str, Any]] = {
+    # GraniteMoE-Shared's shared expert MLP (shared_intermediate_size 0 builds none)
+    "granitemoeshared": {"shared_intermediate_size": 64},
 }
 
 
@@ -57,7 +66,8 @@ def bare_family(model_type: str) -> Family:
     try:
         # every field of the tiny config inference builds the model type on: sizes it
         # derives from others (latent ranks, per-layer kinds) included
-        built = tiny_config_for(classes.config_class, **_tiny_parts(classes.config_class))
+        parts = {**_tiny_parts(classes.config_class), **SWITCHED_ON.get(model_type, {})}
+        built = tiny_config_for(classes.config_class, **parts)
         tiny = {
             key: value
             for key, value in built.to_diff_dict().items()

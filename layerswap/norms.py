@@ -18,8 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from layerswap.trials import one_tensor_input, random_copy
 
 __all__ = [
     "KINDS",
@@ -152,22 +152,6 @@ def candidate_norm_classes(model: nn.Module, module_name: str) -> dict[type, lis
     return found
 
 
-def _one_input(module: nn.Module) -> str | None:
-    try:
-        parameters = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return "its forward has no signature to read"
-    # one argument and nothing else: an optional one (a gate: ``forward(x, gate=None)``)
-    # would be dropped by a norm of one input
-    if len(parameters) != 1 or parameters[0].kind not in (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    ):
-        names = ", ".join(p.name for p in parameters)
-        return f"its forward takes ({names}), not one tensor alone"
-    return None
-
-
 def _structure(module: nn.Module) -> tuple[str | None, int | None]:
     """Why ``module`` is not a plain norm (``None`` if it may be), and its width."""
     if isinstance(module, _TORCH_NORMS) and type(module).forward in (
@@ -187,7 +171,7 @@ def _structure(module: nn.Module) -> tuple[str | None, int | None]:
         return f"its weight has shape {tuple(weight.shape)}, not one value per channel", None
     if dict(module.named_buffers()):
         return "it holds buffers", None
-    reason = _one_input(module)
+    reason = one_tensor_input(module)
     if reason is not None:
         return reason, None
     width = weight.shape[0] if weight is not None else None
@@ -203,17 +187,10 @@ def _eps_name(module: nn.Module) -> str | None:
 
 
 def _trial_copy(module: nn.Module, dtype: torch.dtype, eps_name: str, eps: float) -> nn.Module:
-    """A copy of ``module`` on the CPU in ``dtype``, random weights from a fixed seed."""
-    trial = copy.deepcopy(module)
-    if any(p.is_meta for p in trial.parameters()):
-        trial = trial.to_empty(device="cpu")
-    trial = trial.to(device="cpu", dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in trial.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    """A copy of ``module`` on the CPU in ``dtype``, random weights, epsilon ``eps``."""
+    trial = random_copy(module, dtype)
     setattr(trial, eps_name, eps)
-    return trial.to(dtype).eval()
+    return trial
 
 
 def _errors(

@@ -1,7 +1,7 @@
-"""Prove the ``norm`` slot on every model type ``layerswap list --all`` says it takes (or,
-with ``--slot head``, the ``head`` slot on every model type no family covers that it
-takes), and write what was swapped, what was kept and the verdict to ``docs/norms.md``
-(``docs/heads.md``).
+"""Prove the ``norm`` slot on every model type ``layerswap list --all`` says it takes (with
+``--slot mlp`` the ``mlp`` slot; with ``--slot head``, the ``head`` slot on every model type
+no family covers that it takes), and write what was swapped, what was kept and the verdict
+to ``docs/norms.md`` (``docs/mlps.md``, ``docs/heads.md``).
 
 Each model type runs in a process of its own (a model type that crashes its process is
 recorded as such, not the sweep), two at a time by default::
@@ -23,7 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: where each slot's rows and page go
-PAGES = {"norm": "norms", "head": "heads"}
+PAGES = {"norm": "norms", "mlp": "mlps", "head": "heads"}
+#: the slots that swap classes of a model's own modules (every model type they take)
+CLASS_SLOTS = ("norm", "mlp")
 
 ONE = r"""
 import json, logging, sys, time, warnings
@@ -33,7 +35,7 @@ import torch
 torch.set_num_threads(1)
 import layerswap
 from layerswap.proof import prove, comparing
-from layerswap.slots.norm import norm_plan
+from layerswap.slots import get_slot
 
 model_type, backend, slot = sys.argv[1], sys.argv[2], sys.argv[3]
 row = {"model_type": model_type}
@@ -48,10 +50,12 @@ try:
         raise StopIteration
     with torch.device("meta"), comparing():
         model = family.causal_lm_class()(family.tiny_config())
-    plan = norm_plan(model, sub)
+    chosen = get_slot(slot)
+    plan = chosen.plan(model, sub)
     kinds = {}
     for _, _, made in plan.swapped:
-        kinds.setdefault(made._layerswap_original.__name__, set()).add(made._layerswap_spec.kind)
+        label = chosen.spec_label(made._layerswap_spec)
+        kinds.setdefault(made._layerswap_original.__name__, set()).add(label)
     row["swapped"] = {name: sorted(k) for name, k in kinds.items()}
     row["kept"] = {name: reason for name, (_, reason) in plan.kept.items()}
 except StopIteration:
@@ -75,7 +79,7 @@ def _listed(backend: str, slot: str) -> list[str]:
         r["model_type"]
         for r in rows
         if backend in (r.get("below_decoder") or {}).get(slot, [])
-        and (slot == "norm" or r["reason"] is not None)  # a family's head: its own tests
+        and (slot in CLASS_SLOTS or r["reason"] is not None)  # a family's head: its own tests
     ]
 
 
@@ -102,17 +106,19 @@ def _write(rows: list[dict[str, object]], backend: str, slot: str) -> None:
     import transformers
 
     passed = sum(bool(r["passed"]) for r in rows)
-    which = "every model type it takes" if slot == "norm" else "every model type no family covers"
+    which = (
+        "every model type it takes" if slot in CLASS_SLOTS else "every model type no family covers"
+    )
     lines = [
         f"# The `{slot}` slot, proven on {which}",
         "",
         f"`python scripts/norm_sweep.py --backend {backend} --slot {slot}` on transformers "
         f"{transformers.__version__}, CPU, float32: each model type that `layerswap list --all` "
         f"says the `{backend}` {slot} takes"
-        + ("" if slot == "norm" else " (no family covering it)")
+        + ("" if slot in CLASS_SLOTS else " (no family covering it)")
         + ", proven on its tiny model (padded forward, prefill and "
         "decode with dynamic and static caches, backward"
-        + (")." if slot == "norm" else ": the fused loss and its gradients).")
+        + (")." if slot in CLASS_SLOTS else ": the fused loss and its gradients).")
         + " "
         f"**{passed} of {len(rows)} proven.** A verdict is kept per transformers source; a "
         "user's model is proven again at first use on its own config.",

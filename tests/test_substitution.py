@@ -104,6 +104,7 @@ def test_substitutions_filter_by_family_and_backend() -> None:
     assert layerswap.substitutions(family="qwen3", backend="fused") == [
         layerswap.get("qwen3.decoder.fused"),
         layerswap.get("qwen3.head.fused"),
+        layerswap.get("qwen3.mlp.fused"),
         layerswap.get("qwen3.norm.fused"),
     ]
 

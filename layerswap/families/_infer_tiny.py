@@ -54,11 +54,16 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "longcat_flash": {"n_routed_experts": 4, "expert_ffn_hidden_size": 64},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2}},
-    "gemma3n_text": {"num_kv_shared_layers": 2},
+    # a layer whose MLP keeps its top activations only (the mlp slot keeps it), beside plain ones
+    "gemma3n_text": {
+        "num_kv_shared_layers": 2,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+    },
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
     "beam": {"n_group": 1, "topk_group": 1},
     # a head scale other than 1, so that a proof of the head sees it
-    "falcon_h1": {"lm_head_multiplier": 0.5},
+    # (and the MLP's gate and output multipliers, so that one the mlp slot drops shows)
+    "falcon_h1": {"lm_head_multiplier": 0.5, "mlp_multipliers": [0.5, 0.75]},
     "hyperclovax": {"logits_scaling": 0.5},
     # a rotary dimension of 64 in 16-wide heads
     "codegen": {"rotary_dim": 8},

@@ -46,10 +46,11 @@ _BUILTIN = {
     "head": "layerswap.slots.head",
     "patch": "layerswap.slots.patch",
     "norm": "layerswap.slots.norm",
+    "mlp": "layerswap.slots.mlp",
 }
 #: the builtin slots whose substitutions may name any causal-LM model type, with or
 #: without a registered family (their modules are not imported to say so)
-_ANY_MODEL_TYPE = frozenset({"norm", "head"})
+_ANY_MODEL_TYPE = frozenset({"norm", "mlp", "head"})
 _SLOTS: dict[str, Slot] = {}
 _ADDED: list[str] = []  # names of slots registered beyond the builtin ones, in order
 _LOCK = threading.RLock()

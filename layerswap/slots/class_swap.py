@@ -200,6 +200,23 @@ def _apply(plan: ClassPlan, changes: UndoLog) -> None:
         changes.set_class(module, made)
 
 
+def _decoder_overlap(model: nn.Module, slot: ClassSwapSlot, plan: ClassPlan) -> str | None:
+    """Why ``slot`` finds nothing of the model's own to swap where its decoder layers are a
+    decoder substitution's (which computes its own norms and MLPs), else ``None``."""
+    from layerswap.slots import get_slot
+
+    if plan.kept or plan.taken:
+        return None
+    decoder = get_slot("decoder").swapped_by(model)
+    if decoder is None:
+        return None
+    return (
+        f"this model's decoder layers are {decoder}'s, which compute their own "
+        f"{slot.plural}: no {slot.noun} of the model's own classes is left in them to swap "
+        f"(undo {decoder} first, or take the {slot.name} slot alone)"
+    )
+
+
 class ClassSwapSlot(Slot):
     """A slot that swaps the class of the model's own modules of one kind (its norms, its
     MLPs), each for a backend's kernel; subclasses name the kind."""
@@ -310,6 +327,9 @@ class ClassSwapSlot(Slot):
             )
         if not plan.swapped:
             module = sub.parts.family.module
+            overlap = _decoder_overlap(model, self, plan)
+            if overlap is not None:
+                raise SubstitutionError(f"{sub.name}: {overlap}")
             raise SubstitutionError(
                 f"{sub.name}: no {self.noun} of this {type(model).__name__} is one the "
                 f"{sub.backend} backend computes"

@@ -15,7 +15,7 @@ from layerswap import verdicts
 from layerswap.backend import Implementation, Lazy
 from layerswap.family import Family
 
-__all__ = ["class_slot", "norm_slot"]
+__all__ = ["class_slot", "mlp_slot", "norm_slot"]
 
 
 def class_slot(slot: str, replacement: str, *, description: str) -> Implementation:
@@ -46,3 +46,8 @@ def class_slot(slot: str, replacement: str, *, description: str) -> Implementati
 def norm_slot(replacement: str, *, description: str) -> Implementation:
     """The ``norm`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
     return class_slot("norm", replacement, description=description)
+
+
+def mlp_slot(replacement: str, *, description: str) -> Implementation:
+    """The ``mlp`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
+    return class_slot("mlp", replacement, description=description)

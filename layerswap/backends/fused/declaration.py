@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from layerswap.backend import Backend, Implementation, Lazy
 from layerswap.backends.declarations.head_slot import head_slot
-from layerswap.backends.declarations.norm_slot import norm_slot
+from layerswap.backends.declarations.norm_slot import mlp_slot, norm_slot
 
 __all__ = ["BACKEND"]
 
@@ -38,6 +38,13 @@ BACKEND = Backend(
             description=(
                 "pure PyTorch, CPU and GPU: each norm the model's classes compute as one "
                 "F.rms_norm / F.layer_norm kernel, in the original's casts"
+            ),
+        ),
+        "mlp": mlp_slot(
+            "layerswap.backends.fused.mlp:FusedMLP",
+            description=(
+                "pure PyTorch, CPU and GPU: each gated MLP the model's classes compute, its "
+                "activation recomputed in the backward pass (one intermediate fewer kept)"
             ),
         ),
     },

@@ -13,7 +13,7 @@ import functools
 from layerswap.backend import Backend, Dependency, Implementation, Lazy
 from layerswap.backends._answers import answered
 from layerswap.backends.declarations.head_slot import head_slot
-from layerswap.backends.declarations.norm_slot import norm_slot
+from layerswap.backends.declarations.norm_slot import mlp_slot, norm_slot
 from layerswap.backends.liger.runtime import unmet_requirement
 from layerswap.capabilities import Capability, refusal
 from layerswap.family import Family
@@ -171,6 +171,13 @@ BACKEND = Backend(
             description=(
                 "Liger-Kernel, GPU only: each RMS norm the model's classes compute as Liger's "
                 "RMSNorm kernel, in its casting mode and offset"
+            ),
+        ),
+        "mlp": mlp_slot(
+            "layerswap.backends.liger.mlp:LigerMLP",
+            description=(
+                "Liger-Kernel, GPU only: each SiLU- or tanh-GELU-gated MLP the model's "
+                "classes compute, act(gate) * up as Liger's SwiGLU / GeGLU kernel"
             ),
         ),
     },

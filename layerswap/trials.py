@@ -1,0 +1,50 @@
+"""Running a copy of a model's module to learn what it computes: what the slots that read a
+module by running it (:mod:`layerswap.norms`, :mod:`layerswap.mlps`) share.
+
+Example::
+
+    trial = random_copy(model.model.norm, torch.bfloat16)   # the model's norm untouched
+    one_tensor_input(model.model.norm)                      # None: forward(hidden_states)
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+
+__all__ = ["one_tensor_input", "random_copy"]
+
+
+def one_tensor_input(module: nn.Module) -> str | None:
+    """Why ``module``'s forward does not take one tensor alone (``None``: it does). An
+    optional second argument (a gate: ``forward(x, gate=None)``) is a reason: a
+    replacement taking one tensor would drop it."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return "its forward has no signature to read"
+    if len(parameters) != 1 or parameters[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        names = ", ".join(p.name for p in parameters)
+        return f"its forward takes ({names}), not one tensor alone"
+    return None
+
+
+def random_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``module`` on the CPU in ``dtype``, in eval mode, its parameters random
+    (``N(0, 0.25)``, from a fixed seed, drawn in float32 so that every dtype gets the same
+    values); one on the meta device is copied with empty storage first."""
+    trial = copy.deepcopy(module)
+    if any(p.is_meta for p in trial.parameters()):
+        trial = trial.to_empty(device="cpu")
+    trial = trial.to(device="cpu", dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in trial.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return trial.to(dtype).eval()

@@ -1,0 +1,548 @@
+"""The ``mlp`` slot: what each gated MLP computes, named by running it; its activation and
+product swapped for one kernel, exactly, on the models the decoder slot refuses (hybrids,
+multi-head latent attention, Llama 4, Gemma 4) and on every family."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_norm_slot import _ids, _state
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import layerswap
+from layerswap.backends.fused.mlp import FusedMLP
+from layerswap.backends.mlp import MLPReplacement
+from layerswap.errors import SubstitutionError, UnknownSubstitutionError, UpstreamDriftError
+from layerswap.families.infer import model_type_classes, tiny_config_for
+from layerswap.mlps import ACTIVATIONS, classify
+from layerswap.model_types import SWITCHED_ON
+
+#: the model types people run in late 2026 whose MLPs the slot swaps (Nemotron-H's are
+#: plain: test_a_model_with_plain_mlps_only_is_refused_unchanged)
+POPULAR = (
+    "qwen3_next",
+    "qwen3_5_text",
+    "falcon_h1",
+    "lfm2",
+    "jamba",
+    "bamba",
+    "granitemoehybrid",
+    "deepseek_v2",
+    "deepseek_v3",
+    "llama4_text",
+    "gemma4_text",
+    "gemma3n_text",
+    "granitemoeshared",
+    "hyperclovax",
+)
+FAST = ("qwen3_next", "deepseek_v3", "llama4_text")
+_LARGE = ("gemma4_text", "gemma3n_text")
+
+
+def _model(model_type: str, seed: int = 0) -> nn.Module:
+    """A tiny model of ``model_type`` as its bare family builds it (GraniteMoE-Shared with its
+    shared expert MLP), its biases and norms away from their initial values."""
+    classes = model_type_classes(model_type)
+    config = tiny_config_for(classes.config_class, **SWITCHED_ON.get(model_type, {}))
+    config._attn_implementation = "sdpa" if classes.causal_lm._supports_sdpa else "eager"
+    torch.manual_seed(seed)
+    model = classes.causal_lm(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param), alpha=0.1)
+    return model.eval()
+
+
+def _lanes() -> list[Any]:
+    return [pytest.param(t, marks=() if t in FAST else pytest.mark.slow, id=t) for t in POPULAR]
+
+
+def _mlps(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, MLPReplacement)]
+
+
+# --- what an MLP computes, by running it --------------------------------------------------
+
+
+class _Llama(nn.Module):
+    def __init__(self, width: int = 16, inner: int = 24) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(width, inner, bias=False)
+        self.up_proj = nn.Linear(width, inner, bias=False)
+        self.down_proj = nn.Linear(inner, width, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _SwappedNames(_Llama):
+    """Called gate and up the other way round: what runs decides, not the names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
+class _InlinePacked(nn.Module):
+    """Up first in one packed projection, GELU's tanh form applied inline, square: the
+    inner width equals the model width, so every role fits every projection's shape."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(width, 2 * width)
+        self.fc_out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, gate = self.fc_in(x).chunk(2, dim=-1)
+        return self.fc_out(F.gelu(gate, approximate="tanh") * up)
+
+
+class _Scaled(_Llama):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_multiplier, self.down_multiplier = 0.5, 3.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)
+        return self.down_proj(y) * self.down_multiplier
+
+
+class _PlainMLP(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.up_proj, self.down_proj = nn.Linear(width, 32), nn.Linear(32, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)))
+
+
+class _DropoutMLP(_Llama):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+
+
+class _TopK(_Llama):
+    """Keeps the largest activations only (as Gemma 3n's sparse layers do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = gate * (gate > gate.mean(-1, keepdim=True))
+        return self.down_proj(self.act_fn(gate) * self.up_proj(x))
+
+
+def test_a_gated_mlp_is_read_by_what_it_computes_not_by_its_names() -> None:
+    llama = classify(_Llama())
+    assert not isinstance(llama, str)
+    assert (llama.kind, llama.gate, llama.up, llama.down, llama.act) == (
+        "silu",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "act_fn",
+    )
+    swapped = classify(_SwappedNames())
+    assert not isinstance(swapped, str) and (swapped.gate, swapped.up) == ("up_proj", "gate_proj")
+    packed = classify(_InlinePacked())
+    assert not isinstance(packed, str)
+    assert (packed.kind, packed.layout, packed.gate, packed.down, packed.act) == (
+        "gelu_tanh",
+        "packed_up_first",
+        "fc_in",
+        "fc_out",
+        "",
+    )
+    scaled = classify(_Scaled())
+    assert not isinstance(scaled, str)
+    assert (scaled.gate_scale, scaled.down_scale) == ("gate_multiplier", "down_multiplier")
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        (_PlainMLP(), "plain MLP"),
+        (_DropoutMLP(), "dropout"),
+        (_TopK(), "no gated MLP"),
+    ],
+    ids=["plain", "dropout", "top-k"],
+)
+def test_what_the_slot_does_not_read_is_refused_with_the_reason(
+    module: nn.Module, why: str
+) -> None:
+    reason = classify(module)
+    assert isinstance(reason, str) and why in reason
+
+
+def test_classifying_touches_nothing_and_reads_a_meta_module() -> None:
+    mlp = _Llama()
+    before = copy.deepcopy(mlp.state_dict())
+    classify(mlp)
+    assert all(torch.equal(mlp.state_dict()[k], v) for k, v in before.items())
+    with torch.device("meta"):
+        on_meta = _Llama()
+    spec = classify(on_meta)
+    assert not isinstance(spec, str) and spec.kind == "silu"
+
+
+def test_the_fused_backend_computes_every_activation() -> None:
+    assert set(FusedMLP.kernels) == {*ACTIVATIONS, "other"}
+
+
+# --- swapped exactly ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", _lanes())
+def test_a_popular_model_swaps_its_mlps_exactly(model_type: str, tmp_path: Path) -> None:
+    model = _model(model_type)
+    ids = _ids(model)
+    before = _state(model)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+
+    handle = layerswap.swap(model, f"{model_type}.mlp.fused")
+    assert len(handle) > 0
+    for name, original, made in handle.swapped:
+        module = model.get_submodule(name)
+        assert type(module) is made and isinstance(module, original)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+    # the very same parameters under the same names: the original layout is what is saved
+    assert all(p is params[n] for n, p in model.named_parameters())
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not _mlps(plain)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+    handle.undo()
+    assert not _mlps(model)
+    after = _state(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def _train_step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    model.train()
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def test_training_computes_the_original_gradients_keeping_less() -> None:
+    """The loss and every gradient are the original's, bit for bit; the activation's output
+    is recomputed in the backward pass, not kept: one ``tokens x intermediate`` tensor fewer
+    per MLP, for every one of them."""
+    family = layerswap.get_family("llama")
+    model = family.build(seed=0)
+    config = model.config
+    ids = _ids(model)
+
+    def saved_bytes() -> int:
+        total = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            total[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, labels=ids).loss.backward()
+        model.zero_grad()
+        return total[0]
+
+    loss, grads = _train_step(model, ids)
+    original = saved_bytes()
+    with layerswap.swap(model, "llama.mlp.fused"):
+        swapped_loss, swapped_grads = _train_step(model, ids)
+        swapped = saved_bytes()
+    assert torch.equal(swapped_loss, loss)
+    assert swapped_grads.keys() == grads.keys()
+    assert all(torch.equal(swapped_grads[n], grads[n]) for n in grads)
+    per_mlp = ids.numel() * config.intermediate_size * 4  # float32
+    assert original - swapped == config.num_hidden_layers * per_mlp
+
+
+def test_gradient_checkpointing_around_the_layers_still_gives_the_same_gradients() -> None:
+    model = layerswap.get_family("qwen3").build(seed=0)
+    ids = _ids(model)
+    model.gradient_checkpointing_enable()
+    loss, grads = _train_step(model, ids)
+    with layerswap.swap(model, "qwen3.mlp.fused"):
+        swapped_loss, swapped_grads = _train_step(model, ids)
+    assert torch.equal(swapped_loss, loss)
+    assert all(torch.equal(swapped_grads[n], grads[n]) for n in grads)
+
+
+def test_the_report_names_what_was_swapped_and_what_stays() -> None:
+    model = _model("gemma3n_text")
+    with layerswap.swap(model, "gemma3n_text.mlp.fused") as handle:
+        report = handle.report()
+        assert "Gemma3nTextMLP -> gated gelu_tanh" in report
+        # its first layer keeps its largest activations only: kept, with the reason
+        count, reason = handle.kept["Gemma3nTextMLP"]
+        assert count == 1 and "no gated MLP" in reason
+        assert not isinstance(model.model.layers[0].mlp, MLPReplacement)
+    assert not handle.active
+
+
+def test_falcon_h1s_multipliers_are_kept_in_their_places() -> None:
+    model = _model("falcon_h1")
+    mlp = model.model.layers[0].feed_forward
+    assert (mlp.gate_multiplier, mlp.down_multiplier) == (0.5, 0.75)
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    with layerswap.swap(model, "falcon_h1.mlp.fused") as handle:
+        assert "FalconH1MLP -> gated silu, scaled" in handle.report()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+
+
+def test_use_builds_and_loads_with_the_mlps_swapped(tmp_path: Path) -> None:
+    original = _model("deepseek_v3")
+    ids = _ids(original)
+    with torch.no_grad():
+        expected = original(ids).logits
+    original.save_pretrained(tmp_path)
+    with layerswap.use("deepseek_v3.mlp.fused"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert _mlps(loaded) and _mlps(built)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected)
+    assert not _mlps(AutoModelForCausalLM.from_config(original.config))
+
+
+def test_verify_compares_an_mlp_swap_with_the_original() -> None:
+    report = layerswap.verify(_model("llama4_text"), "llama4_text.mlp.fused", backward=True)
+    assert report.passed, report.summary()
+
+
+def test_norms_and_mlps_swap_together_and_undo_in_any_order() -> None:
+    model = _model("qwen3_next")
+    ids, before = _ids(model), _state(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    norms = layerswap.swap(model, "qwen3_next.norm.fused")
+    mlps = layerswap.swap(model, "qwen3_next.mlp.fused")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    norms.undo()
+    mlps.undo()
+    assert not _mlps(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+# --- refused, changing nothing ------------------------------------------------------------
+
+
+def test_swapping_twice_is_refused() -> None:
+    model = _model("qwen3_next")
+    with (
+        layerswap.swap(model, "qwen3_next.mlp.fused"),
+        pytest.raises(SubstitutionError, match=r"already swapped by qwen3_next\.mlp\.fused"),
+    ):
+        layerswap.swap(model, "qwen3_next.mlp.fused")
+
+
+def test_a_model_with_plain_mlps_only_is_refused_with_the_reason() -> None:
+    with pytest.raises(UnknownSubstitutionError, match="plain MLP"):
+        layerswap.get("nemotron_h.mlp.fused")
+
+
+def test_after_the_decoder_slot_no_original_mlp_is_left_to_swap() -> None:
+    model = layerswap.get_family("llama").build()
+    classes = {type(m) for m in model.modules()}
+    with layerswap.swap(model, "llama.decoder.fused"):
+        classes = {type(m) for m in model.modules()}
+        with pytest.raises(SubstitutionError, match=r"decoder layers are llama\.decoder\.fused's"):
+            layerswap.swap(model, "llama.mlp.fused")
+        assert {type(m) for m in model.modules()} == classes
+
+
+def test_the_decoder_slot_takes_layers_whose_mlps_are_swapped_and_both_undo_in_any_order() -> None:
+    model = layerswap.get_family("llama").build()
+    ids, before = _ids(model), _state(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    mlps = layerswap.swap(model, "llama.mlp.fused")
+    decoder = layerswap.swap(model, "llama.decoder.fused")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-5)
+    mlps.undo()
+    decoder.undo()
+    assert not _mlps(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_the_first_use_proof_catches_a_wrong_kernel() -> None:
+    """A backend whose kernel forgets the activation's gradient: its proof fails and the
+    swap is refused before the model changes."""
+
+    def detached(gate: torch.Tensor, up: torch.Tensor, act: Any) -> torch.Tensor:
+        return act(gate).detach() * up
+
+    class Forgetful(MLPReplacement):
+        backend = "forgetful"
+        kernels = {"silu": detached}
+
+    base = layerswap.get("llama.mlp.fused")
+    sub = dataclasses.replace(base, name="llama.mlp.forgetful", replacement=Forgetful)
+    model = layerswap.get_family("llama").build()
+    with pytest.raises(UpstreamDriftError, match=r"llama\.mlp\.forgetful"):
+        layerswap.swap(model, sub)
+    assert not _mlps(model)
+
+
+def test_the_liger_mlp_needs_a_gpu_here_and_names_what_it_lacks() -> None:
+    from layerswap.backends.liger.mlp import LigerMLP
+    from layerswap.mlps import MLPSpec
+
+    relu = MLPSpec("relu", "separate", "gate_proj", "up_proj", "down_proj")
+    assert "relu" in str(LigerMLP.refusal(relu))
+    assert LigerMLP.refusal(dataclasses.replace(relu, kind="gelu_tanh")) is None
+    sub = layerswap.get("qwen3_next.mlp.liger")
+    assert sub.devices == ("cuda",)
+    if not torch.cuda.is_available():
+        model = _model("qwen3_next")
+        with pytest.raises(layerswap.errors.RequirementError, match="cannot run here"):
+            layerswap.swap(model, sub)
+        assert not _mlps(model)
+
+
+def _liger_reason() -> str | None:
+    from layerswap.backends.liger.runtime import unmet_requirement
+
+    return unmet_requirement()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_liger_reason() is not None, reason=f"needs CUDA and liger ({_liger_reason()})")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["fused", "liger"])
+@pytest.mark.parametrize("model_type", [t for t in POPULAR if t not in _LARGE])
+def test_on_a_gpu_the_mlps_verify(model_type: str, backend: str, dtype: torch.dtype) -> None:
+    report = layerswap.verify(
+        _model(model_type),
+        f"{model_type}.mlp.{backend}",
+        dtype=dtype,
+        device="cuda",
+        backward=True,
+    )
+    assert report.passed, report.summary()
+
+
+# --- the contract's clients: torch.compile, PEFT, pickle ----------------------------------
+
+
+@pytest.mark.slow  # compiles twice
+def test_compile_trains_the_swapped_model_to_the_same_gradients() -> None:
+    model = layerswap.get_family("qwen3").build(seed=0)
+    ids = _ids(model)
+    loss, grads = _train_step(model, ids)
+    with layerswap.swap(model, "qwen3.mlp.fused"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled_loss, compiled_grads = _train_step(compiled, ids)
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[f"_orig_mod.{name}"], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_lora_adapter_on_the_projections_trains_and_moves_to_the_original(
+    tmp_path: Path,
+) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    family = layerswap.get_family("llama")
+    ids = _ids(family.build())
+    config = LoraConfig(
+        r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(1)  # the adapter's random weights
+    plain_peft = get_peft_model(family.build(seed=0), copy.deepcopy(config))
+    expected_loss, expected_grads = _train_step(plain_peft, ids)
+
+    swapped = family.build(seed=0)
+    handle = layerswap.swap(swapped, "llama.mlp.fused")
+    torch.manual_seed(1)
+    peft_model = get_peft_model(swapped, config)
+    # the LoRA layers run inside the swapped MLPs: same loss, same adapter gradients
+    loss, grads = _train_step(peft_model, ids)
+    assert _mlps(peft_model)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    assert grads.keys() == expected_grads.keys()
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+    peft_model.eval()
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path)
+    handle.undo()
+    plain = PeftModel.from_pretrained(family.build(seed=0), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_swapped_model_pickles_and_copies_with_its_mlps() -> None:
+    import io
+
+    model = _model("qwen3_next")
+    ids = _ids(model)
+    handle = layerswap.swap(model, "qwen3_next.mlp.fused")
+    with torch.no_grad():
+        expected = model(ids).logits
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for again in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        kinds = {name: type(again.get_submodule(name)) for name, _, _ in handle.swapped}
+        assert kinds == {name: made for name, _, made in handle.swapped}
+        with torch.no_grad():
+            assert torch.equal(again(ids).logits, expected)
+
+
+def test_model_coverage_names_the_mlps_the_slot_replaces() -> None:
+    from layerswap.coverage import model_coverage
+
+    row = {r.substitution: r for r in model_coverage("qwen3").rows}["qwen3.mlp.fused"]
+    assert row.unsupported is None
+    layers = layerswap.get_family("qwen3").tiny_config().num_hidden_layers
+    assert row.replaces == (f"the MLPs (Qwen3MLP x{layers})",)
+
+
+@pytest.mark.slow  # every model type of the installed transformers, on the meta device
+def test_list_all_names_the_model_types_whose_mlps_are_swapped() -> None:
+    import json
+
+    import transformers
+
+    from layerswap.coverage import coverage
+
+    report = coverage(jobs=1)
+    listed = {t for t, row in report.items() if "fused" in row.below_decoder.get("mlp", [])}
+    # transformers 5.24: 99 model types, every popular one among them
+    assert len(listed) >= 99, len(listed)
+    assert set(POPULAR) <= listed
+    assert "plain MLP" in str(report["nemotron_h"].slots["mlp"]["fused"])
+    # every model type the list says the fused MLP takes was proven by the sweep
+    # (scripts/norm_sweep.py --slot mlp) on this transformers release
+    doc = Path(__file__).resolve().parent.parent / "docs"
+    if f"transformers {transformers.__version__}," in (doc / "mlps.md").read_text():
+        rows = {row["model_type"]: row for row in json.loads((doc / "mlps.json").read_text())}
+        assert listed == set(rows)
+        assert all(row["passed"] for row in rows.values())
