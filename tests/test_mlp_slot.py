@@ -373,6 +373,25 @@ def test_after_the_decoder_slot_no_original_mlp_is_left_to_swap() -> None:
         assert {type(m) for m in model.modules()} == classes
 
 
+@pytest.mark.parametrize("decoder_first", [True, False], ids=["decoder-first", "mlp-first"])
+def test_use_of_the_decoder_and_mlp_slots_together_is_refused_at_build(decoder_first: bool) -> None:
+    """The decoder slot's layers compute their own MLPs: a model built under both would
+    have no MLP the mlp slot swapped, so building it is refused, not passed over."""
+    family = layerswap.get_family("llama")
+    first, second = "llama.decoder.fused", "llama.mlp.fused"
+    if not decoder_first:
+        first, second = second, first
+    with (
+        layerswap.use(first),
+        layerswap.use(second),
+        pytest.raises(SubstitutionError, match=r"llama\.mlp\.fused inside use\(\): .*decoder"),
+    ):
+        family.build(seed=0)
+    # each alone builds
+    with layerswap.use("llama.mlp.fused"):
+        assert _mlps(family.build(seed=0))
+
+
 def test_the_decoder_slot_takes_layers_whose_mlps_are_swapped_and_both_undo_in_any_order() -> None:
     model = layerswap.get_family("llama").build()
     ids, before = _ids(model), _state(model)

@@ -396,6 +396,10 @@ class ClassSwapSlot(Slot):
                         SwapWarning,
                         stacklevel=2,
                     )
+                else:  # the two requests overlap: refused, not passed over
+                    overlap = _decoder_overlap(instance, self, plan)
+                    if overlap is not None:
+                        raise SubstitutionError(f"{sub.name} inside use(): {overlap}")
             return result
 
         return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
