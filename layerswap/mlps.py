@@ -101,6 +101,17 @@ def _linears(module: nn.Module) -> dict[str, nn.Linear]:
     return {name: c for name, c in module.named_children() if type(c) is nn.Linear}
 
 
+def _projections(module: nn.Module) -> dict[str, nn.Module]:
+    """The children of ``module`` that project like a linear layer: ``nn.Linear``, and what
+    wraps or replaces one (a LoRA or a quantized layer) with ``in_features``/``out_features``."""
+    return {
+        name: child
+        for name, child in module.named_children()
+        if isinstance(getattr(child, "in_features", None), int)
+        and isinstance(getattr(child, "out_features", None), int)
+    }
+
+
 def candidate_mlp_classes(model: nn.Module, module_name: str) -> dict[type, list[str]]:
     """The MLP classes of ``model`` the ``mlp`` slot considers, with the names of their
     instances: classes named as MLPs (:func:`is_mlp_class`) holding two or three
@@ -110,7 +121,7 @@ def candidate_mlp_classes(model: nn.Module, module_name: str) -> dict[type, list
         cls = type(module)
         original = getattr(cls, "_layerswap_original", None)
         cls = original if original is not None else cls
-        if is_mlp_class(cls, module_name) and 2 <= len(_linears(module)) <= 3:
+        if is_mlp_class(cls, module_name) and 2 <= len(_projections(module)) <= 3:
             found.setdefault(cls, []).append(name)
     return found
 
@@ -145,6 +156,17 @@ def _reference(module: nn.Module, spec: MLPSpec, x: Tensor) -> Tensor:
 def _structure(module: nn.Module) -> str | None:
     """Why ``module`` is no MLP the slot reads (``None`` if it may be one)."""
     linears = _linears(module)
+    wrapped = {
+        n: f"{type(c).__module__}.{type(c).__qualname__}"
+        for n, c in _projections(module).items()
+        if n not in linears
+    }
+    if wrapped:
+        named = ", ".join(f"{n} ({cls})" for n, cls in wrapped.items())
+        return (
+            f"its projections are not plain nn.Linear: {named}; where an adapter or "
+            "quantization wrapped them, swap the mlp slot before (they run as they are then)"
+        )
     for name, child in module.named_children():
         if name in linears:
             continue

@@ -517,6 +517,21 @@ def test_a_lora_adapter_on_the_projections_trains_and_moves_to_the_original(
         torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_mlps_whose_projections_an_adapter_wraps_already_are_refused_with_the_order() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        layerswap.get_family("llama").build(seed=0),
+        LoraConfig(r=4, target_modules=["gate_proj", "down_proj"]),
+    )
+    with pytest.raises(
+        SubstitutionError,
+        match=r"gate_proj \(peft\.tuners\.lora\.layer\.Linear\).*swap the mlp slot before",
+    ):
+        layerswap.swap(model.base_model.model, "llama.mlp.fused")
+    assert not _mlps(model)
+
+
 def test_a_swapped_model_pickles_and_copies_with_its_mlps() -> None:
     import io
 
