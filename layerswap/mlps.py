@@ -63,7 +63,8 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 class MLPSpec:
     """What one gated MLP class computes, and where its parts are.
 
-    ``down(act(gate(x) * gate_scale) * up(x)) * down_scale``; ``layout`` ``"separate"``
+    ``down(act(gate(x) * gate_scale) * up(x)) * down_scale`` (gate and up clamped to
+    ``limit`` first where one is set); ``layout`` ``"separate"``
     (``gate``, ``up`` two projections) or ``"packed"`` (``gate`` one projection whose output
     is ``[gate | up]``; ``up`` is ``""``), ``"packed_up_first"`` (``[up | gate]``).
     """
@@ -80,12 +81,16 @@ class MLPSpec:
     #: the float attributes scaling the gate's input and the output, ``""`` for none
     gate_scale: str = ""
     down_scale: str = ""
+    #: the float attribute bounding the gate from above and up on both sides before the
+    #: product (DeepSeek V4's ``swiglu_limit``), ``""`` for none
+    limit: str = ""
 
     @property
     def label(self) -> str:
         """``"gated silu"``, ``"packed gated gelu_tanh"``, ``"gated silu, scaled"``..."""
         label = ("packed gated " if self.layout != "separate" else "gated ") + self.kind
-        return label + (", scaled" if self.gate_scale or self.down_scale else "")
+        label += ", scaled" if self.gate_scale or self.down_scale else ""
+        return label + (", clamped" if self.limit else "")
 
 
 def is_mlp_class(cls: type, module_name: str) -> bool:
@@ -136,6 +141,9 @@ def gated_inputs(module: nn.Module, spec: MLPSpec, x: Tensor) -> tuple[Tensor, T
         gate, up = (first, second) if spec.layout == "packed" else (second, first)
     if spec.gate_scale:
         gate = gate * getattr(module, spec.gate_scale)
+    if spec.limit:
+        bound = getattr(module, spec.limit)
+        gate, up = gate.clamp(max=bound), up.clamp(min=-bound, max=bound)
     return gate, up
 
 
@@ -213,6 +221,15 @@ def _scales(module: nn.Module, part: str) -> list[str]:
     return ["", *names]
 
 
+def _limits(module: nn.Module) -> list[str]:
+    names = [
+        key
+        for key, value in vars(module).items()
+        if "limit" in key and isinstance(value, (int, float)) and not isinstance(value, bool)
+    ]
+    return ["", *names]
+
+
 def _readings(module: nn.Module) -> Iterator[MLPSpec]:
     """Every way ``module``'s projections and activation could make a gated MLP that their
     shapes allow, the conventional names first."""
@@ -231,10 +248,10 @@ def _readings(module: nn.Module) -> Iterator[MLPSpec]:
             if p_in == d_out and p_out == 2 * d_in:
                 layouts += [("packed", packed, "", down), ("packed_up_first", packed, "", down)]
     for (layout, gate, up, down), (act, kind) in itertools.product(layouts, acts):
-        for gate_scale, down_scale in itertools.product(
-            _scales(module, "gate"), _scales(module, "down")
+        for gate_scale, down_scale, limit in itertools.product(
+            _scales(module, "gate"), _scales(module, "down"), _limits(module)
         ):
-            yield MLPSpec(kind, layout, gate, up, down, act, gate_scale, down_scale)
+            yield MLPSpec(kind, layout, gate, up, down, act, gate_scale, down_scale, limit)
 
 
 def _difference(expected: Tensor, got: Tensor) -> tuple[float, float] | None:
@@ -252,7 +269,9 @@ def classify(module: nn.Module) -> MLPSpec | str:
     gated MLP in it.
 
     Runs a copy (the module itself is not touched; one on the meta device is copied with
-    empty storage): random weights, one input in float32 and bfloat16. A reading matches
+    empty storage): random weights, one input in float32 and bfloat16, half of its tokens
+    ten times the scale of the rest (so that a bound the MLP puts on its gate acts). A
+    reading matches
     when it agrees to rounding in float32 and, in bfloat16, differs by at most two units in
     the last place on at most 2% of the elements; the first reading that matches is it.
     """
@@ -261,7 +280,13 @@ def classify(module: nn.Module) -> MLPSpec | str:
         return reason
     width = next(iter(_linears(module).values())).in_features
     with torch.device("cpu"):
-        x = torch.randn(2, 3, width, generator=torch.Generator().manual_seed(1))
+        generator = torch.Generator().manual_seed(1)
+        # at the usual scale, and ten times it: a bound on the gate (DeepSeek V4's
+        # swiglu_limit) acts on the second, so a reading without it does not match
+        x = (
+            torch.randn(2, 6, width, generator=generator)
+            * torch.tensor([1.0, 10.0]).repeat_interleave(3)[:, None]
+        )
         trials = {dtype: random_copy(module, dtype) for dtype in (torch.float32, torch.bfloat16)}
         expected = {}
         for dtype, trial in trials.items():

@@ -36,6 +36,7 @@ POPULAR = (
     "granitemoehybrid",
     "deepseek_v2",
     "deepseek_v3",
+    "deepseek_v4",
     "llama4_text",
     "gemma4_text",
     "gemma3n_text",
@@ -115,6 +116,19 @@ class _Scaled(_Llama):
         return self.down_proj(y) * self.down_multiplier
 
 
+class _Clamped(_Llama):
+    """Bounds the gate from above and up on both sides (DeepSeek V4's ``swiglu_limit``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limit = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
 class _PlainMLP(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
@@ -160,6 +174,14 @@ def test_a_gated_mlp_is_read_by_what_it_computes_not_by_its_names() -> None:
         "fc_out",
         "",
     )
+    clamped = classify(_Clamped())
+    assert not isinstance(clamped, str) and clamped.limit == "limit"
+    assert clamped.label == "gated silu, clamped"
+    # a module holding a bound it does not apply is read without it
+    unused = _Llama()
+    unused.limit = 2.0  # type: ignore[assignment]
+    spec = classify(unused)
+    assert not isinstance(spec, str) and spec.limit == ""
     scaled = classify(_Scaled())
     assert not isinstance(scaled, str)
     assert (scaled.gate_scale, scaled.down_scale) == ("gate_multiplier", "down_multiplier")
@@ -569,8 +591,8 @@ def test_list_all_names_the_model_types_whose_mlps_are_swapped() -> None:
 
     report = coverage(jobs=1)
     listed = {t for t, row in report.items() if "fused" in row.below_decoder.get("mlp", [])}
-    # transformers 5.24: 99 model types, every popular one among them
-    assert len(listed) >= 99, len(listed)
+    # transformers 5.24: 100 model types, every popular one among them
+    assert len(listed) >= 100, len(listed)
     assert set(POPULAR) <= listed
     assert "plain MLP" in str(report["nemotron_h"].slots["mlp"]["fused"])
     # every model type the list says the fused MLP takes was proven by the sweep
