@@ -145,7 +145,7 @@ pair_shape() {  # pair_shape SEQ LAYERS CONTENDER...
     rm -f "$OUT/pair.txt"
   done
 }
-wanted pairs-256 && pair_shape 256 "${LAYERS_256:-32}" ${PAIRS_256:-liger-patch \
+wanted pairs-256 && pair_shape 256 "${LAYERS_256:-32}" ${PAIRS_256:-liger-patch liger-slots \
   fused+head-compiled compiled fused-compiled liger+head fused liger fused+head}
 wanted pairs-1024 && pair_shape 1024 "${LAYERS_1024:-16}" ${PAIRS_1024:-liger-patch \
   fused+head-compiled compiled fused-compiled liger+head fused}

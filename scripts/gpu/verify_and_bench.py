@@ -310,13 +310,28 @@ def rotations(items: list[Contender]) -> Iterator[list[Contender]]:
         index += 1
 
 
+#: the contenders that swap slots of the original, and which slots (``*-slots``: the
+#: slots below the decoder layer and the head, the original's decoder layers kept, which is
+#: what Liger-Kernel's own patch replaces, rotary aside)
+_SWAPPED = {
+    "fused": ("decoder",),
+    "liger": ("decoder",),
+    "fused+head": ("decoder", "head"),
+    "liger+head": ("decoder", "head"),
+    "fused-slots": ("norm", "mlp", "head"),
+    "liger-slots": ("norm", "mlp", "head"),
+}
+
+
 def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Contender], list[str]]:
     """The contenders ``args.contenders`` names, each on its own copy of the same weights.
 
     ``original``; ``compiled`` (the original under ``torch.compile``); ``liger-patch``
     (Liger-Kernel's own ``apply_liger_kernel_to_llama``, adopted: every other contender
     steps with it suspended); ``fused`` / ``liger`` (decoder layers swapped); ``fused+head`` /
-    ``liger+head`` (the decoder layers and the head's loss); ``te`` (bf16, then one FP8
+    ``liger+head`` (the decoder layers and the head's loss); ``fused-slots`` /
+    ``liger-slots`` (the norms, the MLPs and the head, the decoder layers the original's);
+    ``te`` (bf16, then one FP8
     contender per recipe in ``args.fp8_recipes``). A contender that cannot run here is
     left out with a note saying why.
     """
@@ -350,12 +365,10 @@ def make_contenders(original: Any, args: argparse.Namespace) -> tuple[list[Conte
                 continue
             adopted.append(adoption)
             contenders.append(Contender("liger patch", why_not, optimizer(why_not)))
-        elif wanted.removesuffix("-compiled") in ("fused", "liger", "fused+head", "liger+head"):
+        elif wanted.removesuffix("-compiled") in _SWAPPED:
             base = wanted.removesuffix("-compiled")
-            backend = base.split("+")[0]
-            names = [f"llama.decoder.{backend}"]
-            if base.endswith("+head"):
-                names.append(f"llama.head.{backend}")
+            backend = base.split("+")[0].split("-")[0]
+            names = [f"llama.{slot}.{backend}" for slot in _SWAPPED[base]]
             reason = next(filter(None, (get(name).unmet_requirement() for name in names)), None)
             if reason is not None:
                 notes.append(f"{wanted} skipped: {reason}")
@@ -692,7 +705,8 @@ def parse_args() -> argparse.Namespace:
         default="original,fused,fused+head,liger,liger+head,te",
         help="benchmarked: original, compiled (the original under torch.compile), "
         "liger-patch (Liger-Kernel's own apply_liger_kernel_to_llama, adopted), fused, liger, "
-        "fused+head, liger+head, te (bf16 and FP8), "
+        "fused+head, liger+head, fused-slots, liger-slots (the norms, MLPs and head swapped, "
+        "the decoder layers the original's), te (bf16 and FP8), "
         "te-bf16, te-fp8 (one FP8 contender per --fp8-recipes), te-graphed (bf16 and FP8 "
         "current, each layer a CUDA graph), fused-graphed; a swapped contender with "
         "'-compiled' (fused-compiled, fused+head-compiled, ...) has each decoder layer under "
