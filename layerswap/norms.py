@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from torch import nn
 from layerswap.trials import one_tensor_input, random_copy
 
 __all__ = [
+    "GROUPED_KINDS",
     "KINDS",
     "NormSpec",
     "candidate_norm_classes",
@@ -103,7 +105,45 @@ KINDS: dict[str, NormFunction] = {
     "layer_offset": _layer_offset,
 }
 
+
+def _grouped(x: Tensor, eps: float, group: int) -> Tensor:
+    # normalised in float32 over each run of ``group`` channels (Qwen4-Exp's hyper-connections)
+    wide = x.float()
+    grouped = wide.reshape(*wide.shape[:-1], -1, group)
+    return F.rms_norm(grouped, (group,), eps=eps).flatten(-2)
+
+
+def _rms_grouped(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, group: int) -> Tensor:
+    normed = _grouped(x, eps, group).to(x.dtype)
+    return normed if w is None else w * normed
+
+
+def _rms_float_grouped(
+    x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, group: int
+) -> Tensor:
+    normed = _grouped(x, eps, group)
+    return (normed if w is None else normed * w.float()).to(x.dtype)
+
+
+def _rms_offset_grouped(
+    x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, group: int
+) -> Tensor:
+    normed = _grouped(x, eps, group)
+    return (normed if w is None else normed * (1.0 + w.float())).to(x.dtype)
+
+
+#: the kinds that normalise each group of ``group`` channels on its own, the weight over
+#: every channel: functions of ``(x, weight, bias, eps, group)``, the group size read from
+#: the norm (:attr:`NormSpec.group_name`)
+GROUPED_KINDS: dict[str, Callable[..., Tensor]] = {
+    "rms_grouped": _rms_grouped,
+    "rms_float_grouped": _rms_float_grouped,
+    "rms_offset_grouped": _rms_offset_grouped,
+}
+
 _MODELING = "transformers.models."
+#: names of a norm's group size (channels normalised together)
+_GROUP_NAMES = ("group_size",)
 #: names a norm's epsilon goes by
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
 #: torch's own norm modules: one kernel already, nothing faster to put there
@@ -119,6 +159,8 @@ class NormSpec:
     #: the largest difference from the original, in float32 and in bfloat16 (relative)
     float32_error: float = 0.0
     bfloat16_error: float = 0.0
+    #: the attribute holding the group size of a grouped kind (:data:`GROUPED_KINDS`)
+    group_name: str = ""
 
 
 def fused_norm(spec: NormSpec) -> NormFunction:
@@ -240,12 +282,26 @@ def classify(module: nn.Module) -> NormSpec | str:
         return _closest(module, eps_name, width)
 
 
+def _candidate_kinds(module: nn.Module) -> list[tuple[str, NormFunction, str]]:
+    """(kind, its function of ``(x, w, b, eps)``, the group size's attribute) of every kind
+    ``module`` may compute: the grouped ones where it holds a group size."""
+    found: list[tuple[str, NormFunction, str]] = [(k, fn, "") for k, fn in KINDS.items()]
+    for name in _GROUP_NAMES:
+        group = module.__dict__.get(name)
+        if isinstance(group, int) and not isinstance(group, bool) and group > 0:
+            found += [
+                (kind, functools.partial(fn, group=group), name)
+                for kind, fn in GROUPED_KINDS.items()
+            ]
+    return found
+
+
 def _closest(module: nn.Module, eps_name: str, width: int | None) -> NormSpec | str:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, width or 16, generator=generator) * 3.0 + 0.5
     best: NormSpec | None = None
     best_share = 1.0
-    for kind, fn in KINDS.items():
+    for kind, fn, group_name in _candidate_kinds(module):
         exact = _errors(module, fn, torch.float32, eps_name, x)
         if exact is None or exact[0] > 1e-5:
             continue
@@ -253,7 +309,7 @@ def _closest(module: nn.Module, eps_name: str, width: int | None) -> NormSpec | 
         if rounded is None or rounded[0] > 2.0**-6 or rounded[1] > 0.02:
             continue
         if best is None or rounded[1] < best_share:
-            best = NormSpec(kind, eps_name, exact[0], rounded[0])
+            best = NormSpec(kind, eps_name, exact[0], rounded[0], group_name)
             best_share = rounded[1]
     if best is None:
         return "it computes none of the norms the fused functions compute"

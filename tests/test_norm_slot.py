@@ -20,7 +20,7 @@ from layerswap.backends.fused.norm import FusedNorm
 from layerswap.backends.norm import NormReplacement
 from layerswap.errors import SubstitutionError, UnknownSubstitutionError, UpstreamDriftError
 from layerswap.families.infer import model_type_classes, tiny_config_for
-from layerswap.norms import KINDS, classify
+from layerswap.norms import GROUPED_KINDS, KINDS, classify
 from layerswap.proof import comparing
 
 #: the model types people run in late 2026 that no decoder substitution takes
@@ -160,7 +160,7 @@ def test_classifying_touches_nothing_and_reads_a_meta_module() -> None:
 
 
 def test_every_kind_is_one_the_fused_backend_computes() -> None:
-    assert set(FusedNorm.kernels) == set(KINDS)
+    assert set(FusedNorm.kernels) == set(KINDS) | set(GROUPED_KINDS)
 
 
 # --- swapped exactly on the models the decoder slot refuses -------------------------------
@@ -282,11 +282,10 @@ def test_a_model_whose_norms_none_computes_is_refused_unchanged() -> None:
     assert {type(m) for m in model.modules()} == classes
 
 
-def test_a_class_computing_another_kind_under_other_settings_is_swapped_where_it_computes_one() -> (
-    None
-):
-    """Qwen4-Exp's RMSNorm is grouped in its hyper-connections (no kind computes that) and a
-    plain ``(1 + w)`` norm in its attention: the model is not refused, the plain ones swap."""
+def test_a_class_computing_another_kind_under_other_settings_gets_the_kernel_of_each() -> None:
+    """Qwen4-Exp's RMSNorm normalises each group of channels on its own in its
+    hyper-connections (``group_size``) and all channels together in its attention: each
+    instance gets the kind its setting computes, grouped or not."""
     model = _model("qwen4_exp_text")
     ids, before = _ids(model), _state(model)
     with torch.no_grad():
@@ -295,16 +294,36 @@ def test_a_class_computing_another_kind_under_other_settings_is_swapped_where_it
     handle = layerswap.swap(model, "qwen4_exp_text.norm.fused")
 
     swapped = [m for m in model.modules() if isinstance(m, NormReplacement)]
-    grouped = [m for m in model.modules() if getattr(m, "group_size", None) is not None]
-    assert swapped and grouped
-    assert all(m.group_size is None for m in swapped)
-    assert not any(isinstance(m, NormReplacement) for m in grouped)
-    assert f"Qwen4ExpTextRMSNorm x{len(grouped)}" in handle.report()
+    grouped = [m for m in swapped if getattr(m, "group_size", None) is not None]
+    plain = [m for m in swapped if getattr(m, "group_size", None) is None]
+    assert grouped and plain
+    assert {m._layerswap_spec.kind for m in grouped} == {"rms_offset_grouped"}
+    assert {m._layerswap_spec.kind for m in plain} == {"rms_offset"}
+    assert "Qwen4ExpTextRMSNorm -> rms_offset_grouped, rms_offset" in handle.report()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected)
     handle.undo()
     assert not any(isinstance(m, NormReplacement) for m in model.modules())
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_grouped_norm_is_read_with_its_group_size_and_liger_keeps_it() -> None:
+    from layerswap.backends.liger.norm import LigerNorm
+
+    class Grouped(_NamedRMSButOffset):
+        def __init__(self) -> None:
+            super().__init__(16)
+            self.group_size = 4
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            parts = x.float().reshape(*x.shape[:-1], -1, self.group_size)
+            normed = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed.flatten(-2) * (1.0 + self.weight.float())).type_as(x)
+
+    spec = classify(Grouped())
+    assert not isinstance(spec, str)
+    assert (spec.kind, spec.group_name) == ("rms_offset_grouped", "group_size")
+    assert "liger backend lacks" in str(LigerNorm.refusal(spec))
 
 
 @pytest.mark.parametrize("model_type", ["beam", "blt"])

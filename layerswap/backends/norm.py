@@ -16,13 +16,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 from torch import Tensor, nn
 
 from layerswap.backends.class_swap import ClassReplacement
-from layerswap.norms import NormFunction, NormSpec
+from layerswap.norms import NormSpec
 
 __all__ = ["NormReplacement", "is_replaced_norm"]
 
@@ -30,17 +30,20 @@ __all__ = ["NormReplacement", "is_replaced_norm"]
 class NormReplacement(ClassReplacement):
     """The base of a backend's norm replacement."""
 
-    #: the kinds this backend computes, and its function for each
-    kernels: ClassVar[Mapping[str, NormFunction]] = {}
+    #: the kinds this backend computes, and its function for each (a grouped kind's takes
+    #: the group size too)
+    kernels: ClassVar[Mapping[str, Callable[..., Tensor]]] = {}
     _layerswap_spec: ClassVar[NormSpec]
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         spec = self._layerswap_spec
+        grouped = {"group": getattr(self, spec.group_name)} if spec.group_name else {}
         return self.kernels[spec.kind](
             hidden_states,
             getattr(self, "weight", None),
             getattr(self, "bias", None),
             getattr(self, spec.eps_name),
+            **grouped,
         )
 
     def extra_repr(self) -> str:
