@@ -517,3 +517,34 @@ def test_a_gradient_zero_at_working_precision_is_not_compared_by_its_direction()
         local=False,
     )
     assert not wrong.passed and wrong.first_divergent_parameter == "router"
+
+
+def test_where_the_originals_own_gradient_is_nan_the_candidate_is_held_to_the_same() -> None:
+    """Gemma 3n's own gradients are NaN on left-padded inputs: a candidate with NaN in the
+    same places reproduces the original (judged on the finite elements, with a warning
+    naming the parameters); NaN anywhere else, or a finite value where the original has
+    NaN, is an infinite error."""
+    from layerswap.errors import SwapWarning
+    from layerswap.verify.compare import compare_gradients
+    from layerswap.verify.distance import diff
+    from layerswap.verify.tolerance import Tolerance
+
+    nan = float("nan")
+    reference = torch.tensor([1.0, nan, 3.0])
+    assert diff(reference, torch.tensor([1.0, nan, 3.0]), rowwise=False).max_abs_error == 0.0
+    assert diff(reference, torch.tensor([1.0, 2.0, 3.0]), rowwise=False).max_abs_error == math.inf
+    assert diff(torch.ones(3), torch.tensor([1.0, nan, 1.0]), rowwise=False).max_abs_error == (
+        math.inf
+    )
+    assert diff(reference, torch.tensor([1.0, nan, 3.5]), rowwise=False).max_abs_error == 0.5
+
+    with pytest.warns(SwapWarning, match=r"not finite on these inputs for 1 parameters \(w\)"):
+        report = compare_gradients(
+            {"w": reference, "b": torch.ones(2)},
+            {"w": torch.tensor([1.0, nan, 3.0]), "b": torch.ones(2)},
+            1.0,
+            1.0,
+            Tolerance(atol=1e-6, rtol=1e-5, min_cosine=0.9999, gradient_rtol=1e-4),
+            local=False,
+        )
+    assert report.passed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 from torch import nn
 
-from layerswap.errors import VerificationError
+from layerswap.errors import SwapWarning, VerificationError
 from layerswap.verify.distance import Diff, _as_float, diff
 from layerswap.verify.excused import Excused, decoding_excused_from, excused_rows
 from layerswap.verify.forward import Run
@@ -159,6 +160,21 @@ def compare_generation(
     )
 
 
+def _warn_non_finite(reference: Mapping[str, torch.Tensor]) -> None:
+    """Say where the original's own gradients are not finite on these inputs: there the
+    candidate is held to the same values, which says nothing of what it computes."""
+    bad = [name for name, grad in reference.items() if not bool(torch.isfinite(grad).all())]
+    if bad:
+        warnings.warn(
+            f"the original's own gradients are not finite on these inputs for {len(bad)} "
+            f"parameters ({', '.join(bad[:3])}{'...' if len(bad) > 3 else ''}): the "
+            "candidate is held to the same NaN/inf there and compared on the finite "
+            "elements only (other inputs, without padding, may avoid them)",
+            SwapWarning,
+            stacklevel=3,
+        )
+
+
 def compare_gradients(
     reference: Mapping[str, torch.Tensor],
     candidate: Mapping[str, torch.Tensor],
@@ -182,6 +198,7 @@ def compare_gradients(
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             + "; pass substitution= so its gradients can be mapped to the original layout"
         )
+    _warn_non_finite(reference)
     reports = []
     largest = max(
         (float(g.detach().abs().max()) for g in reference.values() if g.numel()), default=0.0

@@ -38,6 +38,9 @@ def _as_float(value: torch.Tensor) -> float:
 def diff(reference: torch.Tensor, candidate: torch.Tensor, *, rowwise: bool) -> Diff:
     """Errors of ``candidate`` against ``reference``, computed in float32.
 
+    Where the reference is not finite (the original's own NaN), the candidate matches it
+    only with the same value there; the errors are of the finite elements.
+
     ``rowwise`` takes the cosine of every last-dimension vector (one per token) and
     keeps the lowest; otherwise the cosine of the two flattened tensors.
     """
@@ -49,8 +52,14 @@ def diff(reference: torch.Tensor, candidate: torch.Tensor, *, rowwise: bool) -> 
     cand = candidate.detach().to(device=ref.device, dtype=torch.float32)
     if ref.numel() == 0:
         return Diff(0.0, 0.0, 1.0, 0.0)
+    # where the reference itself is not finite, a candidate with the very same value (NaN
+    # where it is NaN, the same infinity) reproduces it; any other value there is inf
+    same = ~torch.isfinite(ref) & ((cand == ref) | (torch.isnan(cand) & torch.isnan(ref)))
+    if bool(same.any()):
+        ref = torch.where(same, torch.zeros_like(ref), ref)
+        cand = torch.where(same, torch.zeros_like(cand), cand)
     max_abs = _as_float((ref - cand).abs().max())
-    if not torch.isfinite(cand).all():
+    if not torch.isfinite(cand).all() or not torch.isfinite(ref).all():
         max_abs = math.inf
     scale = float(ref.abs().max())
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
