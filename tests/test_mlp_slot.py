@@ -602,3 +602,14 @@ def test_list_all_names_the_model_types_whose_mlps_are_swapped() -> None:
         rows = {row["model_type"]: row for row in json.loads((doc / "mlps.json").read_text())}
         assert listed == set(rows)
         assert all(row["passed"] for row in rows.values())
+
+
+def test_the_command_line_patches_a_model_types_mlps() -> None:
+    from typer.testing import CliRunner
+
+    from layerswap.cli import app
+
+    result = CliRunner().invoke(app, ["patch", "--substitution", "qwen3_next.mlp.fused"])
+    assert result.exit_code == 0, result.output
+    assert "4 MLPs swapped: Qwen3NextMLP -> FusedMLP[Qwen3NextMLP]" in result.output
+    assert "PASS: the swapped model matches the original" in result.output

@@ -282,8 +282,12 @@ def render_adapter(console: Output, directory: str, family: str, found: AdapterL
 
 
 def _swapped_word(patched: Patched) -> str:
-    """What the rows of a swap are: decoder ``layers``, or the ``norm`` slot's ``norms``."""
-    return {"norm": "norms"}.get(patched.setup.substitution.slot, "layers")
+    """What the rows of a swap are: decoder ``layers``, or what a slot that swaps modules
+    of its own kind calls them (the ``norm`` slot's ``norms``, the ``mlp`` slot's ``MLPs``)."""
+    from layerswap.slots import get_slot
+
+    plural = getattr(get_slot(patched.setup.substitution.slot), "plural", "")
+    return plural or "layers"
 
 
 def render_patch(console: Output, patched: Patched) -> None:
