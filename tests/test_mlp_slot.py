@@ -491,12 +491,20 @@ def test_on_a_gpu_the_mlps_verify(model_type: str, backend: str, dtype: torch.dt
 # --- the contract's clients: torch.compile, PEFT, pickle ----------------------------------
 
 
-@pytest.mark.slow  # compiles twice
-def test_compile_trains_the_swapped_model_to_the_same_gradients() -> None:
+@pytest.mark.slow  # compiles three times
+def test_compile_trains_the_swapped_model_to_the_same_gradients_in_one_graph() -> None:
     model = layerswap.get_family("qwen3").build(seed=0)
     ids = _ids(model)
     loss, grads = _train_step(model, ids)
+
+    def training_loss(ids: torch.Tensor) -> torch.Tensor:
+        return model(ids, labels=ids).loss
+
     with layerswap.swap(model, "qwen3.mlp.fused"):
+        # the recomputed product is a checkpoint region dynamo traces: no graph break
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(training_loss)(ids)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager")
         compiled_loss, compiled_grads = _train_step(compiled, ids)
