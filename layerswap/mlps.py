@@ -120,7 +120,8 @@ def _projections(module: nn.Module) -> dict[str, nn.Module]:
 def candidate_mlp_classes(model: nn.Module, module_name: str) -> dict[type, list[str]]:
     """The MLP classes of ``model`` the ``mlp`` slot considers, with the names of their
     instances: classes named as MLPs (:func:`is_mlp_class`) holding two or three
-    ``nn.Linear`` projections of their own, in the order they first appear."""
+    projections of their own (``nn.Linear``, or a layer wrapping one: such an MLP is kept,
+    with the reason), in the order they first appear."""
     found: dict[type, list[str]] = {}
     for name, module in model.named_modules():
         cls = type(module)
