@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_norm_slot import _ids, _state
+from test_norm_slot import _ids, _liger_reason, _state
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -464,12 +464,6 @@ def test_the_liger_mlp_needs_a_gpu_here_and_names_what_it_lacks() -> None:
         with pytest.raises(layerswap.errors.RequirementError, match="cannot run here"):
             layerswap.swap(model, sub)
         assert not _mlps(model)
-
-
-def _liger_reason() -> str | None:
-    from layerswap.backends.liger.runtime import unmet_requirement
-
-    return unmet_requirement()
 
 
 @pytest.mark.gpu
