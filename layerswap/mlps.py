@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from layerswap.trials import one_tensor_input, random_copy
+from layerswap.trials import one_tensor_input, random_copy, relative_difference
 
 __all__ = [
     "ACTIVATIONS",
@@ -255,16 +254,6 @@ def _readings(module: nn.Module) -> Iterator[MLPSpec]:
             yield MLPSpec(kind, layout, gate, up, down, act, gate_scale, down_scale, limit)
 
 
-def _difference(expected: Tensor, got: Tensor) -> tuple[float, float] | None:
-    if expected.shape != got.shape or expected.dtype != got.dtype:
-        return None
-    difference = (expected.float() - got.float()).abs()
-    if not math.isfinite(difference.max().item()):
-        return None
-    scale = expected.float().abs().max().item() + 1e-6
-    return difference.max().item() / scale, (difference > 0).float().mean().item()
-
-
 def classify(module: nn.Module) -> MLPSpec | str:
     """What ``module``'s class computes, as an :class:`MLPSpec`, or why the slot reads no
     gated MLP in it.
@@ -317,7 +306,7 @@ def _matches(
                 got = _reference(trial, spec, x.to(dtype))
         except Exception:
             return False
-        found = _difference(expected[dtype], got)
+        found = relative_difference(expected[dtype], got)
         largest, share = bounds[dtype]
         if found is None or found[0] > largest or found[1] > share:
             return False
@@ -335,7 +324,7 @@ def _plain(trial: nn.Module, x: Tensor, expected: dict[torch.dtype, Tensor]) -> 
                 got = linears[down](fn(linears[up](x)))
         except Exception:
             continue
-        found = _difference(expected[torch.float32], got)
+        found = relative_difference(expected[torch.float32], got)
         if found is not None and found[0] <= 1e-5:
             return True
     return False

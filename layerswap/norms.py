@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layerswap.trials import one_tensor_input, random_copy
+from layerswap.trials import one_tensor_input, random_copy, relative_difference
 
 __all__ = [
     "GROUPED_KINDS",
@@ -251,15 +250,7 @@ def _errors(
             got = fn(inputs, weight, bias, 0.05)
     except Exception:
         return None
-    if not isinstance(expected, Tensor) or expected.shape != got.shape:
-        return None
-    if expected.dtype != got.dtype:
-        return None
-    difference = (expected.float() - got.float()).abs()
-    scale = expected.float().abs().max().item() + 1e-6
-    if not math.isfinite(difference.max().item()):
-        return None
-    return difference.max().item() / scale, (difference > 0).float().mean().item()
+    return relative_difference(expected, got)
 
 
 def classify(module: nn.Module) -> NormSpec | str:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 
 import torch
 from torch import nn
 
-__all__ = ["one_tensor_input", "random_copy"]
+__all__ = ["one_tensor_input", "random_copy", "relative_difference"]
 
 
 def one_tensor_input(module: nn.Module) -> str | None:
@@ -48,3 +49,18 @@ def random_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         for param in trial.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     return trial.to(dtype).eval()
+
+
+def relative_difference(expected: object, got: torch.Tensor) -> tuple[float, float] | None:
+    """(largest difference over the largest magnitude of ``expected``, share of elements
+    that differ at all) of ``got``; ``None`` where the two differ in type, shape or dtype,
+    or the difference is not finite: no reading of the module computes that."""
+    if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return None
+    if expected.shape != got.shape or expected.dtype != got.dtype:
+        return None
+    difference = (expected.float() - got.float()).abs()
+    if not math.isfinite(difference.max().item()):
+        return None
+    scale = expected.float().abs().max().item() + 1e-6
+    return difference.max().item() / scale, (difference > 0).float().mean().item()

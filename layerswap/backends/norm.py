@@ -37,14 +37,15 @@ class NormReplacement(ClassReplacement):
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         spec = self._layerswap_spec
-        grouped = {"group": getattr(self, spec.group_name)} if spec.group_name else {}
-        return self.kernels[spec.kind](
+        arguments = (
             hidden_states,
             getattr(self, "weight", None),
             getattr(self, "bias", None),
             getattr(self, spec.eps_name),
-            **grouped,
         )
+        if spec.group_name:
+            return self.kernels[spec.kind](*arguments, group=getattr(self, spec.group_name))
+        return self.kernels[spec.kind](*arguments)
 
     def extra_repr(self) -> str:
         spec = self._layerswap_spec
