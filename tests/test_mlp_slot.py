@@ -351,17 +351,27 @@ def test_verify_compares_an_mlp_swap_with_the_original() -> None:
     assert report.passed, report.summary()
 
 
-def test_norms_and_mlps_swap_together_and_undo_in_any_order() -> None:
-    model = _model("qwen3_next")
+@pytest.mark.parametrize(
+    ("model_type", "other", "rtol", "mlps_first"),
+    [("qwen3_next", "norm", 1e-5, False), ("llama", "decoder", 1e-4, True)],
+    ids=["norms", "decoder-after"],
+)
+def test_another_slot_swapped_after_the_mlps_composes_and_both_undo_in_any_order(
+    model_type: str, other: str, rtol: float, mlps_first: bool
+) -> None:
+    """The norms beside the MLPs, or the decoder layers taking layers whose MLPs are
+    swapped: the model computes the same, and undoing both, in either order, gives back
+    the original bit for bit."""
+    model = _model(model_type) if model_type != "llama" else layerswap.get_family("llama").build()
     ids, before = _ids(model), _state(model)
     with torch.no_grad():
         expected = model(ids).logits
-    norms = layerswap.swap(model, "qwen3_next.norm.fused")
-    mlps = layerswap.swap(model, "qwen3_next.mlp.fused")
+    mlps = layerswap.swap(model, f"{model_type}.mlp.fused")
+    second = layerswap.swap(model, f"{model_type}.{other}.fused")
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
-    norms.undo()
-    mlps.undo()
+        torch.testing.assert_close(model(ids).logits, expected, rtol=rtol, atol=1e-5)
+    for handle in (mlps, second) if mlps_first else (second, mlps):
+        handle.undo()
     assert not _mlps(model)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
@@ -412,23 +422,6 @@ def test_use_of_the_decoder_and_mlp_slots_together_is_refused_at_build(decoder_f
     # each alone builds
     with layerswap.use("llama.mlp.fused"):
         assert _mlps(family.build(seed=0))
-
-
-def test_the_decoder_slot_takes_layers_whose_mlps_are_swapped_and_both_undo_in_any_order() -> None:
-    model = layerswap.get_family("llama").build()
-    ids, before = _ids(model), _state(model)
-    with torch.no_grad():
-        expected = model(ids).logits
-    mlps = layerswap.swap(model, "llama.mlp.fused")
-    decoder = layerswap.swap(model, "llama.decoder.fused")
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-5)
-    mlps.undo()
-    decoder.undo()
-    assert not _mlps(model)
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, expected)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
 def test_the_first_use_proof_catches_a_wrong_kernel() -> None:
@@ -556,12 +549,15 @@ def test_mlps_whose_projections_an_adapter_wraps_already_are_refused_with_the_or
     assert not _mlps(model)
 
 
-def test_a_swapped_model_pickles_and_copies_with_its_mlps() -> None:
+@pytest.mark.parametrize("slot", ["norm", "mlp"])
+def test_a_model_whose_classes_are_swapped_pickles_and_copies_with_them(slot: str) -> None:
+    """Both class-swapping slots' classes are made at run time: torch.save and deepcopy
+    of a swapped model make them again, and the copy computes the same."""
     import io
 
     model = _model("qwen3_next")
     ids = _ids(model)
-    handle = layerswap.swap(model, "qwen3_next.mlp.fused")
+    handle = layerswap.swap(model, f"qwen3_next.{slot}.fused")
     with torch.no_grad():
         expected = model(ids).logits
     buffer = io.BytesIO()

@@ -505,24 +505,6 @@ def test_the_command_line_patches_a_model_type_no_family_covers() -> None:
     assert wrong.exit_code == 2 and "is for qwen3_next, not --model llama" in wrong.output
 
 
-def test_a_swapped_model_pickles_and_copies_with_its_norms() -> None:
-    import io
-
-    model = _model("qwen3_next")
-    ids = _ids(model)
-    handle = layerswap.swap(model, "qwen3_next.norm.fused")
-    with torch.no_grad():
-        expected = model(ids).logits
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    for again in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
-        kinds = {name: type(again.get_submodule(name)) for name, _, _ in handle.swapped}
-        assert kinds == {name: made for name, _, made in handle.swapped}
-        with torch.no_grad():
-            assert torch.equal(again(ids).logits, expected)
-
-
 def test_a_model_built_inside_use_verifies_against_its_original() -> None:
     family = layerswap.get("llama4_text.norm.fused").parts.family
     with layerswap.use("llama4_text.norm.fused"):
