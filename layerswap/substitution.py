@@ -525,36 +525,45 @@ class Substitution:
     def original_class(self) -> type[torch.nn.Module]:
         """The original layer class (found once); :class:`UpstreamDriftError` if
         transformers lost it."""
-        found = self._classes.get("original")
-        if found is not None:
-            return found
-        try:
-            found = resolve(self.original)
-        except (ImportError, AttributeError) as exc:
-            raise UpstreamDriftError(
-                f"{self.family}: {self.original} cannot be found in transformers "
-                f"{transformers_version()} ({exc}); {self.name} needs it"
-            ) from exc
-        self._classes["original"] = found
-        return found  # type: ignore[no-any-return]
+        return self._found("original")
 
     def replacement_class(self) -> type[torch.nn.Module]:
         """The replacement layer class; :class:`RequirementError` if it cannot run here."""
+        return self.classes()[1]
+
+    def classes(self) -> tuple[type[torch.nn.Module], type[torch.nn.Module]]:
+        """``(original, replacement)``, each found once: :class:`RequirementError` if the
+        replacement cannot run here, :class:`UpstreamDriftError` if transformers lost the
+        original.
+
+        Example::
+
+            original, replacement = layerswap.get("llama.decoder.fused").classes()
+        """
         reason = self.unmet_requirement()
         if reason is not None:
             raise RequirementError(f"{self.name} cannot run here: {reason}")
-        if not isinstance(self.replacement, str):
-            return self.replacement
-        found = self._classes.get("replacement")
-        if found is not None:
-            return found
-        try:
-            found = resolve(self.replacement)
-        except (ImportError, AttributeError) as exc:
-            raise RequirementError(
-                f"{self.name} cannot run here: {self.replacement} cannot be imported ({exc})"
-            ) from exc
-        self._classes["replacement"] = found
+        replacement, original = (self._found(role) for role in ("replacement", "original"))
+        return original, replacement
+
+    def _found(self, role: str) -> type[torch.nn.Module]:
+        spec = self.original if role == "original" else self.replacement
+        if not isinstance(spec, str):
+            return spec
+        found = self._classes.get(role)
+        if found is None:
+            try:
+                found = resolve(spec)
+            except (ImportError, AttributeError) as exc:
+                if role == "original":
+                    raise UpstreamDriftError(
+                        f"{self.family}: {spec} cannot be found in transformers "
+                        f"{transformers_version()} ({exc}); {self.name} needs it"
+                    ) from exc
+                raise RequirementError(
+                    f"{self.name} cannot run here: {spec} cannot be imported ({exc})"
+                ) from exc
+            self._classes[role] = found
         return found  # type: ignore[no-any-return]
 
     def check_upstream(self, config: PreTrainedConfig) -> None:

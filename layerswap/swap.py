@@ -62,16 +62,6 @@ def rebuild_originals(model: nn.Module, substitution: str | Substitution) -> int
     return sub.parts.slot.rebuild_originals(target, sub)
 
 
-def _choose(
-    substitution: str | Substitution | None, backend: str | None, family: Family
-) -> Substitution:
-    if substitution is not None and backend is not None:
-        raise TypeError("swap() takes a substitution or a backend, not both")
-    if substitution is None:
-        return get(f"{family.name}.decoder.{backend or 'fused'}")
-    return get(substitution)
-
-
 def _family_for(target: nn.Module, sub: Substitution) -> Family:
     """The family ``target`` is of, for swapping ``sub``: a registered one, or ``sub``'s
     own model type's where its slot takes any model type and the model is one of it."""
@@ -120,12 +110,15 @@ def swap(
             SwapWarning,
             stacklevel=2,
         )
-    if substitution is not None and backend is None:
-        sub = get(substitution)
-        family = _family_for(target, sub)
-    else:
+    if substitution is not None and backend is not None:
+        raise TypeError("swap() takes a substitution or a backend, not both")
+    family: Family | None = None
+    if substitution is None:
         family = family_of(target)
-        sub = _choose(substitution, backend, family)
+        substitution = f"{family.name}.decoder.{backend or 'fused'}"
+    sub = get(substitution)  # the one name resolved: every step below is handed objects
+    if family is None:
+        family = _family_for(target, sub)
     if sub.family != family.name:
         raise SubstitutionError(
             f"{sub.name} is for {sub.family} models, but this model is {family.name} "

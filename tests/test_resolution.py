@@ -57,6 +57,61 @@ def test_the_classes_are_found_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert found == [sub.original]
 
 
+def test_both_classes_are_found_together_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    sub = dataclasses.replace(layerswap.get("llama.decoder.fused"), name="llama.decoder.both")
+    found: list[str] = []
+    from layerswap import substitution
+
+    real = substitution.resolve
+
+    def counting(spec: str) -> Any:
+        found.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(substitution, "resolve", counting)
+    original, replacement = sub.classes()
+    assert (original, replacement) == (sub.original_class(), sub.replacement_class())
+    assert original.__name__ == "LlamaDecoderLayer"
+    assert issubclass(replacement, torch.nn.Module) and replacement is not original
+    specs = [spec for spec in (sub.original, sub.replacement) if isinstance(spec, str)]
+    assert found == specs  # each named class found once, by the first call
+    sub.classes()
+    assert found == specs
+
+
+def test_classes_say_first_what_the_replacement_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from layerswap import substitution
+    from layerswap.errors import RequirementError
+
+    sub = layerswap.get("llama.decoder.te")
+    if sub.unmet_requirement() is None:
+        pytest.skip("TransformerEngine runs here: nothing is unmet")
+    monkeypatch.setattr(substitution, "resolve", lambda spec: pytest.fail(f"resolved {spec}"))
+    with pytest.raises(RequirementError, match="cannot run here"):
+        sub.classes()
+
+
+def test_swap_by_backend_asks_the_registry_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    swapping = importlib.import_module("layerswap.swap")
+    asked: list[Any] = []
+    real = swapping.get
+
+    def counting(name: Any) -> Any:
+        asked.append(name)
+        return real(name)
+
+    monkeypatch.setattr(swapping, "get", counting)
+    model = layerswap.get_family("llama").build(seed=0)
+    with pytest.raises(TypeError, match="not both"):
+        layerswap.swap(model, "llama.decoder.fused", backend="fused")
+    assert asked == []  # bad input: refused before anything is looked up
+    with layerswap.swap(model, backend="fused") as handle:
+        assert handle.substitution.name == "llama.decoder.fused"
+    assert asked == ["llama.decoder.fused"]
+
+
 def test_a_swap_looks_no_name_up_below_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once ``get`` resolved it, swapping and undoing a substitution asks neither the
     registry nor the slot registry again: the slot, the proof and the weight code take the

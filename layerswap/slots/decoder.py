@@ -264,8 +264,7 @@ class DecoderSlot(Slot):
         return f"{family.module}:{family.decoder}"
 
     def swap(self, target: nn.Module, sub: Substitution) -> LayerSwapHandle:
-        replacement_cls = sub.replacement_class()
-        original_cls = sub.original_class()
+        original_cls, replacement_cls = sub.classes()
         config = getattr(target, "config", None)
         if config is None:
             raise SubstitutionError(f"{type(target).__name__} has no config; swap() needs one")
