@@ -347,6 +347,10 @@ def prove(
     """
     # a name is the registry's to resolve; a substitution holds its parts already
     sub = substitution if isinstance(substitution, Substitution) else get(substitution)
+    return _verdict(sub, config, force=force)
+
+
+def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool) -> Verdict:
     key = proof_key(sub, config)
     with _LOCK:
         if not force:
@@ -424,13 +428,13 @@ def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
     """
     if not sub.parts.slot.proves(sub) or sub.upstream is None or _PROVING.get():
         return  # replace_decoder's classes take no converted weights: nothing to compare
-    verdict = prove(sub, config)
+    verdict = _verdict(sub, config, force=False)
     if verdict.passed:
         return
     if (
         config is not None
         and verdict.config != "family"
-        and prove(sub, _family_like(sub, config)).passed
+        and _verdict(sub, _family_like(sub, config), force=False).passed
     ):
         # the family's own tiny config holds, run the same way (the same attention
         # implementation): a field of this config is what differs
