@@ -405,6 +405,25 @@ def test_after_the_decoder_slot_no_original_mlp_is_left_to_swap() -> None:
         assert {type(m) for m in model.modules()} == classes
 
 
+def test_a_decoder_swap_that_rebuilds_moe_blocks_refuses_a_swapped_shared_expert() -> None:
+    """Qwen2-MoE's fused layer builds its MoE block anew from the original's classes: the
+    shared expert's MLP swapped before would silently run the original's code while the
+    layers are swapped, so the decoder swap is refused, naming it, and changes nothing."""
+    model = layerswap.get_family("qwen2_moe").build(seed=0)
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    with layerswap.swap(model, "qwen2_moe.mlp.fused") as handle:
+        assert any("shared_expert" in name for name, _, _ in handle.swapped)
+        with pytest.raises(
+            SubstitutionError, match=r"shared_expert is swapped by qwen2_moe\.mlp\.fused"
+        ):
+            layerswap.swap(model, "qwen2_moe.decoder.fused")
+        assert layerswap.get_slot("decoder").swapped_by(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+
+
 @pytest.mark.parametrize("decoder_first", [True, False], ids=["decoder-first", "mlp-first"])
 def test_use_of_the_decoder_and_mlp_slots_together_is_refused_at_build(decoder_first: bool) -> None:
     """The decoder slot's layers compute their own MLPs: a model built under both would

@@ -30,7 +30,12 @@ import torch
 from torch import nn
 
 from layerswap import hf_internals, zero3
-from layerswap.errors import ParallelismError, SubstitutionError, SwapWarning
+from layerswap.errors import (
+    ParallelismError,
+    SubstitutionError,
+    SwapWarning,
+    UnknownSubstitutionError,
+)
 from layerswap.handle import SwapHandle
 from layerswap.layers import convert_back, convert_layer, layer_index, normal_tensors
 from layerswap.loading import (
@@ -180,6 +185,23 @@ def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedCo
     record.replacement = None
 
 
+def _swap_left_out(layers: list[tuple[str, nn.Module]], family: Family) -> tuple[str, str] | None:
+    """A module inside the blocks a replacement layer builds anew from the original's classes
+    (``mlp="original"``: a mixture-of-experts block) whose class another substitution
+    swapped, and which one: the replacement's block would not carry that swap."""
+    if family.mlp != "original":
+        return None
+    for name, layer in layers:
+        block = getattr(layer, family.mlp_name, None)
+        if not isinstance(block, nn.Module):
+            continue
+        for inner, module in block.named_modules():
+            owner = getattr(type(module), "_layerswap_swapped_by", None)
+            if isinstance(owner, str):
+                return ".".join(part for part in (name, family.mlp_name, inner) if part), owner
+    return None
+
+
 def _warn_rollback(sub: Substitution) -> Callable[[BaseException], None]:
     def warn(failure: BaseException) -> None:  # keep the original error the one raised
         warnings.warn(f"rolling back {sub.name}: {failure}", SwapWarning, stacklevel=4)
@@ -275,6 +297,15 @@ class DecoderSlot(Slot):
             raise SubstitutionError(
                 f"{len(done)} layers of this model are already swapped by "
                 f"{getattr(owner, 'name', owner)}; undo that swap first"
+            )
+        left_out = _swap_left_out(layers, sub.parts.family)
+        if left_out is not None:
+            where, swapper = left_out
+            raise SubstitutionError(
+                f"{sub.name}: {where} is swapped by {swapper}, and this substitution builds "
+                f"each layer's {sub.parts.family.mlp_name} block anew from the original's "
+                f"classes, which would leave {swapper} out while the layers are swapped; undo "
+                f"{swapper} first, or build the model inside use() of both"
             )
         sharded = next(
             (
@@ -383,7 +414,11 @@ class DecoderSlot(Slot):
         ]
 
     def swapped_by(self, model: nn.Module) -> str | None:
-        for _, layer in decoder_layers(model):
+        try:
+            layers = decoder_layers(model)
+        except UnknownSubstitutionError:  # no family fits: no decoder swap can hold it
+            return None
+        for _, layer in layers:
             owner = substitution_of(layer)
             if owner is not None:
                 return owner.name
