@@ -52,7 +52,13 @@ def test_the_builtin_backends_are_declared() -> None:
     assert {"fused", "te", "liger"} <= set(layerswap.backends())
     te = layerswap.get_backend("te")
     assert te.names() == ("te", "te_fp8")
-    assert set(layerswap.get_backend("fused").slots) == {"decoder", "head", "norm", "mlp"}
+    assert set(layerswap.get_backend("fused").slots) == {
+        "decoder",
+        "head",
+        "norm",
+        "mlp",
+        "experts",
+    }
     assert layerswap.get_backend("liger").devices == ("cuda",)
 
 

@@ -221,9 +221,14 @@ def test_the_fused_backend_computes_every_activation() -> None:
 # --- swapped exactly ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", _lanes())
-def test_a_popular_model_swaps_its_mlps_exactly(model_type: str, tmp_path: Path) -> None:
-    model = _model(model_type)
+def swaps_exactly(model: nn.Module, name: str, base: type, tmp_path: Path) -> None:
+    """Swapping ``name`` into ``model`` leaves its logits, its greedy generation and its
+    parameters as they were, saves the original layout, and undoes bitwise; the swapped
+    modules are ``base``'s (a class-swapping slot's replacement base)."""
+
+    def swapped() -> list[nn.Module]:
+        return [m for m in model.modules() if isinstance(m, base)]
+
     ids = _ids(model)
     before = _state(model)
     params = dict(model.named_parameters())
@@ -231,10 +236,10 @@ def test_a_popular_model_swaps_its_mlps_exactly(model_type: str, tmp_path: Path)
         logits = model(ids).logits
     tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
 
-    handle = layerswap.swap(model, f"{model_type}.mlp.fused")
+    handle = layerswap.swap(model, name)
     assert len(handle) > 0
-    for name, original, made in handle.swapped:
-        module = model.get_submodule(name)
+    for module_name, original, made in handle.swapped:
+        module = model.get_submodule(module_name)
         assert type(module) is made and isinstance(module, original)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
@@ -243,14 +248,19 @@ def test_a_popular_model_swaps_its_mlps_exactly(model_type: str, tmp_path: Path)
     assert all(p is params[n] for n, p in model.named_parameters())
     model.save_pretrained(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert not _mlps(plain)
+    assert not [m for m in plain.modules() if isinstance(m, base)]
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, logits, rtol=1e-5, atol=1e-5)
 
     handle.undo()
-    assert not _mlps(model)
+    assert not swapped()
     after = _state(model)
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("model_type", _lanes())
+def test_a_popular_model_swaps_its_mlps_exactly(model_type: str, tmp_path: Path) -> None:
+    swaps_exactly(_model(model_type), f"{model_type}.mlp.fused", MLPReplacement, tmp_path)
 
 
 def _train_step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -568,9 +578,9 @@ def test_mlps_whose_projections_an_adapter_wraps_already_are_refused_with_the_or
     assert not _mlps(model)
 
 
-@pytest.mark.parametrize("slot", ["norm", "mlp"])
+@pytest.mark.parametrize("slot", ["norm", "mlp", "experts"])
 def test_a_model_whose_classes_are_swapped_pickles_and_copies_with_them(slot: str) -> None:
-    """Both class-swapping slots' classes are made at run time: torch.save and deepcopy
+    """The class-swapping slots' classes are made at run time: torch.save and deepcopy
     of a swapped model make them again, and the copy computes the same."""
     import io
 

@@ -5,8 +5,9 @@ capture onto a layer class the model did not declare, give ``from_pretrained`` a
 ``save_pretrained`` per-layer weight transforms, read the attention weights an
 ``output_attentions=True`` call collects. Each function here names the transformers
 internal it touches and why, so an upstream change breaks one package, and a reader sees
-the whole surface at once: here, the hidden-state capture (:mod:`.capture`) and the
-decoder layer's call contract (:mod:`.layer_call`), every name re-exported here.
+the whole surface at once: here, the hidden-state capture (:mod:`.capture`), the
+decoder layer's call contract (:mod:`.layer_call`) and the experts of mixture-of-experts
+blocks (:mod:`.experts`), every name re-exported here.
 Imports of transformers happen inside the functions.
 
 Example::
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = [
+    "EAGER_EXPERTS",
+    "EXPERTS_FLAGS",
+    "experts_flags",
+    "experts_implementation",
     "activation_in_dtype",
     "CACHE_ARGUMENTS",
     "refuse_unread",
@@ -86,6 +91,12 @@ from layerswap.hf_internals.capture import (
     capture_subtree,
     output_capture_installed,
     output_capture_tasks,
+)
+from layerswap.hf_internals.experts import (
+    EAGER_EXPERTS,
+    EXPERTS_FLAGS,
+    experts_flags,
+    experts_implementation,
 )
 from layerswap.hf_internals.layer_call import (
     CACHE_ARGUMENTS,

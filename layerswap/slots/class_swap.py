@@ -251,7 +251,10 @@ class ClassSwapSlot(Slot):
 
     def spec_of(self, module: nn.Module) -> Any:
         """:meth:`classify` of ``module``, asked once per class and settings."""
-        key = (type(self), *settings(module))
+        return self._memo((type(self), *settings(module)), module)
+
+    def _memo(self, key: tuple[Any, ...], module: nn.Module) -> Any:
+        """:meth:`classify` of ``module``, kept under ``key``."""
         with _SPECS_LOCK:
             known = _SPECS.get(key)
         if known is None:

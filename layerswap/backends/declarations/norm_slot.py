@@ -1,9 +1,9 @@
-"""The class-swapping slots (``norm``, ``mlp``) as a declaration names them: the backend's
+"""The class-swapping slots (``norm``, ``mlp``, ``experts``) as a declaration names them: the backend's
 replacement, by name.
 
 The replacement (a :class:`~layerswap.backends.class_swap.ClassReplacement`) says what it
 computes; the slot asks each of a model's candidate modules what it computes by running it
-(:mod:`layerswap.norms`, :mod:`layerswap.mlps`). A family is refused when no candidate of
+(:mod:`layerswap.norms`, :mod:`layerswap.mlps`, :mod:`layerswap.experts`). A family is refused when no candidate of
 its tiny model is one the backend computes (asked once per transformers release, as the
 head's refusal is); a user's model with none is refused when swapped, with each module's
 reason.
@@ -15,7 +15,7 @@ from layerswap import verdicts
 from layerswap.backend import Implementation, Lazy
 from layerswap.family import Family
 
-__all__ = ["class_slot", "mlp_slot", "norm_slot"]
+__all__ = ["class_slot", "experts_slot", "mlp_slot", "norm_slot"]
 
 
 def class_slot(slot: str, replacement: str, *, description: str) -> Implementation:
@@ -51,3 +51,8 @@ def norm_slot(replacement: str, *, description: str) -> Implementation:
 def mlp_slot(replacement: str, *, description: str) -> Implementation:
     """The ``mlp`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
     return class_slot("mlp", replacement, description=description)
+
+
+def experts_slot(replacement: str, *, description: str) -> Implementation:
+    """The ``experts`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
+    return class_slot("experts", replacement, description=description)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from layerswap.backend import Backend, Implementation, Lazy
 from layerswap.backends.declarations.head_slot import head_slot
-from layerswap.backends.declarations.norm_slot import mlp_slot, norm_slot
+from layerswap.backends.declarations.norm_slot import experts_slot, mlp_slot, norm_slot
 
 __all__ = ["BACKEND"]
 
@@ -45,6 +45,13 @@ BACKEND = Backend(
             description=(
                 "pure PyTorch, CPU and GPU: each gated MLP the model's classes compute, its "
                 "activation recomputed in the backward pass (one intermediate fewer kept)"
+            ),
+        ),
+        "experts": experts_slot(
+            "layerswap.backends.fused.experts:FusedExperts",
+            description=(
+                "pure PyTorch, CPU and GPU: each gated experts module of a mixture-of-experts "
+                "block, its gate recomputed in the backward pass (one intermediate fewer kept)"
             ),
         ),
     },

@@ -13,7 +13,7 @@ import functools
 from layerswap.backend import Backend, Dependency, Implementation, Lazy
 from layerswap.backends._answers import answered
 from layerswap.backends.declarations.head_slot import head_slot
-from layerswap.backends.declarations.norm_slot import mlp_slot, norm_slot
+from layerswap.backends.declarations.norm_slot import experts_slot, mlp_slot, norm_slot
 from layerswap.backends.liger.runtime import unmet_requirement
 from layerswap.capabilities import Capability, refusal
 from layerswap.family import Family
@@ -178,6 +178,13 @@ BACKEND = Backend(
             description=(
                 "Liger-Kernel, GPU only: each SiLU- or tanh-GELU-gated MLP the model's "
                 "classes compute, act(gate) * up as Liger's SwiGLU / GeGLU kernel"
+            ),
+        ),
+        "experts": experts_slot(
+            "layerswap.backends.liger.experts:LigerExperts",
+            description=(
+                "Liger-Kernel, GPU only: each SiLU-gated experts module of a mixture-of-experts "
+                "block as Liger's fused MoE kernel (what Liger's LigerExperts runs)"
             ),
         ),
     },
