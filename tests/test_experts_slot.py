@@ -184,6 +184,64 @@ def test_built_and_loaded_inside_use_the_experts_are_swapped(tmp_path: Path) -> 
         assert torch.equal(loaded(ids).logits, expected)
 
 
+# --- the contract's clients: torch.compile, PEFT ----------------------------------------
+
+
+@pytest.mark.slow  # compiles twice
+def test_compile_trains_the_swapped_experts_to_the_same_gradients_in_one_graph() -> None:
+    model = _model("qwen3_moe")
+    ids = _ids(model)
+    loss, grads = _train_step(model, ids)
+
+    def training_loss(ids: torch.Tensor) -> torch.Tensor:
+        return model(ids, labels=ids).loss
+
+    with layerswap.swap(model, "qwen3_moe.experts.fused"):
+        # the recomputed gate is a checkpoint region dynamo traces: no graph break
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(training_loss)(ids)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled_loss, compiled_grads = _train_step(compiled, ids)
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[f"_orig_mod.{name}"], grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("swap_first", [True, False], ids=["swap-then-lora", "lora-then-swap"])
+def test_a_lora_adapter_on_the_expert_weights_trains_as_on_the_original(swap_first: bool) -> None:
+    """PEFT's LoRA on the experts' 3-D weights (``target_parameters``) wraps the experts
+    module and reads its weights through a parametrization: with the experts swapped before
+    or after it, the loss and every gradient are the original's, bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=4,
+        target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
+    plain = _model("qwen3_moe")
+    ids = _ids(plain)
+    torch.manual_seed(1)  # the same adapter weights on both
+    plain = get_peft_model(plain, copy.deepcopy(config))
+    expected_loss, expected_grads = _train_step(plain, ids)
+
+    model = _model("qwen3_moe")
+    if swap_first:
+        layerswap.swap(model, "qwen3_moe.experts.fused")
+    torch.manual_seed(1)
+    adapted = get_peft_model(model, copy.deepcopy(config))
+    if not swap_first:
+        layerswap.swap(adapted.base_model.model, "qwen3_moe.experts.fused")
+    assert _swapped(adapted)
+    loss, grads = _train_step(adapted, ids)
+    assert torch.equal(loss, expected_loss)
+    assert grads.keys() == expected_grads.keys() and any("lora" in name for name in grads)
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+
+
 # --- with the decoder slot -------------------------------------------------------------------
 
 
