@@ -434,6 +434,31 @@ def test_a_decoder_swap_that_rebuilds_moe_blocks_refuses_a_swapped_shared_expert
         assert torch.equal(model(ids).logits, expected)
 
 
+def test_a_slot_first_asked_inside_a_use_of_its_family_is_not_read_off_that_use(
+    tmp_path: Path,
+) -> None:
+    """Asked first inside ``use("llama.decoder.fused")``, the mlp slot's reading of Llama
+    would build a tiny model of fused layers (no LlamaMLP) and keep "no MLP class" on disk
+    for every later process: it is not read there, and a later process reads Llama."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import layerswap\n"
+        "with layerswap.use('llama.decoder.fused'):\n"
+        "    print(layerswap.get('llama.mlp.fused').name)\n"
+        "print(layerswap.get('llama.mlp.fused').name)\n"
+    )
+    env = {**os.environ, "LAYERSWAP_CACHE": str(tmp_path)}
+    for _ in range(2):  # the second process reads what the first one kept
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["llama.mlp.fused", "llama.mlp.fused"]
+
+
 @pytest.mark.parametrize("decoder_first", [True, False], ids=["decoder-first", "mlp-first"])
 def test_use_of_the_decoder_and_mlp_slots_together_is_refused_at_build(decoder_first: bool) -> None:
     """The decoder slot's layers compute their own MLPs: a model built under both would
