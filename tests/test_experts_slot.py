@@ -184,6 +184,29 @@ def test_built_and_loaded_inside_use_the_experts_are_swapped(tmp_path: Path) -> 
         assert torch.equal(loaded(ids).logits, expected)
 
 
+@pytest.mark.parametrize("change", ["eager", "dense"])
+def test_a_model_built_in_use_with_no_experts_swapped_is_warned_once(change: str) -> None:
+    """Built inside use() with nothing swapped (experts run eagerly, or no MoE layer at
+    all): one warning, of the outermost model (its base model is built inside it)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    sub = layerswap.get("qwen3_moe.experts.fused")
+    config = sub.parts.family.tiny_config()
+    if change == "eager":
+        config._experts_implementation = "eager"
+    else:
+        config.mlp_only_layers = list(range(config.num_hidden_layers))
+    with layerswap.use(sub), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = Qwen3MoeForCausalLM(config)
+    said = [str(w.message) for w in caught if issubclass(w.category, SwapWarning)]
+    assert len(said) == 1, said
+    assert "this Qwen3MoeForCausalLM was built inside use()" in said[0]
+    expected = "experts_implementation='eager'" if change == "eager" else "use() changed nothing"
+    assert expected in said[0]
+    assert not _swapped(model)
+
+
 # --- the contract's clients: torch.compile, PEFT ----------------------------------------
 
 

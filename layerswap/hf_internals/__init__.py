@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = [
+    "built_inside_another",
     "EAGER_EXPERTS",
     "EXPERTS_FLAGS",
     "experts_flags",
@@ -227,8 +228,30 @@ def quantization_kind(hf_quantizer: Any) -> str:
 # each checkpoint tensor for the rank as it reads it (``DtensorShardOperation``): the
 # weight transforms then see the rank's slice of each original tensor.
 
+
 #: the instance attribute holding a ``PreTrainedModel``'s tensor-parallel plan, which
 #: ``from_pretrained(..., distributed_config=...)`` reads to shard the model
+def built_inside_another(model: nn.Module) -> bool:
+    """Whether ``model``'s ``post_init`` runs while another ``PreTrainedModel``'s
+    ``__init__`` is still running: a causal LM builds its base model, a multimodal wrapper
+    its towers, and each of those calls ``post_init`` before the outer one does. The
+    outermost model's own ``post_init`` then answers for the whole (read off the call
+    stack: transformers marks no such nesting)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if (
+                owner is not model
+                and isinstance(owner, nn.Module)
+                and callable(getattr(owner, "post_init", None))
+                and hasattr(owner, "config")
+            ):
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 TP_PLAN_ATTRIBUTE = "_tp_plan"
 
 

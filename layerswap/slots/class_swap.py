@@ -391,18 +391,25 @@ class ClassSwapSlot(Slot):
                         self.prepare(sub, instance.config)
                         prepared.append(True)
                     _apply(plan, UndoLog())  # kept: a built model has no handle
-                elif plan.kept and not plan.taken:  # built, and nothing of it swapped
-                    warnings.warn(
-                        f"{sub.name}: this {type(instance).__name__} was built inside use() "
-                        f"with its original {self.plural}, none of which the {sub.backend} "
-                        f"backend computes: {_kept_text(plan)}",
-                        SwapWarning,
-                        stacklevel=2,
-                    )
-                else:  # the two requests overlap: refused, not passed over
+                elif not plan.taken:  # built, and nothing of it swapped
                     overlap = _decoder_overlap(instance, self, plan)
-                    if overlap is not None:
+                    if overlap is not None:  # the two requests overlap: refused
                         raise SubstitutionError(f"{sub.name} inside use(): {overlap}")
+                    # said of the outermost model (a base model built inside its causal
+                    # LM, a tower inside its wrapper, is answered for by the whole)
+                    if not hf_internals.built_inside_another(instance):
+                        why = (
+                            f"its original {self.plural}, none of which the {sub.backend} "
+                            f"backend computes: {_kept_text(plan)}"
+                            if plan.kept
+                            else f"no {self.noun} of {module_name} in it: use() changed nothing"
+                        )
+                        warnings.warn(
+                            f"{sub.name}: this {type(instance).__name__} was built inside "
+                            f"use() with {why}",
+                            SwapWarning,
+                            stacklevel=2,
+                        )
             return result
 
         return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
