@@ -52,9 +52,13 @@ class ExpertsSpec:
     concatenated: bool = True
     bias: bool = False
     post_norm: bool = False
-    #: the model runs its experts eagerly (``experts_implementation="eager"``): the class's
-    #: own loop, which computes the product inline instead of through ``_apply_gate``
-    eager: bool = False
+    #: the implementation the model runs the experts with (its config's
+    #: ``experts_implementation``): ``"grouped_mm"``, ``"eager"`` ...
+    implementation: str | None = None
+    #: running the experts in that implementation reaches ``_apply_gate`` (read by running
+    #: a copy): transformers' grouped and batched implementations do, a class's own eager
+    #: loop computes the product inline and does not
+    gate_called: bool = True
 
     @property
     def label(self) -> str:
@@ -135,7 +139,7 @@ def classify(module: nn.Module) -> ExpertsSpec | str:
         concatenated=flags["is_concatenated"],
         bias=flags["has_bias"],
         post_norm=flags["has_post_expert_norm"],
-        eager=hf_internals.experts_implementation(module) == hf_internals.EAGER_EXPERTS,
+        implementation=hf_internals.experts_implementation(module),
     )
     width = _gate_width(module, spec)
     if width is None or width % 2:
@@ -143,11 +147,39 @@ def classify(module: nn.Module) -> ExpertsSpec | str:
     try:
         # on the CPU even inside from_pretrained, which builds under torch.device("meta")
         with torch.device("cpu"):
-            kind = _read_gate(random_copy(module, torch.float32).train(), width)
+            trial = random_copy(module, torch.float32).train()
+            kind = _read_gate(trial, width)
+            called = _calls_gate(trial, spec)
     except Exception as exc:  # a gate that does not run on a copy alone
         return f"its gate does not run on its own ({type(exc).__name__}: {exc})"
     if kind is None:
         return "its gate gives two answers for one input (it draws random numbers)"
     if kind != "own" and not spec.concatenated:
         kind = "own"  # gate and up interleaved: the class's own gate splits them
-    return dataclasses.replace(spec, kind=kind)
+    return dataclasses.replace(spec, kind=kind, gate_called=called)
+
+
+def _calls_gate(trial: nn.Module, spec: ExpertsSpec) -> bool:
+    """Whether running ``trial`` (a copy) on a few routed tokens reaches its
+    ``_apply_gate``: the one place a backend's gate takes effect."""
+    weight: Tensor = trial.get_parameter("gate_up_proj")
+    experts = int(weight.shape[0])
+    hidden = int(weight.shape[2] if not spec.transposed else weight.shape[1])
+    calls: list[int] = []
+    gate_of: Any = trial._apply_gate
+
+    def counted(gate_up: Tensor) -> Tensor:
+        calls.append(1)
+        out: Tensor = gate_of(gate_up)
+        return out
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(4, hidden, generator=generator)
+    chosen = torch.arange(4).remainder(experts).unsqueeze(-1)
+    trial.__dict__["_apply_gate"] = counted  # this copy's alone
+    try:
+        with torch.no_grad():
+            trial(tokens, chosen, torch.ones(4, 1))
+    finally:
+        del trial.__dict__["_apply_gate"]
+    return bool(calls)

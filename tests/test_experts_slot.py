@@ -66,11 +66,11 @@ def _train_step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict
 
 def test_the_gate_is_read_by_running_it() -> None:
     qwen = _model("qwen3_moe").model.layers[0].mlp.experts
-    assert classify(qwen) == ExpertsSpec("silu")
+    assert classify(qwen) == ExpertsSpec("silu", implementation="grouped_mm")
     gpt_oss = _model("gpt_oss").model.layers[0].mlp.experts
     # gpt-oss: a clamped gate of its own, its gate and up interleaved, weights transposed
     assert classify(gpt_oss) == ExpertsSpec(
-        "own", transposed=True, concatenated=False, bias=True, post_norm=False
+        "own", transposed=True, concatenated=False, bias=True, implementation="grouped_mm"
     )
     label = classify(gpt_oss).label  # type: ignore[union-attr]
     assert label == "experts with a gate of their own (transposed, interleaved, biased)"
@@ -84,7 +84,9 @@ def test_classifying_touches_nothing_and_reads_a_meta_module() -> None:
     family = layerswap.get("qwen3_moe.experts.fused").parts.family
     with torch.device("meta"):
         on_meta = family.causal_lm_class()(family.tiny_config())
-    assert classify(on_meta.model.layers[0].mlp.experts) == ExpertsSpec("silu")
+    assert classify(on_meta.model.layers[0].mlp.experts) == ExpertsSpec(
+        "silu", implementation="grouped_mm"
+    )
 
 
 def test_a_gate_that_draws_random_numbers_is_kept() -> None:
@@ -99,6 +101,19 @@ def test_a_gate_that_draws_random_numbers_is_kept() -> None:
     reason = classify(experts)
     assert isinstance(reason, str) and "two answers" in reason
     assert "not an experts module" in str(classify(nn.Linear(4, 4)))
+
+
+def test_whether_the_implementation_reaches_the_gate_is_read_by_running_it() -> None:
+    """The fused experts act through ``_apply_gate``: an implementation that computes the
+    product inline (the class's own eager loop; a transformers release that inlined it
+    in its grouped one) is read as not reaching it, and the fused backend refuses it."""
+    experts = _model("qwen3_moe").model.layers[0].mlp.experts
+    assert classify(experts).gate_called  # type: ignore[union-attr]
+    experts.config._experts_implementation = "eager"
+    spec = classify(experts)
+    assert isinstance(spec, ExpertsSpec) and not spec.gate_called
+    assert "never calls _apply_gate" in str(FusedExperts.refusal(spec))
+    assert LigerExperts.refusal(spec) is None  # Liger's kernel replaces the whole forward
 
 
 def test_experts_that_are_not_gated_are_refused_unchanged() -> None:

@@ -8,9 +8,11 @@ output for the product's gradient. Here ``_apply_gate`` runs under
 random numbers), which keeps only its input and recomputes the activation when the
 gradient comes; values and gradients are the original's, bit for bit. The class's own gate
 (gpt-oss's clamped, interleaved one) is recomputed the same way. Outside autograd it is the
-original's computation. Experts the model runs eagerly (``experts_implementation=
-"eager"``: the class's own loop, which never calls ``_apply_gate``) are kept, with that
-reason, and a model switched to eager after the swap is warned once.
+original's computation. Experts whose implementation never reaches ``_apply_gate`` (read
+by running a copy: ``experts_implementation="eager"`` runs the class's own loop, which
+computes the product inline; a transformers release that inlined it in the grouped one
+would show the same) are kept, with that reason, and a model switched to eager after the
+swap is warned once.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ class FusedExperts(ExpertsReplacement):
 
     @classmethod
     def layout_refusal(cls, spec: ExpertsSpec) -> str | None:
-        if spec.eager:
+        if not spec.gate_called:
             return (
-                "the model runs them eagerly (experts_implementation='eager'), a loop that "
-                "computes the gate inline; build it with experts_implementation='grouped_mm'"
+                f"the model runs them with experts_implementation={spec.implementation!r}, "
+                "which computes the gate inline and never calls _apply_gate; build it with "
+                "experts_implementation='grouped_mm'"
             )
         return None
 
