@@ -43,6 +43,7 @@ WRAPPERS: Mapping[str, frozenset[str]] = {
     "aya_vision": frozenset(),
     "gemma3": frozenset({"token_type_ids"}),
     "glm4v": frozenset({"grid_thw"}),
+    "glm4v_moe": frozenset({"grid_thw"}),
     "idefics3": frozenset({"images_axis"}),
     "internvl": frozenset(),
     "llava": frozenset(),
