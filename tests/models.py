@@ -77,7 +77,7 @@ def _representatives() -> tuple[str, ...]:
 
 def _kept_representatives() -> tuple[str, ...]:
     """:func:`_representatives`, kept in the temporary directory between test runs: reading
-    63 configs costs each xdist worker about two seconds. The file's name holds what the
+    64 configs costs each xdist worker about two seconds. The file's name holds what the
     choice depends on (transformers' version, this file and the families' sources), so a
     change to any of them chooses again."""
     import transformers
