@@ -132,6 +132,12 @@ def test_a_moe_model_swaps_its_experts_exactly(model_type: str, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_verify_passes_the_swapped_experts_layer_by_layer(model_type: str) -> None:
+    report = layerswap.verify(_model(model_type), f"{model_type}.experts.fused", backward=True)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
 def test_training_computes_the_original_gradients_keeping_less(model_type: str) -> None:
     """The loss and every gradient are the original's, bit for bit; each expert's gate is
     recomputed in the backward pass, not kept: one ``selected tokens x intermediate`` tensor
