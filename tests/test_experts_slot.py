@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from test_mlp_slot import _model, swaps_exactly
-from test_norm_slot import _ids, _liger_reason
+from test_norm_slot import _ids, _liger_reason, coverage_report, listed_and_swept
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -369,25 +369,13 @@ def test_on_a_gpu_the_experts_verify(model_type: str, backend: str, dtype: torch
 
 @pytest.mark.slow  # every model type of the installed transformers, on the meta device
 def test_list_all_names_the_model_types_whose_experts_are_swapped() -> None:
-    import json
-
-    import transformers
-
-    from layerswap.coverage import coverage
-
-    report = coverage(jobs=1)
-    listed = {t for t, row in report.items() if "fused" in row.below_decoder.get("experts", [])}
+    # every model type the list says the fused experts take was proven by the sweep
+    # (scripts/norm_sweep.py --slot experts) on this transformers release
+    listed = listed_and_swept("experts", "experts")
     # transformers 5.24: 57 model types, every popular one among them
     assert len(listed) >= 57, len(listed)
     assert set(POPULAR) <= listed
-    assert "not gated" in str(report["nemotron_h"].slots["experts"]["fused"])
-    # every model type the list says the fused experts take was proven by the sweep
-    # (scripts/norm_sweep.py --slot experts) on this transformers release
-    doc = Path(__file__).resolve().parent.parent / "docs"
-    if f"transformers {transformers.__version__}," in (doc / "experts.md").read_text():
-        rows = {row["model_type"]: row for row in json.loads((doc / "experts.json").read_text())}
-        assert listed == set(rows)
-        assert all(row["passed"] for row in rows.values())
+    assert "not gated" in str(coverage_report()["nemotron_h"].slots["experts"]["fused"])
 
 
 def test_the_command_line_patches_a_model_types_experts() -> None:

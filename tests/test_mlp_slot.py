@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_norm_slot import _ids, _liger_reason, _state
+from test_norm_slot import _ids, _liger_reason, _state, coverage_report, listed_and_swept
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -635,25 +635,13 @@ def test_model_coverage_names_the_mlps_the_slot_replaces() -> None:
 
 @pytest.mark.slow  # every model type of the installed transformers, on the meta device
 def test_list_all_names_the_model_types_whose_mlps_are_swapped() -> None:
-    import json
-
-    import transformers
-
-    from layerswap.coverage import coverage
-
-    report = coverage(jobs=1)
-    listed = {t for t, row in report.items() if "fused" in row.below_decoder.get("mlp", [])}
+    # every model type the list says the fused MLP takes was proven by the sweep
+    # (scripts/norm_sweep.py --slot mlp) on this transformers release
+    listed = listed_and_swept("mlp", "mlps")
     # transformers 5.24: 100 model types, every popular one among them
     assert len(listed) >= 100, len(listed)
     assert set(POPULAR) <= listed
-    assert "plain MLP" in str(report["nemotron_h"].slots["mlp"]["fused"])
-    # every model type the list says the fused MLP takes was proven by the sweep
-    # (scripts/norm_sweep.py --slot mlp) on this transformers release
-    doc = Path(__file__).resolve().parent.parent / "docs"
-    if f"transformers {transformers.__version__}," in (doc / "mlps.md").read_text():
-        rows = {row["model_type"]: row for row in json.loads((doc / "mlps.json").read_text())}
-        assert listed == set(rows)
-        assert all(row["passed"] for row in rows.values())
+    assert "plain MLP" in str(coverage_report()["nemotron_h"].slots["mlp"]["fused"])
 
 
 def test_the_command_line_patches_a_model_types_mlps() -> None:

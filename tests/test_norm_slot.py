@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,31 @@ def _model(model_type: str, seed: int = 0) -> nn.Module:
 def _ids(model: nn.Module) -> torch.Tensor:
     vocab = model.config.get_text_config().vocab_size
     return torch.randint(3, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@functools.lru_cache(maxsize=1)
+def coverage_report() -> Any:
+    """``layerswap.coverage.coverage()`` of the installed transformers, made once per test
+    process for every slot's test that reads it (about 15 s on one core)."""
+    from layerswap.coverage import coverage
+
+    return coverage(jobs=1)
+
+
+def listed_and_swept(slot: str, page: str) -> set[str]:
+    """The model types ``list --all`` says the fused ``slot`` takes; where ``docs/<page>.md``
+    was swept on the installed transformers (``scripts/norm_sweep.py``), every one of them
+    and no other was proven there."""
+    import transformers
+
+    report = coverage_report()
+    listed = {t for t, row in report.items() if "fused" in row.below_decoder.get(slot, [])}
+    doc = Path(__file__).resolve().parent.parent / "docs"
+    if f"transformers {transformers.__version__}," in (doc / f"{page}.md").read_text():
+        rows = {row["model_type"]: row for row in json.loads((doc / f"{page}.json").read_text())}
+        assert listed == set(rows)
+        assert all(row["passed"] for row in rows.values())
+    return listed
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -387,9 +413,7 @@ def test_model_coverage_names_the_norms_the_slot_replaces() -> None:
 
 @pytest.mark.slow  # every model type of the installed transformers, on the meta device
 def test_list_all_counts_the_model_types_with_something_swapped() -> None:
-    from layerswap.coverage import coverage
-
-    report = coverage(jobs=1)
+    report = coverage_report()
     swapped = [t for t, row in report.items() if row.swapped]
     alone = [t for t in swapped if not report[t].covered]
     # transformers 5.24: 74 by a family's decoder layers, 92 more by their norms or head
@@ -400,15 +424,7 @@ def test_list_all_counts_the_model_types_with_something_swapped() -> None:
         assert "fused" in report[model_type].below_decoder["norm"], model_type
     assert "torch's own norms" in str(report["gpt2"].slots["norm"]["fused"])
     # every model type the list says the fused norm takes was proven by the sweep
-    # (scripts/norm_sweep.py) on this transformers release
-    import transformers
-
-    doc = Path(__file__).resolve().parent.parent / "docs"
-    if f"transformers {transformers.__version__}," in (doc / "norms.md").read_text():
-        rows = {row["model_type"]: row for row in json.loads((doc / "norms.json").read_text())}
-        listed = {t for t, row in report.items() if "fused" in row.below_decoder.get("norm", [])}
-        assert listed == set(rows)
-        assert all(row["passed"] for row in rows.values())
+    listed_and_swept("norm", "norms")
 
 
 def test_the_liger_norm_expresses_every_rms_kind_and_needs_a_gpu_here() -> None:
