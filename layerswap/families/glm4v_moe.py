@@ -7,34 +7,24 @@ from __future__ import annotations
 
 import dataclasses
 
+from layerswap.families import glm4v
 from layerswap.families._inferred import INFERRED
-from layerswap.families._tiny import TINY, tiny_qwen_vl
 
 GLM4_MOE = next(family for family in INFERRED if family.name == "glm4_moe")
 
-_TINY = tiny_qwen_vl(
-    {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "out_hidden_size": TINY["hidden_size"],
-        "image_size": 16,
+# GLM-4V's tiny wrapper (its tower, M-RoPE sections, image and video tokens), its text
+# decoder with four small experts, two per token and one shared, after a dense first layer
+_TINY = {
+    **glm4v.FAMILY.tiny,
+    "text_config": {
+        **glm4v.FAMILY.tiny["text_config"],
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
     },
-    frame="image",
-    # a head of 16 rotates its first 8 dims: 4 frequency pairs in sections of 1, 1, 2
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": [1, 1, 2],
-        "partial_rotary_factor": 0.5,
-    },
-    # four small experts, two per token and one shared, after a dense first layer
-    moe_intermediate_size=64,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-)
-_TINY.update(video_start_token_id=TINY["vocab_size"] - 6, video_end_token_id=TINY["vocab_size"] - 5)
+}
 
 FAMILY = dataclasses.replace(
     GLM4_MOE,
