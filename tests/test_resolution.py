@@ -40,35 +40,31 @@ def test_options_keep_the_parts_a_substitution_holds() -> None:
     assert sub.with_options(recipe="delayed").resolution() == sub.parts
 
 
-def test_the_classes_are_found_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    sub = dataclasses.replace(layerswap.get("llama.decoder.fused"), name="llama.decoder.once")
-    found: list[str] = []
+@pytest.fixture
+def found(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every class name a substitution resolves from here on, in order."""
     from layerswap import substitution
 
+    names: list[str] = []
     real = substitution.resolve
 
     def counting(spec: str) -> Any:
-        found.append(spec)
+        names.append(spec)
         return real(spec)
 
     monkeypatch.setattr(substitution, "resolve", counting)
+    return names
+
+
+def test_the_classes_are_found_once(found: list[str]) -> None:
+    sub = dataclasses.replace(layerswap.get("llama.decoder.fused"), name="llama.decoder.once")
     for _ in range(3):
         assert sub.original_class().__name__ == "LlamaDecoderLayer"
     assert found == [sub.original]
 
 
-def test_both_classes_are_found_together_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_both_classes_are_found_together_once(found: list[str]) -> None:
     sub = dataclasses.replace(layerswap.get("llama.decoder.fused"), name="llama.decoder.both")
-    found: list[str] = []
-    from layerswap import substitution
-
-    real = substitution.resolve
-
-    def counting(spec: str) -> Any:
-        found.append(spec)
-        return real(spec)
-
-    monkeypatch.setattr(substitution, "resolve", counting)
     original, replacement = sub.classes()
     assert (original, replacement) == (sub.original_class(), sub.replacement_class())
     assert original.__name__ == "LlamaDecoderLayer"
