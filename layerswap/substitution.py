@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack
@@ -57,10 +56,8 @@ __all__ = [
     "UpstreamCheck",
     "Variant",
     "check_call_contract",
-    "call_parameters",
     "check_signature",
     "check_structure",
-    "handled_parameters",
     "runs_anywhere",
 ]
 
@@ -78,37 +75,12 @@ def runs_anywhere(*args: Any, **options: Any) -> str | None:
     return None
 
 
-def call_parameters(function: Callable[..., Any]) -> list[str]:
-    """The parameters of ``function`` a caller can name, ``self`` and ``*args``/``**kwargs`` left out."""
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return [
-        name
-        for name, parameter in inspect.signature(function).parameters.items()
-        if name != "self" and parameter.kind not in variadic
-    ]
-
-
-def handled_parameters(replacement: type) -> frozenset[str]:
-    """The call parameters ``replacement`` handles: its declared ``handles``, else the
-    parameters its ``forward`` names (what ``**kwargs`` swallows is not handled).
-
-    Example::
-
-        handled_parameters(layerswap.get("llama.decoder.fused").replacement_class())
-        # frozenset({'cache', 'past_key_values', 'attention_mask', ...})
-    """
-    declared = getattr(replacement, "handles", None)
-    if declared is not None:
-        return frozenset(declared)
-    return frozenset(call_parameters(replacement.forward))  # type: ignore[attr-defined]
-
-
 def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = None) -> None:
     """The original layer is called with nothing the replacement does not handle.
 
     Every parameter of the original decoder layer's ``forward`` (and, when ``config`` is
     given and the replacement computes attention itself, its attention's) must be one the
-    replacement handles (:func:`handled_parameters`), and the original must take
+    replacement handles (:func:`~layerswap.slots.layer_call.handled_parameters`), and the original must take
     ``position_embeddings`` (the transformers 5 contract). A new or renamed parameter
     (transformers 5.24 renamed ``past_key_values`` to ``cache``) raises
     :class:`UpstreamDriftError` naming it, before any model is touched.
@@ -589,6 +561,8 @@ class Substitution:
 _MOVED = {
     "original_of": "layerswap.backend",
     "check_layer_call": "layerswap.slots.layer_call",
+    "call_parameters": "layerswap.slots.layer_call",
+    "handled_parameters": "layerswap.slots.layer_call",
 }
 
 

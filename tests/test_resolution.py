@@ -170,7 +170,12 @@ def test_a_substitution_nobody_resolved_says_so_without_the_registry(
 
 @pytest.mark.parametrize(
     ("name", "now"),
-    [("original_of", "layerswap.backend"), ("check_layer_call", "layerswap.slots.layer_call")],
+    [
+        ("original_of", "layerswap.backend"),
+        ("check_layer_call", "layerswap.slots.layer_call"),
+        ("call_parameters", "layerswap.slots.layer_call"),
+        ("handled_parameters", "layerswap.slots.layer_call"),
+    ],
 )
 def test_a_name_that_moved_out_of_substitution_is_found_there_with_a_warning(
     name: str, now: str

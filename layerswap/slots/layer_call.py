@@ -13,10 +13,10 @@ Example::
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from layerswap.errors import UpstreamDriftError
-from layerswap.substitution import call_parameters, handled_parameters
 from layerswap.versions import transformers_version
 
 if TYPE_CHECKING:
@@ -24,7 +24,32 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["check_layer_call"]
+__all__ = ["call_parameters", "check_layer_call", "handled_parameters"]
+
+
+def call_parameters(function: Callable[..., Any]) -> list[str]:
+    """The parameters of ``function`` a caller can name, ``self`` and ``*args``/``**kwargs`` left out."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if name != "self" and parameter.kind not in variadic
+    ]
+
+
+def handled_parameters(replacement: type) -> frozenset[str]:
+    """The call parameters ``replacement`` handles: its declared ``handles``, else the
+    parameters its ``forward`` names (what ``**kwargs`` swallows is not handled).
+
+    Example::
+
+        handled_parameters(layerswap.get("llama.decoder.fused").replacement_class())
+        # frozenset({'cache', 'past_key_values', 'attention_mask', ...})
+    """
+    declared = getattr(replacement, "handles", None)
+    if declared is not None:
+        return frozenset(declared)
+    return frozenset(call_parameters(replacement.forward))  # type: ignore[attr-defined]
 
 
 def _passes_on(replacement: type, original: type) -> bool:

@@ -148,6 +148,31 @@ def verify(
     if streaming:
         return verify_streaming(model, sub, comparison, backward=backward)
 
+    return _compare_on_a_copy(
+        model,
+        sub,
+        comparison,
+        (target_device, target_dtype),
+        tolerance,
+        backward=backward,
+        generate=generate,
+        already_swapped=already_swapped,
+    )
+
+
+def _compare_on_a_copy(
+    model: nn.Module,
+    sub: Substitution,
+    comparison: Comparison,
+    placement: tuple[torch.device, torch.dtype],
+    tolerance: float | Tolerance | None,
+    *,
+    backward: bool,
+    generate: int,
+    already_swapped: bool,
+) -> VerificationReport:
+    # the whole-model comparison: the original against a swapped working copy
+    target_device, target_dtype = placement
     work = working_copy(model, target_device, target_dtype, trainable=backward)
     batch = comparison.batch
     # a swap of the copy that changes shared code (an adopted patch) is taken back when the
