@@ -70,6 +70,44 @@ def test_a_model_type_no_family_covers_trains_to_the_original_loss(model_type: s
     assert type(model) is type(reference)
 
 
+#: heads under other names, read off each forward: (model type, the projection's module).
+#: Falcon names its logits ``lm_logits``; the rest name the projection otherwise.
+NAMED_OTHERWISE = (
+    ("falcon", "lm_head"),
+    ("gpt_neox_japanese", "embed_out"),
+    ("rwkv", "head"),
+    ("biogpt", "output_projection"),
+    ("electra", "generator_lm_head"),
+)
+
+
+@pytest.mark.parametrize(("model_type", "head"), NAMED_OTHERWISE)
+def test_a_head_under_another_name_trains_to_the_original_loss(model_type: str, head: str) -> None:
+    from layerswap.backends.head import head_contract
+
+    family = bare_family(model_type)
+    assert head_contract(family.causal_lm_class()).head == head
+    model = _model(model_type)
+    reference = copy.deepcopy(model)
+    batch = _batch(model)
+    layerswap.swap(model, f"{model_type}.head.fused")
+    out, grads = _train_pass(model, batch)
+    want_out, want_grads = _train_pass(reference, batch)
+    assert out.logits is None and want_out.logits is not None
+    torch.testing.assert_close(out.loss, want_out.loss, rtol=1e-5, atol=1e-6)
+    for name, want in want_grads.items():
+        if want is not None:  # to rounding, on the gradient's scale (RWKV's embeddings: ~50)
+            scale = max(1.0, want.abs().max().item())
+            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+def test_a_head_under_another_name_that_is_no_linear_is_refused_by_its_name() -> None:
+    """BERT's causal LM projects with ``self.cls``, a transform and a decoder: the fused
+    loss cannot compute it, and the refusal names it."""
+    with pytest.raises(UnknownSubstitutionError, match=r"its cls is a .*BertOnlyMLMHead, not"):
+        layerswap.get("bert.head.fused")
+
+
 def test_it_saves_what_plain_transformers_loads_and_pickles_with_its_head(
     tmp_path: Path,
 ) -> None:
@@ -198,6 +236,7 @@ def test_every_model_type_listed_with_a_fused_head_was_proven_by_the_sweep() -> 
     assert {"gpt2", "opt", "llama4_text"} <= listed
     assert {"qwen3_next", "bloom"} <= listed  # the router's loss; a tuple for return_dict
     assert "bamba" not in listed  # a z-loss of its own
+    assert {model_type for model_type, _ in NAMED_OTHERWISE} <= listed
     docs = Path(__file__).resolve().parent.parent / "docs"
     if f"transformers {transformers.__version__}," in (docs / "heads.md").read_text():
         rows = {row["model_type"]: row for row in json.loads((docs / "heads.json").read_text())}

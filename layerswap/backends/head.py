@@ -102,8 +102,13 @@ _TRANSFORMS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"logits = logits / self\.(?P<path>[\w.]+)"), "div"),
     (re.compile(r"logits = logits \* self\.(?P<path>[\w.]+)"), "mul"),
 )
-#: the projection, maybe scaled in the same statement
-_PROJECTION = re.compile(r"logits = self\.lm_head\(.*\)( \* self\.(?P<path>[\w.]+))?")
+#: the projection, maybe scaled in the same statement (its result named ``logits`` here:
+#: :func:`head_contract` reads the name the original gives it from its return)
+_PROJECTION = re.compile(r"logits = self\.(?P<head>\w+)\(.*\)( \* self\.(?P<path>[\w.]+))?")
+#: the name of the logits in the return (``lm_logits``: Falcon)
+_RETURNED_LOGITS = re.compile(
+    r"return \w+\(loss=loss, (?:aux_loss=aux_loss, )?logits=(?P<name>\w+), "
+)
 _LOSS_CALL = re.compile(
     r"if labels is not None:\n    loss = self\.loss_function\("
     r"(logits=logits, labels=labels, |logits, labels, )[^\n]*\*\*kwargs\)"
@@ -136,10 +141,13 @@ def read_path(model: nn.Module, path: str) -> Any:
 @dataclass(frozen=True)
 class HeadContract:
     """What the original ``forward`` does to the logits: ``(kind, "config.attr")`` steps;
-    ``aux_coef``: the attribute scaling the router loss it adds to the loss, if it does."""
+    ``aux_coef``: the attribute scaling the router loss it adds to the loss, if it does;
+    ``head``: the ``nn.Linear`` projecting onto the vocabulary (``lm_head``; GPT-NeoX
+    Japanese's ``embed_out``, RWKV's ``head``, BioGPT's ``output_projection``)."""
 
     steps: tuple[tuple[str, str], ...] = ()
     aux_coef: str | None = None
+    head: str = "lm_head"
 
     def transforms(self, model: nn.Module) -> tuple[LogitTransform, ...]:
         """The steps with their values read from ``model`` (an unset soft-cap is skipped)."""
@@ -170,12 +178,16 @@ def head_contract(causal_lm: type) -> HeadContract:
     if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
         raise UpstreamDriftError(f"{where}: not a plain function")
     statements = [ast.unparse(statement) for statement in function.body]
+    returned = _RETURNED_LOGITS.match(statements[-1]) if statements else None
+    name = "logits" if returned is None else returned["name"]
+    if name != "logits":  # read under the one name the patterns know
+        statements = [re.sub(rf"\b{name}\b", "logits", text) for text in statements]
     projection = [
         (i, found) for i, text in enumerate(statements) if (found := _PROJECTION.fullmatch(text))
     ]
     if len(projection) != 1:
         raise UpstreamDriftError(
-            f"{where} does not compute its logits in one `logits = self.lm_head(...)` "
+            f"{where} does not compute its logits in one `{name} = self.<head>(...)` "
             "statement; the head substitution needs that structure"
         )
     rest = statements[projection[0][0] + 1 :]
@@ -219,7 +231,7 @@ def head_contract(causal_lm: type) -> HeadContract:
             f"{where} does more with the loss than the head substitution reproduces "
             f"(expected {', '.join(expected)}; found `{_first_line(extra)}`)"
         )
-    return HeadContract(tuple(steps), aux)
+    return HeadContract(tuple(steps), aux, projection[0][1]["head"])
 
 
 def _first_line(text: str) -> str:
@@ -323,8 +335,9 @@ class CausalLMHead(nn.Module):
     def _projected_input(
         self, run: Callable[[], Any], keep_logits: bool
     ) -> tuple[Any, torch.Tensor]:
-        """Run the original forward; record what ``lm_head`` receives (and skip it unless kept)."""
-        lm_head = self.get_submodule("lm_head")
+        """Run the original forward; record what the head (``lm_head``) receives (and skip it
+        unless kept)."""
+        lm_head = self.get_submodule(self._layerswap_contract.head)
         self._check_head(lm_head)
         recorded: list[torch.Tensor] = []
         thread = threading.get_ident()
@@ -343,31 +356,33 @@ class CausalLMHead(nn.Module):
             handle.remove()
         if len(recorded) != 1:
             raise UnsupportedModelError(
-                f"{type(self).__name__}.forward did not call lm_head once; the fused head "
+                f"{type(self).__name__}.forward did not call {self._layerswap_contract.head} "
+                "once; the fused head "
                 "cannot find the hidden states it projects"
             )
         return output, recorded[0]
 
     def _check_head(self, lm_head: nn.Module) -> None:
         name = f"{self._layerswap_family}.head.{self.backend}"
+        head = self._layerswap_contract.head  # lm_head, unless the model names it otherwise
         if _fsdp_unit(lm_head):
             raise ParallelismError(
-                f"{name} reads lm_head's weight outside lm_head.forward, but lm_head is its "
-                "own FSDP unit (fully_shard(lm_head)), whose weight is sharded there; shard "
-                "lm_head with its parent (fully_shard(model) without fully_shard(lm_head)), "
+                f"{name} reads {head}'s weight outside {head}.forward, but {head} is its "
+                f"own FSDP unit (fully_shard({head})), whose weight is sharded there; shard "
+                f"{head} with its parent (fully_shard(model) without fully_shard({head})), "
                 "or undo the head swap"
             )
         if _peft_layer(lm_head):
             raise UnsupportedModelError(
-                f"{name} computes lm_head as a plain nn.Linear from lm_head.weight, but this "
-                f"model's lm_head is a PEFT {type(lm_head).__qualname__} (an adapter on "
-                "lm_head, or lm_head in modules_to_save): the fused loss would bypass it and "
-                "train something else. Leave lm_head out of the adapter, merge it "
+                f"{name} computes {head} as a plain nn.Linear from {head}.weight, but this "
+                f"model's {head} is a PEFT {type(lm_head).__qualname__} (an adapter on "
+                f"{head}, or {head} in modules_to_save): the fused loss would bypass it and "
+                f"train something else. Leave {head} out of the adapter, merge it "
                 "(merge_and_unload), or undo the head swap"
             )
         if type(lm_head) is not nn.Linear:
             raise UnsupportedModelError(
-                f"{name} computes lm_head as a plain nn.Linear, but this model's lm_head is a "
+                f"{name} computes {head} as a plain nn.Linear, but this model's {head} is a "
                 f"{type(lm_head).__module__}.{type(lm_head).__qualname__} (an adapter or a "
                 "quantised layer?); its own computation would be bypassed. Undo the head "
                 "swap, or merge the adapter first"
@@ -375,7 +390,7 @@ class CausalLMHead(nn.Module):
         if any(p.is_shard() for p in getattr(lm_head.weight, "placements", ())):
             raise ParallelismError(
                 f"{name} projects onto the whole vocabulary, but tensor parallelism split "
-                "lm_head's weight across ranks; shard only the decoder layers (no head "
+                f"{head}'s weight across ranks; shard only the decoder layers (no head "
                 "substitution), or load the model without tensor parallelism"
             )
         # DeepSpeed ZeRO-3's own hooks gather and release the weight: the loss gathers it
@@ -387,7 +402,7 @@ class CausalLMHead(nn.Module):
         ]
         if hooks:
             raise UnsupportedModelError(
-                f"{name} does not run lm_head on the full hidden states, so the hooks on it "
+                f"{name} does not run {head} on the full hidden states, so the hooks on it "
                 f"would not see them: {', '.join(map(repr, hooks))}"
             )
         from transformers.loss.loss_utils import ForCausalLMLoss
@@ -415,7 +430,7 @@ class CausalLMHead(nn.Module):
                 f"{tuple(hidden.shape)}) but there are {targets.shape[0]} labels; with "
                 "logits_to_keep, pass labels (or shift_labels) for the kept positions only"
             )
-        lm_head = self.get_submodule("lm_head")
+        lm_head = self.get_submodule(self._layerswap_contract.head)
         assert isinstance(lm_head, nn.Linear)  # _check_head refused anything else
         # under ZeRO-3 lm_head's weight is whole only inside lm_head.forward: gather it here
         # (read-only; its gradient, computed in this pass, reaches the partitioned parameter)
@@ -548,19 +563,20 @@ def read_head_refusal(family: Family) -> str | None:
     now (:func:`~layerswap.backends.declarations.head_slot.head_refusal` keeps the answer per
     transformers release)."""
     try:
-        head_contract(family.causal_lm_class())
+        contract = head_contract(family.causal_lm_class())
     except UpstreamDriftError as exc:
         return str(exc)
-    if not family.decoder:  # a model type no family covers: its lm_head, on the meta device
+    # a model type no family covers, or a head of another name: the head, on the meta device
+    if not family.decoder or contract.head != "lm_head":
         try:
             with torch.device("meta"):
-                head = getattr(family.causal_lm_class()(family.tiny_config()), "lm_head", None)
+                head = getattr(family.causal_lm_class()(family.tiny_config()), contract.head, None)
         except Exception as exc:
             return f"its tiny model does not build here ({type(exc).__name__}: {exc})"
         if type(head) is not nn.Linear:
             return (
-                f"its lm_head is a {type(head).__module__}.{type(head).__qualname__}, not the "
-                "plain nn.Linear the fused loss computes"
+                f"its {contract.head} is a {type(head).__module__}.{type(head).__qualname__}, "
+                "not the plain nn.Linear the fused loss computes"
             )
     return None
 
