@@ -40,7 +40,7 @@ from layerswap.families.infer import decoder_model_types
 from layerswap.family import Family
 from layerswap.inference import infer_family
 from layerswap.model import decoder_layers
-from layerswap.registry import backends, families, get_family, substitutions
+from layerswap.registry import backends, families, get, get_family
 from layerswap.slots import ModelParts, get_slot, slot_names, takes_any_model_type
 from layerswap.spans import index_spans
 
@@ -473,19 +473,29 @@ def model_coverage(target: str | Path | Family) -> ModelCoverage:
     with torch.device("meta"):
         model = family.causal_lm_class()(config)
     parts = _parts(model, family)
+    # a model type no family covers: its decoder layers are not, the slots below may be
+    uncovered = None if family.decoder else why_not_covered(family.model_type)
     rows = []
     for backend in backends().values():
         for slot in slot_names():
             if slot not in backend.slots:
                 continue
             name = f"{family.name}.{slot}.{backend.name}"
-            reason = backend.unsupported(family, slot)
-            registered = {s.name: s for s in substitutions(family=family.name, slot=slot)}
-            sub = registered.get(name)
-            unmet = None if sub is None else sub.unmet_requirement()
+            if uncovered is not None and not takes_any_model_type(slot):
+                reason: str | None = uncovered
+            else:
+                reason = _refusal(backend, family, slot)
+            unmet = None if reason is not None else get(name).unmet_requirement()
             replaces, keeps = get_slot(slot).coverage(parts) if reason is None else ((), ())
             rows.append(SlotCoverage(name, backend.name, slot, reason, unmet, replaces, keeps))
     return ModelCoverage(family.name, source, tuple(rows))
+
+
+def _refusal(backend: Backend, family: Family, slot: str) -> str | None:
+    try:
+        return backend.unsupported(family, slot)
+    except UnsupportedFamilyError as exc:  # a bare family's slot that cannot read it
+        return str(exc)
 
 
 def _family_and_config(target: str | Path | Family) -> tuple[Family, PreTrainedConfig, str]:
@@ -494,16 +504,33 @@ def _family_and_config(target: str | Path | Family) -> tuple[Family, PreTrainedC
     path = Path(target)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
-        return get_family(str(target)), get_family(str(target)).tiny_config(), "tiny config"
+        family = _family_of_type(str(target))
+        return family, family.tiny_config(), "tiny config"
     model_type = json.loads(config_file.read_text()).get("model_type")
-    found = [f for f in families().values() if f.model_type == model_type]
-    if not found:
+    if not isinstance(model_type, str) or model_type not in set(decoder_model_types()):
         raise UnknownSubstitutionError(
-            f"{config_file} describes a {model_type!r} model, which no registered family "
-            "covers (layerswap list --all says why)"
+            f"{config_file} describes a {model_type!r} model, which is no causal-LM model "
+            "type of the installed transformers (layerswap list --all lists them)"
         )
-    family = found[0]
+    family = _family_of_type(model_type)
     return family, family.config_type().from_json_file(str(config_file)), str(config_file)
+
+
+def _family_of_type(name: str) -> Family:
+    """The registered family ``name``, or the one covering model type ``name``, or a model
+    type's bare family (its decoder layers covered by none: the slots below them may take
+    it); a model type transformers has no causal LM for raises with the reason."""
+    known = families()
+    if name in known:
+        return known[name]
+    found = [family for family in known.values() if family.model_type == name]
+    if found:
+        return found[0]
+    if name not in set(decoder_model_types()):
+        return get_family(name)  # unknown: the registry's error, with close names
+    from layerswap.model_types import bare_family
+
+    return bare_family(name)
 
 
 def _layer_span(names: list[str]) -> str:
@@ -523,7 +550,7 @@ def _holds_tensors(module: torch.nn.Module) -> bool:
 
 def _parts(model: torch.nn.Module, family: Family) -> ModelParts:
     """``model``'s decoder layers and the modules outside them that hold tensors."""
-    layers = decoder_layers(model)
+    layers = decoder_layers(model) if family.decoder else _repeated_blocks(model)
     layer_names = [name for name, _ in layers]
     kinds = sorted({type(layer).__name__ for _, layer in layers})
     outside: list[str] = []
@@ -541,3 +568,17 @@ def _parts(model: torch.nn.Module, family: Family) -> ModelParts:
             listed.append(name)
     text = f"{_layer_span(layer_names)} ({', '.join(kinds)})"
     return ModelParts(model, family, layers, text, tuple(outside))
+
+
+def _repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The blocks of a model no family describes: the longest list of modules it holds
+    (GPT-2's ``transformer.h``), by qualified name; none where it holds no list."""
+    lists = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0
+    ]
+    if not lists:
+        return []
+    name, blocks = max(lists, key=lambda found: len(found[1]))
+    return [(f"{name}.{index}", block) for index, block in enumerate(blocks)]

@@ -59,11 +59,47 @@ def test_a_checkpoint_directory_is_read_from_its_config(tmp_path: Path) -> None:
     assert report.rows[0].replaces == ("model.layers.0-2 (MistralDecoderLayer)",)
 
 
-def test_a_config_no_family_covers_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba"}))
+def test_a_config_no_family_covers_lists_what_the_slots_below_the_decoder_take(
+    tmp_path: Path,
+) -> None:
+    """Jamba: no family covers its hybrid decoder layers, which the decoder rows say;
+    its norms, MLPs, experts and head are swapped by the slots that take any model type."""
+    config = layerswap.get("jamba.norm.fused").parts.family.tiny_config()
+    config.save_pretrained(tmp_path)
 
-    with pytest.raises(UnknownSubstitutionError, match="'jamba' model, which no registered"):
+    report = model_coverage(tmp_path)
+
+    rows = {row.substitution: row for row in report.rows}
+    assert report.family == "jamba" and report.source == str(tmp_path / "config.json")
+    assert "decoder layers of different structure" in str(rows["jamba.decoder.fused"].unsupported)
+    assert rows["jamba.decoder.fused"].replaces == ()
+    for slot in ("norm", "mlp", "experts", "head"):
+        row = rows[f"jamba.{slot}.fused"]
+        assert row.unsupported is None and row.unmet_requirement is None, slot
+        assert row.replaces and row.keeps[0].startswith("model.layers.0-"), slot
+    assert rows["jamba.norm.fused"].replaces[0].startswith("the norms (JambaRMSNorm x")
+
+
+def test_a_config_of_no_causal_lm_model_type_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+
+    with pytest.raises(UnknownSubstitutionError, match="'vit' model, which is no causal-LM"):
         model_coverage(tmp_path)
+
+
+def test_the_cli_covers_a_model_type_no_family_covers() -> None:
+    """``layerswap coverage gpt2``: its decoder layers are covered by no family (the rows
+    say why), its head is swapped; the blocks it keeps are named as a family's layers."""
+    result = CliRunner().invoke(app, ["coverage", "gpt2", "--json"])
+
+    assert result.exit_code == 0, result.output
+    rows = {row["substitution"]: row for row in json.loads(result.stdout)["rows"]}
+    assert "no model.layers" in rows["gpt2.decoder.fused"]["unsupported"]
+    head = rows["gpt2.head.fused"]
+    assert head["unsupported"] is None
+    assert head["replaces"] == ["the causal LM's loss and lm_head in training (GPT2LMHeadModel)"]
+    assert head["keeps"][0] == "transformer.h.0-3 (GPT2Block)"
+    assert "torch's own norms" in rows["gpt2.norm.fused"]["unsupported"]
 
 
 def test_the_cli_prints_the_rows_as_json_and_refuses_an_unknown_family() -> None:

@@ -12,7 +12,7 @@ import typer
 
 from layerswap.cli.adopting import verify_adopted
 from layerswap.cli.doctor import backend_problems, environment
-from layerswap.cli.models import build, find_family
+from layerswap.cli.models import build, coverage_target, find_family
 from layerswap.cli.options import JsonOption, ModelChoice, model_options
 from layerswap.cli.output import Chatter, Output, Progress, print_json, quiet_import_chatter
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
@@ -153,7 +153,8 @@ def coverage_command(
         str,
         typer.Argument(
             metavar="TARGET",
-            help="A family name (its tiny config), a config JSON file or a checkpoint directory.",
+            help="A family name or a transformers model type (its tiny config), a config "
+            "JSON file or a checkpoint directory.",
             show_default=False,
         ),
     ],
@@ -164,7 +165,7 @@ def coverage_command(
         from layerswap.coverage import model_coverage
 
         if not Path(target).exists():
-            target = find_family(target, option="coverage").name
+            target = coverage_target(target)
         report = model_coverage(target)
     if json_output:
         print_json(report.as_dict())

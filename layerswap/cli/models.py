@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from layerswap.family import Family
     from layerswap.substitution import Substitution
 
-__all__ = ["Setup", "build", "family_of_adapter", "find_family"]
+__all__ = ["Setup", "build", "coverage_target", "family_of_adapter", "find_family"]
 
 
 @dataclass
@@ -81,6 +81,17 @@ def find_family(name: str, option: str = "--model") -> Family:
             f"(known: {', '.join(sorted(known))})"
         )
     return known[key]
+
+
+def coverage_target(name: str) -> str:
+    """What ``layerswap coverage NAME`` reads: a registered family's name (or the family
+    covering model type ``name``), or a transformers model type no family covers (its
+    slots below the decoder layer may take it); anything else is a usage problem, as for
+    :func:`find_family`."""
+    key = name.strip().lower()
+    if key in _model_types() and not any(f.model_type == key for f in _families().values()):
+        return key
+    return find_family(name, option="coverage").name
 
 
 def _families() -> dict[str, Family]:

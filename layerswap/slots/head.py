@@ -196,7 +196,11 @@ class HeadSlot(Slot):
         return head_substitution_of(model)
 
     def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        head = f"the causal LM's loss and lm_head in training ({type(parts.model).__name__})"
+        output = parts.model.get_output_embeddings()  # lm_head, or BioGPT's output_projection
+        projection = next(
+            (name for name, module in parts.model.named_modules() if module is output), "lm_head"
+        )
+        head = f"the causal LM's loss and {projection} in training ({type(parts.model).__name__})"
         return (head,), (parts.layers_text, *parts.outside)
 
 
