@@ -57,6 +57,7 @@ __all__ = [
     "infer_in_processes",
     "inferring",
     "model_coverage",
+    "slots_below_decoder",
 ]
 
 
@@ -196,6 +197,19 @@ def _below_decoder(
             )
         answers.setdefault(slot, {})[name] = why
     return answers
+
+
+def slots_below_decoder(model_type: str) -> dict[str, list[str]]:
+    """The slots below the decoder layer that swap some of ``model_type``'s modules, with
+    their backends (``{"norm": ["fused", "liger"], "head": [...]}``), for a model type no
+    family covers; answered once per transformers release.
+
+    Example::
+
+        slots_below_decoder("qwen3_next")["experts"]   # ["fused", "liger"]
+    """
+    answers = _below_decoder(model_type, None, backends())
+    return Coverage(model_type, None, None, {}, slots=answers).below_decoder
 
 
 def _below_decoder_slots(declared: Mapping[str, Backend]) -> Iterator[tuple[str, str, Backend]]:

@@ -248,7 +248,8 @@ def test_an_interrupted_save_leaves_nothing_behind(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["patch", "--model", "deepseek_v3"], "deepseek_v3 is a transformers model type that layerswap does not cover: "),
+        (["patch", "--model", "deepseek_v3"], "no family covers deepseek_v3's decoder layers ("),
+        (["patch", "--model", "bert"], "bert is a transformers model type that layerswap does not cover: "),
         (["patch", "--model", "./nope"], "--model takes a family name, not a path (./nope: no such file or directory)"),
         (["coverage", "./nope"], "./nope: no such file or directory"),
         (["patch", "--overwrite", "-m", "llama"], "--overwrite applies to --save"),
@@ -270,8 +271,15 @@ def test_a_refused_family_gives_coverages_reason() -> None:
 
     with pytest.raises(UsageProblem) as refused:
         find_family("deepseek_v3")
-    assert str(refused.value).endswith(why_not_covered("deepseek_v3"))
+    assert why_not_covered("deepseek_v3") in str(refused.value)
     assert "multi-head latent attention" in str(refused.value)
+    # the slots below its decoder layers take it: the message names their substitutions
+    for slot in ("norm", "mlp", "experts", "head"):
+        assert f"deepseek_v3.{slot}.fused" in str(refused.value), slot
+    assert "--substitution" in str(refused.value)
+    with pytest.raises(UsageProblem) as nothing:  # nothing of BERT's causal LM is swapped
+        find_family("bert")
+    assert str(nothing.value).endswith(why_not_covered("bert"))
 
 
 def test_a_checkpoint_directory_given_to_model_is_taken_as_config(

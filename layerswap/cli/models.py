@@ -123,11 +123,19 @@ def _refuse_model_type(model_type: str) -> None:
     """A transformers model type no family covers: why, as coverage says it."""
     if model_type not in _model_types():
         return
-    from layerswap.coverage import why_not_covered
+    from layerswap.coverage import slots_below_decoder, why_not_covered
 
+    taken = slots_below_decoder(model_type)
+    if not taken:
+        raise UsageProblem(
+            f"{model_type} is a transformers model type that layerswap does not cover: "
+            f"{why_not_covered(model_type)}"
+        )
+    names = ", ".join(f"{model_type}.{slot}.{backends[0]}" for slot, backends in taken.items())
     raise UsageProblem(
-        f"{model_type} is a transformers model type that layerswap does not cover: "
-        f"{why_not_covered(model_type)}"
+        f"no family covers {model_type}'s decoder layers ({why_not_covered(model_type)}); "
+        f"the slots below them take it: pass --substitution with one of {names} "
+        f"(layerswap coverage {model_type} says what each replaces)"
     )
 
 
