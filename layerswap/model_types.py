@@ -37,12 +37,23 @@ NOT_STANDALONE = {
 }
 
 
+_GEMMA4_MOE = {
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 64,
+}
+
 #: modules a model type's default config leaves out, switched on in the tiny model of its
 #: bare family so that the slots below the decoder layer see (and prove) them; family
 #: inference keeps the defaults, and names the switch in its reason
 SWITCHED_ON: dict[str, dict[str, Any]] = {
     # GraniteMoE-Shared's shared expert MLP (shared_intermediate_size 0 builds none)
     "granitemoeshared": {"shared_intermediate_size": 64},
+    # Gemma 4's mixture-of-experts block beside the dense MLP (Gemma 4 26B-A4B), in the
+    # text model and in the multimodal wrapper's text config
+    "gemma4_text": _GEMMA4_MOE,
+    "gemma4": {"text_config": _GEMMA4_MOE},
 }
 
 
@@ -66,7 +77,11 @@ def bare_family(model_type: str) -> Family:
     try:
         # every field of the tiny config inference builds the model type on: sizes it
         # derives from others (latent ranks, per-layer kinds) included
-        parts = {**_tiny_parts(classes.config_class), **SWITCHED_ON.get(model_type, {})}
+        parts = _tiny_parts(classes.config_class)
+        for key, value in SWITCHED_ON.get(model_type, {}).items():
+            # a part's switch goes into that part (the wrapper's text config)
+            merged = isinstance(value, dict) and isinstance(parts.get(key), dict)
+            parts[key] = {**parts[key], **value} if merged else value
         built = tiny_config_for(classes.config_class, **parts)
         tiny = {
             key: value

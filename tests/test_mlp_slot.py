@@ -44,7 +44,6 @@ POPULAR = (
     "hyperclovax",
 )
 FAST = ("qwen3_next", "deepseek_v3", "llama4_text")
-_LARGE = ("gemma4_text", "gemma3n_text")
 
 
 def _model(model_type: str, seed: int = 0) -> nn.Module:
@@ -517,7 +516,7 @@ def test_the_liger_mlp_needs_a_gpu_here_and_names_what_it_lacks() -> None:
 @pytest.mark.skipif(_liger_reason() is not None, reason=f"needs CUDA and liger ({_liger_reason()})")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["fused", "liger"])
-@pytest.mark.parametrize("model_type", [t for t in POPULAR if t not in _LARGE])
+@pytest.mark.parametrize("model_type", POPULAR)
 def test_on_a_gpu_the_mlps_verify(model_type: str, backend: str, dtype: torch.dtype) -> None:
     report = layerswap.verify(
         _model(model_type),

@@ -44,8 +44,6 @@ POPULAR = (
 )
 #: the fast lane's share of them: a linear-attention hybrid, latent attention, Llama 4
 FAST = ("qwen3_next", "deepseek_v3", "llama4_text")
-#: those whose tiny model keeps a 262k vocabulary (270M parameters): CPU lanes only
-_LARGE = ("gemma4_text", "gemma3n_text")
 
 
 def _model(model_type: str, seed: int = 0) -> nn.Module:
@@ -451,7 +449,7 @@ def _liger_reason() -> str | None:
 @pytest.mark.skipif(_liger_reason() is not None, reason=f"needs CUDA and liger ({_liger_reason()})")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["fused", "liger"])
-@pytest.mark.parametrize("model_type", [t for t in POPULAR if t not in _LARGE])
+@pytest.mark.parametrize("model_type", POPULAR)
 def test_on_a_gpu_the_norms_verify(model_type: str, backend: str, dtype: torch.dtype) -> None:
     report = layerswap.verify(
         _model(model_type),

@@ -154,6 +154,10 @@ def tiny_config_for(config_class: type, **overrides: Any) -> Any:
         sizes.update({key: value for key, value in _TINY_MLA.items() if key in fields})
         sizes["head_dim"] = _TINY_MLA["head_dim"]  # a field some configs derive, not take
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    if "vocab_size_per_layer_input" in fields:
+        # Gemma 3n's / Gemma 4's per-layer-input embeddings: a row per token of the small
+        # vocabulary, not 262,144 (270M parameters in a tiny model)
+        sizes["vocab_size_per_layer_input"] = TINY["vocab_size"]
     sizes.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     sizes["rope_parameters"] = dict(_PLAIN_ROPE)
     sizes.update(_TINY_FIXES.get(getattr(config_class, "model_type", ""), {}))
