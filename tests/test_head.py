@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 from models import FAMILIES, lane_families, left_padded_batch, text_vocab, tiny_model
-from transformers import PreTrainedModel
+from transformers import LlamaForCausalLM, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import layerswap
 from layerswap.backends import fused
@@ -434,6 +435,43 @@ def test_a_head_that_adds_to_the_loss_is_refused_by_the_contract() -> None:
         head_contract(BambaForCausalLM)  # a z-loss on the logits, inside the loss block
     # the router loss is read, with the attribute that scales it
     assert head_contract(MixtralForCausalLM).aux_coef == "router_aux_loss_coef"
+
+
+class _ScaledUnderAnotherName(LlamaForCausalLM):
+    """Returns ``lm_logits``, a scaled copy, while its loss reads the unscaled ``logits``:
+    a forward whose two names a renaming would merge."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):  # type: ignore[no-untyped-def]
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state)
+        lm_logits = logits * self.config.scale
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=lm_logits, cache=outputs.cache)
+
+
+class _Reshaped(LlamaForCausalLM):
+    """Reshapes the projection in its own statement: not the logits the fused loss computes."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):  # type: ignore[no-untyped-def]
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state).view(-1, 2, self.config.vocab_size)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+
+
+def test_a_head_read_under_another_name_is_refused_where_two_names_would_merge() -> None:
+    from transformers import FalconForCausalLM, OPTForCausalLM
+
+    assert head_contract(FalconForCausalLM).head == "lm_head"  # lm_logits = self.lm_head(...)
+    assert head_contract(OPTForCausalLM).steps == ()  # self.lm_head(h).contiguous()
+    with pytest.raises(UpstreamDriftError, match="returns lm_logits as its logits and names"):
+        head_contract(_ScaledUnderAnotherName)
+    with pytest.raises(UpstreamDriftError, match="does not compute its logits in one"):
+        head_contract(_Reshaped)
 
 
 def test_a_soft_cap_named_first_and_read_through_the_text_config_is_reproduced() -> None:

@@ -102,9 +102,6 @@ _TRANSFORMS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"logits = logits / self\.(?P<path>[\w.]+)"), "div"),
     (re.compile(r"logits = logits \* self\.(?P<path>[\w.]+)"), "mul"),
 )
-#: the projection, maybe scaled in the same statement (its result named ``logits`` here:
-#: :func:`head_contract` reads the name the original gives it from its return)
-_PROJECTION = re.compile(r"logits = self\.(?P<head>\w+)\(.*\)( \* self\.(?P<path>[\w.]+))?")
 #: the name of the logits in the return (``lm_logits``: Falcon)
 _RETURNED_LOGITS = re.compile(
     r"return \w+\(loss=loss, (?:aux_loss=aux_loss, )?logits=(?P<name>\w+), "
@@ -181,17 +178,20 @@ def head_contract(causal_lm: type) -> HeadContract:
     returned = _RETURNED_LOGITS.match(statements[-1]) if statements else None
     name = "logits" if returned is None else returned["name"]
     if name != "logits":  # read under the one name the patterns know
+        if any(isinstance(node, ast.Name) and node.id == "logits" for node in ast.walk(function)):
+            raise UpstreamDriftError(
+                f"{where} returns {name} as its logits and names another value logits; "
+                "the head substitution cannot tell which one its loss reads"
+            )
         statements = [re.sub(rf"\b{name}\b", "logits", text) for text in statements]
-    projection = [
-        (i, found) for i, text in enumerate(statements) if (found := _PROJECTION.fullmatch(text))
-    ]
+    projection = [(i, found) for i, text in enumerate(statements) if (found := _projection(text))]
     if len(projection) != 1:
         raise UpstreamDriftError(
             f"{where} does not compute its logits in one `{name} = self.<head>(...)` "
             "statement; the head substitution needs that structure"
         )
     rest = statements[projection[0][0] + 1 :]
-    scale = projection[0][1]["path"]  # Falcon-H1: `self.lm_head(h) * self.model.multiplier`
+    head, scale = projection[0][1]  # Falcon-H1: `self.lm_head(h) * self.model.multiplier`
     steps: list[tuple[str, str]] = [] if scale is None else [("mul", scale)]
     while rest and rest[0] != "loss = None":
         for pattern, kind in _TRANSFORMS:
@@ -231,7 +231,51 @@ def head_contract(causal_lm: type) -> HeadContract:
             f"{where} does more with the loss than the head substitution reproduces "
             f"(expected {', '.join(expected)}; found `{_first_line(extra)}`)"
         )
-    return HeadContract(tuple(steps), aux, projection[0][1]["head"])
+    return HeadContract(tuple(steps), aux, head)
+
+
+#: what may follow the projection's call in its statement: ``.float()`` (Mamba, Mllama),
+#: ``.contiguous()`` (OPT)
+_HARMLESS_TAILS = frozenset({"float", "contiguous"})
+
+
+def _projection(text: str) -> tuple[str, str | None] | None:
+    """``(head, scale)`` of a statement ``logits = self.<head>(...)``, maybe times
+    ``self.<scale>`` (Falcon-H1); ``None`` for any other statement (a projection whose
+    result is reshaped or sliced in the same statement included)."""
+    statement = ast.parse(text).body[0]
+    if not (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name)
+        and statement.targets[0].id == "logits"
+    ):
+        return None
+    value, scale = statement.value, None
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
+        path = ast.unparse(value.right)
+        if not re.fullmatch(r"self\.[\w.]+", path):
+            return None
+        value, scale = value.left, path.removeprefix("self.")
+    # a cast the fused loss makes anyway (it computes in float32), or a copy into one block
+    while (
+        isinstance(value, ast.Call)
+        and not value.args
+        and not value.keywords
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr in _HARMLESS_TAILS
+    ):
+        value = value.func.value
+    if not (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and isinstance(value.func.value, ast.Name)
+        and value.func.value.id == "self"
+    ):
+        return None
+    if any(isinstance(node, ast.Name) and node.id == "logits" for node in ast.walk(value)):
+        return None  # a step on the logits (a soft-cap module), not the projection
+    return value.func.attr, scale
 
 
 def _first_line(text: str) -> str:
