@@ -484,8 +484,17 @@ def model_coverage(target: str | Path | Family) -> ModelCoverage:
             print(row.substitution, row.replaces, row.keeps)
     """
     family, config, source = _family_and_config(target)
-    with torch.device("meta"):
-        model = family.causal_lm_class()(config)
+    try:
+        with torch.device("meta"):
+            model = family.causal_lm_class()(config)
+    except Exception as exc:
+        if family.decoder:
+            raise
+        # a model type no family covers whose tiny model does not build: coverage's reason
+        raise UnknownSubstitutionError(
+            f"{family.model_type} is a transformers model type that layerswap does not "
+            f"cover: {why_not_covered(family.model_type)}"
+        ) from exc
     parts = _parts(model, family)
     # a model type no family covers: its decoder layers are not, the slots below may be
     uncovered = None if family.decoder else why_not_covered(family.model_type)
@@ -521,13 +530,18 @@ def _family_and_config(target: str | Path | Family) -> tuple[Family, PreTrainedC
         family = _family_of_type(str(target))
         return family, family.tiny_config(), "tiny config"
     model_type = json.loads(config_file.read_text()).get("model_type")
-    if not isinstance(model_type, str) or model_type not in set(decoder_model_types()):
+    known = [f for f in families().values() if f.model_type == model_type]
+    if not known and (not isinstance(model_type, str) or model_type not in _causal_lm_types()):
         raise UnknownSubstitutionError(
             f"{config_file} describes a {model_type!r} model, which is no causal-LM model "
             "type of the installed transformers (layerswap list --all lists them)"
         )
-    family = _family_of_type(model_type)
+    family = known[0] if known else _family_of_type(str(model_type))
     return family, family.config_type().from_json_file(str(config_file)), str(config_file)
+
+
+def _causal_lm_types() -> set[str]:
+    return set(decoder_model_types())
 
 
 def _family_of_type(name: str) -> Family:
@@ -540,7 +554,7 @@ def _family_of_type(name: str) -> Family:
     found = [family for family in known.values() if family.model_type == name]
     if found:
         return found[0]
-    if name not in set(decoder_model_types()):
+    if name not in _causal_lm_types():
         return get_family(name)  # unknown: the registry's error, with close names
     from layerswap.model_types import bare_family
 
@@ -592,7 +606,20 @@ def _repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.ModuleList) and len(module) > 0
     ]
+    config: Any = getattr(model, "config", None)
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None) if config else None
+    get_decoder: Any = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+
+    def rank(found: tuple[str, torch.nn.ModuleList]) -> tuple[bool, bool, bool, int]:
+        # a list of the text config's length, inside the decoder, of modules holding more
+        # than one parameter tensor (not an embedding per codebook), the longest
+        blocks = found[1]
+        inside = decoder is not None and any(m is blocks for m in decoder.modules())
+        blocky = len(list(blocks[0].parameters())) > 1
+        return len(blocks) == layers, inside, blocky, len(blocks)
+
     if not lists:
         return []
-    name, blocks = max(lists, key=lambda found: len(found[1]))
+    name, blocks = max(lists, key=rank)
     return [(f"{name}.{index}", block) for index, block in enumerate(blocks)]

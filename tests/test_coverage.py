@@ -87,6 +87,39 @@ def test_a_config_of_no_causal_lm_model_type_is_refused(tmp_path: Path) -> None:
         model_coverage(tmp_path)
 
 
+def test_a_config_of_a_multimodal_family_is_read_as_that_family(tmp_path: Path) -> None:
+    """Qwen2-VL: a family of its own, though no causal-LM model type of transformers."""
+    layerswap.get_family("qwen2_vl").tiny_config().save_pretrained(tmp_path)
+
+    report = model_coverage(tmp_path)
+
+    assert report.family == "qwen2_vl"
+    assert {row.substitution: row for row in report.rows}["qwen2_vl.decoder.fused"].replaces
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        ("whisper", "whisper is a transformers model type that layerswap does not cover: "),
+        ("t5", "t5: transformers has no causal LM for this model type"),
+    ],
+)
+def test_the_cli_refuses_a_model_type_with_nothing_to_cover_with_the_reason(
+    model_type: str, message: str
+) -> None:
+    result = CliRunner().invoke(app, ["coverage", model_type])
+
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_model_type_no_family_covers_keeps_its_language_models_layers() -> None:
+    """GOT-OCR2 holds its vision tower's layers beside its language model's: the rows name
+    the language model's (the text config's number of layers), not the tower's."""
+    rows = {row.substitution: row for row in model_coverage("got_ocr2").rows}
+
+    assert rows["got_ocr2.mlp.fused"].keeps[0].startswith("model.language_model.layers.0-")
+
+
 def test_the_cli_covers_a_model_type_no_family_covers() -> None:
     """``layerswap coverage gpt2``: its decoder layers are covered by no family (the rows
     say why), its head is swapped; the blocks it keeps are named as a family's layers."""

@@ -90,7 +90,10 @@ def coverage_target(name: str) -> str:
     :func:`find_family`."""
     key = name.strip().lower()
     if key in _model_types() and not any(f.model_type == key for f in _families().values()):
-        return key
+        from layerswap.families.infer import decoder_model_types
+
+        if key in set(decoder_model_types()):
+            return key  # else find_family says transformers has no causal LM for it
     return find_family(name, option="coverage").name
 
 
