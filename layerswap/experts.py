@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 from dataclasses import dataclass
@@ -147,9 +148,11 @@ def classify(module: nn.Module) -> ExpertsSpec | str:
     try:
         # on the CPU even inside from_pretrained, which builds under torch.device("meta")
         with torch.device("cpu"):
-            trial = random_copy(module, torch.float32).train()
+            trial = random_copy(_few_experts(module), torch.float32).train()
             kind = _read_gate(trial, width)
             called = _calls_gate(trial, spec)
+    except torch.OutOfMemoryError:
+        raise
     except Exception as exc:  # a gate that does not run on a copy alone
         return f"its gate does not run on its own ({type(exc).__name__}: {exc})"
     if kind is None:
@@ -157,6 +160,35 @@ def classify(module: nn.Module) -> ExpertsSpec | str:
     if kind != "own" and not spec.concatenated:
         kind = "own"  # gate and up interleaved: the class's own gate splits them
     return dataclasses.replace(spec, kind=kind, gate_called=called)
+
+
+#: the experts a reading copy keeps: enough for tokens routed to more than one
+_READ_EXPERTS = 2
+#: the attributes an experts class counts its experts in
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _few_experts(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` holding its first :data:`_READ_EXPERTS` experts only, in float32
+    on the CPU (or the meta device): what the gate and the implementation compute does not
+    depend on how many there are, and a real model's experts module holds gigabytes
+    (DeepSeek-V3: 22 GB a layer in bfloat16), which reading must not copy."""
+    experts = int(module.get_parameter("gate_up_proj").shape[0])
+    keep = min(_READ_EXPERTS, experts)
+    memo: dict[int, Any] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        small = tensor.detach()
+        if small.dim() >= 1 and small.shape[0] == experts:
+            small = small[:keep]
+        small = small.clone() if small.is_meta else small.to("cpu", torch.float32, copy=True)
+        if isinstance(tensor, nn.Parameter):
+            small = nn.Parameter(small, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = small
+    trial = copy.deepcopy(module, memo)
+    for count in _EXPERT_COUNTS:
+        if isinstance(getattr(trial, count, None), int):
+            setattr(trial, count, keep)
+    return trial
 
 
 def _calls_gate(trial: nn.Module, spec: ExpertsSpec) -> bool:

@@ -89,6 +89,28 @@ def test_classifying_touches_nothing_and_reads_a_meta_module() -> None:
     )
 
 
+def test_reading_an_experts_module_copies_two_of_its_experts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real model's experts module holds gigabytes (DeepSeek-V3: 22 GB a layer): the
+    copy the gate is read on holds two experts, in float32 on the CPU, whatever it has."""
+    from layerswap import experts as reader
+
+    copied: list[tuple[int, ...]] = []
+    real = reader.random_copy
+
+    def spied(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+        copied.append(tuple(module.get_parameter("gate_up_proj").shape))
+        return real(module, dtype)
+
+    monkeypatch.setattr(reader, "random_copy", spied)
+    model = _model("qwen3_moe").to(torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape[0] == 4
+    assert classify(experts) == ExpertsSpec("silu", implementation="grouped_mm")
+    assert copied == [(2, *experts.gate_up_proj.shape[1:])]
+
+
 def test_a_gate_that_draws_random_numbers_is_kept() -> None:
     experts = copy.deepcopy(_model("qwen3_moe").model.layers[0].mlp.experts)
 

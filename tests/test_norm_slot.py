@@ -293,6 +293,70 @@ def test_swapping_twice_is_refused() -> None:
         layerswap.swap(model, "qwen3_next.norm.fused")
 
 
+def test_two_threads_swapping_one_model_do_not_both_succeed() -> None:
+    """Each round, two threads swap the same model at once: one swap takes it, the other
+    is refused as already swapped, and undoing the one that took it leaves the original."""
+    import sys
+    import threading
+
+    model = layerswap.get_family("llama").build(seed=0)
+    originals = {name: type(m) for name, m in model.named_modules()}
+    layerswap.swap(model, "llama.norm.fused").undo()  # proven once, before the rounds
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        for _ in range(30):
+            barrier = threading.Barrier(2)
+            handles: list[Any] = []
+            refused: list[BaseException] = []
+
+            def one(barrier: Any, handles: list[Any], refused: list[BaseException]) -> None:
+                barrier.wait()
+                try:
+                    handles.append(layerswap.swap(model, "llama.norm.fused"))
+                except SubstitutionError as exc:
+                    refused.append(exc)
+
+            threads = [
+                threading.Thread(target=one, args=(barrier, handles, refused)) for _ in range(2)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert len(handles) == 1 and len(refused) == 1, (handles, refused)
+            assert "already swapped" in str(refused[0])
+            handles[0].undo()
+            assert {name: type(m) for name, m in model.named_modules()} == originals
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_a_norm_whose_forward_is_set_on_the_instance_is_kept_with_the_reason() -> None:
+    """accelerate's hooks (dispatch_model, an offloading device_map) set ``forward`` on the
+    instance, which a class swap would not reach: that norm is kept, the others swapped."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = layerswap.get_family("llama").build(seed=0)
+    add_hook_to_module(model.model.norm, ModelHook())
+    ids = torch.randint(3, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    with layerswap.swap(model, "llama.norm.fused") as handle:
+        assert not isinstance(model.model.norm, NormReplacement)
+        assert isinstance(model.model.layers[0].input_layernorm, NormReplacement)
+        count, reason = handle.kept["LlamaRMSNorm"]
+        assert count == 1 and "forward is set on the instance (an accelerate hook)" in reason
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+    add_hook_to_module(model.model.layers[0].input_layernorm, ModelHook())
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            add_hook_to_module(norm, ModelHook())
+    with pytest.raises(SubstitutionError, match="forward is set on the instance"):
+        layerswap.swap(model, "llama.norm.fused")
+
+
 def test_a_model_type_without_norms_of_its_own_is_refused_with_the_reason() -> None:
     with pytest.raises(UnknownSubstitutionError, match="no norm class"):
         layerswap.get("gpt2.norm.fused")

@@ -51,6 +51,8 @@ __all__ = [
 #: what each module computes, asked once per classifier, class and settings
 _SPECS: dict[tuple[Any, ...], Any] = {}
 _SPECS_LOCK = threading.Lock()
+#: held while a swap checks a model and changes its classes, and while one is undone
+_SWAP_LOCK = threading.RLock()
 #: the most parameters a tiny model may have for its first-use proof to run
 _TINY_LIMIT = 300_000_000
 #: tiny models built on the meta device, the most recent first asked of again
@@ -158,16 +160,17 @@ class ClassSwapHandle(SwapHandle):
 
     def undo(self) -> None:
         """Put every original class back (a no-op when already undone)."""
-        if not self._active:
-            return
-        for name, module, made in self._plan.swapped:
-            if type(module) is not made:
-                raise SubstitutionError(
-                    f"cannot undo {self.substitution.name}: {name} is now a "
-                    f"{type(module).__qualname__}, not {made.__qualname__} (changed since)"
-                )
-        self._changes.undo()
-        self._active = False
+        with _SWAP_LOCK:
+            if not self._active:
+                return
+            for name, module, made in self._plan.swapped:
+                if type(module) is not made:
+                    raise SubstitutionError(
+                        f"cannot undo {self.substitution.name}: {name} is now a "
+                        f"{type(module).__qualname__}, not {made.__qualname__} (changed since)"
+                    )
+            self._changes.undo()
+            self._active = False
 
     def report(self) -> str:
         """A readable summary: the modules swapped (per class and kind) and those kept."""
@@ -193,6 +196,19 @@ class ClassSwapHandle(SwapHandle):
             f"<{type(self).__name__} {self.substitution.name}: {len(self)} "
             f"{self._slot.plural}, {state}>"
         )
+
+
+def _instance_forward(module: nn.Module) -> str | None:
+    """Why a class swap would not reach ``module``'s computation: a ``forward`` set on the
+    instance (accelerate's hooks: ``dispatch_model``, a ``device_map`` that offloads; a
+    library's expert parallelism) runs whatever class the module has. ``None``: none is."""
+    if "forward" not in vars(module):
+        return None
+    hooked = " (an accelerate hook)" if hasattr(module, "_hf_hook") else ""
+    return (
+        f"its forward is set on the instance{hooked}, so a new class would not run; swap "
+        "before dispatching or offloading the model"
+    )
 
 
 def _apply(plan: ClassPlan, changes: UndoLog) -> None:
@@ -273,8 +289,10 @@ class ClassSwapSlot(Slot):
                 if isinstance(module, self.replacement_base):
                     plan.taken.append((name, module._layerswap_swapped_by))
                     continue
-                spec = self.spec_of(module)
-                reason = spec if isinstance(spec, str) else replacement.refusal(spec)
+                reason = _instance_forward(module)
+                if reason is None:
+                    spec = self.spec_of(module)
+                    reason = spec if isinstance(spec, str) else replacement.refusal(spec)
                 if reason is None:
                     made = replacement.subclass_for(cls, spec, sub.name)
                     plan.swapped.append((name, module, made))
@@ -349,14 +367,18 @@ class ClassSwapSlot(Slot):
         config = getattr(model, "config", None)
         if config is None:
             raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
-        plan = self._checked_plan(model, sub)
+        self._checked_plan(model, sub)  # refused before the proof runs
         self.prepare(sub, config)
         changes = UndoLog()
-        try:
-            _apply(plan, changes)
-        except BaseException:
-            changes.undo()
-            raise
+        # planned again and applied as one step: two threads swapping one model cannot
+        # both find it unswapped
+        with _SWAP_LOCK:
+            plan = self._checked_plan(model, sub)
+            try:
+                _apply(plan, changes)
+            except BaseException:
+                changes.undo()
+                raise
         return self.handle_class(model, sub, plan, changes, self)
 
     def rebuild_originals(self, model: nn.Module, sub: Substitution) -> int:

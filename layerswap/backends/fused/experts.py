@@ -62,8 +62,11 @@ class FusedExperts(ExpertsReplacement):
         return gate(gate_up_out)  # type: ignore[no-any-return]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        implementation = hf_internals.experts_implementation(self)
         if (
-            hf_internals.experts_implementation(self) == hf_internals.EAGER_EXPERTS
+            implementation == hf_internals.EAGER_EXPERTS
+            # swapped while eager, its eager loop was read calling _apply_gate (DeepSeek V4)
+            and implementation != self._layerswap_spec.implementation
             and type(self) not in _WARNED
         ):
             _WARNED.add(type(self))
