@@ -463,6 +463,26 @@ class _Reshaped(LlamaForCausalLM):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
 
 
+def test_a_model_whose_forward_is_set_on_the_instance_is_refused_unchanged() -> None:
+    """accelerate's hooks (dispatch_model, an offloading device_map) set ``forward`` on the
+    model itself, which runs the original whatever its class: a head swap would do
+    nothing, so it is refused; built inside use() and dispatched after, it is swapped."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = tiny_model("llama", seed=0)
+    add_hook_to_module(model, ModelHook())
+    with pytest.raises(SubstitutionError, match="forward is set on the instance"):
+        layerswap.swap(model, "llama.head.fused")
+    assert head_substitution_of(model) is None
+    family = layerswap.get_family("llama")
+    with layerswap.use("llama.head.fused"):
+        built = family.causal_lm_class()(family.tiny_config())
+    add_hook_to_module(built, ModelHook())
+    batch = _batch(built)
+    built.train()
+    assert built(**batch).logits is None  # the fused loss ran through the hook
+
+
 def test_a_head_read_under_another_name_is_refused_where_two_names_would_merge() -> None:
     from transformers import FalconForCausalLM, OPTForCausalLM
 

@@ -45,6 +45,7 @@ __all__ = [
     "ClassSwapHandle",
     "ClassSwapSlot",
     "check_class_structure",
+    "instance_forward",
     "settings",
 ]
 
@@ -198,7 +199,7 @@ class ClassSwapHandle(SwapHandle):
         )
 
 
-def _instance_forward(module: nn.Module) -> str | None:
+def instance_forward(module: nn.Module) -> str | None:
     """Why a class swap would not reach ``module``'s computation: a ``forward`` set on the
     instance (accelerate's hooks: ``dispatch_model``, a ``device_map`` that offloads; a
     library's expert parallelism) runs whatever class the module has. ``None``: none is."""
@@ -289,7 +290,7 @@ class ClassSwapSlot(Slot):
                 if isinstance(module, self.replacement_base):
                     plan.taken.append((name, module._layerswap_swapped_by))
                     continue
-                reason = _instance_forward(module)
+                reason = instance_forward(module)
                 if reason is None:
                     spec = self.spec_of(module)
                     reason = spec if isinstance(spec, str) else replacement.refusal(spec)

@@ -32,6 +32,7 @@ from layerswap.handle import SwapHandle
 from layerswap.patching.undo import UndoLog
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot
+from layerswap.slots.class_swap import instance_forward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -68,6 +69,9 @@ def _check_swappable(model: nn.Module, sub: Substitution) -> type[nn.Module]:
                 else "not one"
             )
         )
+    hooked = instance_forward(model)
+    if hooked is not None:  # its hook would run the original forward: a swap doing nothing
+        raise SubstitutionError(f"{sub.name} cannot swap this {type(model).__name__}: {hooked}")
     config = getattr(model, "config", None)
     if config is None:
         raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
