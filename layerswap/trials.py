@@ -39,10 +39,21 @@ def one_tensor_input(module: nn.Module) -> str | None:
 def random_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``module`` on the CPU in ``dtype``, in eval mode, its parameters random
     (``N(0, 0.25)``, from a fixed seed, drawn in float32 so that every dtype gets the same
-    values); one on the meta device is copied with empty storage first."""
-    trial = copy.deepcopy(module)
-    if any(p.is_meta for p in trial.parameters()):
-        trial = trial.to_empty(device="cpu")
+    values); its buffers are copied as they are. A module on a GPU is not copied there
+    first, and none of its parameters' values is copied; one on the meta device is copied
+    with empty storage."""
+    # the copy's parameters are made empty on the CPU (their values are drawn below)
+    memo: dict[int, object] = {}
+    for param in module.parameters():
+        empty = torch.empty(param.shape, dtype=torch.float32, device="cpu")
+        memo[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
+    for buffer in module.buffers():  # kept as they are (a constant the module computes with)
+        memo[id(buffer)] = (
+            torch.empty_like(buffer, device="cpu")
+            if buffer.is_meta
+            else buffer.detach().to("cpu", copy=True)
+        )
+    trial = copy.deepcopy(module, memo)
     trial = trial.to(device="cpu", dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -183,6 +183,27 @@ def test_classifying_touches_nothing_and_reads_a_meta_module() -> None:
     assert not isinstance(spec, str) and spec.kind == "rms"
 
 
+def test_the_copy_a_norm_is_read_on_copies_none_of_its_parameters() -> None:
+    """Reading copies a module's structure, never its weights (a GPU module is not copied
+    on the GPU first): a parameter that refuses to be copied is not asked to be, and a
+    buffer keeps its value and dtype."""
+    from layerswap.trials import random_copy
+
+    class Uncopyable(nn.Parameter):
+        def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+            raise AssertionError("a parameter's values were copied")
+
+    norm = nn.LayerNorm(8)
+    norm.weight = Uncopyable(torch.ones(8))
+    norm.register_buffer("steps", torch.tensor([3]))
+    trial = random_copy(norm, torch.bfloat16)
+    assert trial.weight.dtype == torch.bfloat16 and not torch.equal(
+        trial.weight.float(), torch.ones(8)
+    )
+    assert trial.steps.dtype == torch.int64 and trial.steps.tolist() == [3]
+    assert norm.weight.dtype == torch.float32  # the original untouched
+
+
 def test_every_kind_is_one_the_fused_backend_computes() -> None:
     assert set(FusedNorm.kernels) == set(KINDS) | set(GROUPED_KINDS)
 
