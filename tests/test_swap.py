@@ -288,3 +288,33 @@ def test_build_replacement_layer_leaves_the_original_untouched() -> None:
         expected = layer(hidden, position_embeddings=cos_sin)
         actual = replacement(hidden, position_embeddings=cos_sin)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_an_accelerate_hook_on_a_layer_runs_the_replacement_layer() -> None:
+    """accelerate's hooks (dispatch_model, an offloading device_map) set ``forward`` on each
+    layer they wrap: the swap hooks the replacement layer the same way, so the hook runs
+    the replacement's forward (not the original's, which would make the swap a no-op)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):  # type: ignore[misc]
+        calls = 0
+
+        def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            Counting.calls += 1
+            return args, kwargs
+
+    model = tiny_model("llama", seed=0)
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        expected = model(ids).logits
+    for layer in model.model.layers:
+        add_hook_to_module(layer, Counting())
+    with layerswap.swap(model, "llama.decoder.fused"):
+        for layer in model.model.layers:
+            assert str(layerswap.model.substitution_of(layer)) == "llama.decoder.fused"
+            # the hook's forward calls the replacement's own
+            assert layer._old_forward.__func__ is type(layer).forward
+        with torch.no_grad():
+            got = model(ids).logits
+    assert Counting.calls == len(model.model.layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
