@@ -250,6 +250,8 @@ def test_an_interrupted_save_leaves_nothing_behind(
     [
         (["patch", "--model", "deepseek_v3"], "no family covers deepseek_v3's decoder layers ("),
         (["patch", "--model", "bert"], "bert is a transformers model type that layerswap does not cover: "),
+        (["patch", "--model", "llava"], "llava is a multimodal wrapper whose language model the llama family covers; "),
+        (["coverage", "llava"], "pass --model llama (or --substitution llama.decoder.fused)"),
         (["patch", "--model", "./nope"], "--model takes a family name, not a path (./nope: no such file or directory)"),
         (["coverage", "./nope"], "./nope: no such file or directory"),
         (["patch", "--overwrite", "-m", "llama"], "--overwrite applies to --save"),

@@ -128,6 +128,15 @@ def _refuse_model_type(model_type: str) -> None:
         return
     from layerswap.coverage import slots_below_decoder, why_not_covered
 
+    wrapped = _wrapped_family(model_type)
+    if wrapped is not None:
+        raise UsageProblem(
+            f"{model_type} is a multimodal wrapper whose language model the {wrapped} family "
+            f"covers; the command line builds causal LMs: pass --model {wrapped} (or "
+            f"--substitution {wrapped}.decoder.fused), or swap a {model_type} model in "
+            "Python (layerswap.swap, use and verify take the wrapper: its language model's "
+            "layers are swapped, its tower kept)"
+        )
     taken = slots_below_decoder(model_type)
     if not taken:
         raise UsageProblem(
@@ -140,6 +149,23 @@ def _refuse_model_type(model_type: str) -> None:
         f"the slots below them take it: pass --substitution with one of {names} "
         f"(layerswap coverage {model_type} says what each replaces)"
     )
+
+
+def _wrapped_family(model_type: str) -> str | None:
+    """The family covering the language model of ``model_type``, a multimodal wrapper proven
+    on image or audio prompts (Llava: ``llama``); ``None`` for anything else."""
+    from layerswap.verify.multimodal import WRAPPERS
+
+    if model_type not in WRAPPERS:
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        text_type = CONFIG_MAPPING[model_type]().text_config.model_type
+    except Exception:  # not in this transformers
+        return None
+    found = [f.name for f in _families().values() if f.model_type == text_type]
+    return found[0] if found else None
 
 
 def _model_types() -> set[str]:
