@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_mlp_slot import _model, swaps_exactly
+from test_mlp_slot import (
+    _model,
+    _train_step,
+    compiles_in_one_graph_to_the_same_gradients,
+    swaps_exactly,
+)
 from test_norm_slot import _ids, _liger_reason, coverage_report, listed_and_swept
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -50,15 +55,6 @@ def _lanes() -> list[Any]:
 
 def _swapped(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, ExpertsReplacement)]
-
-
-def _train_step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-    model.train()
-    model.zero_grad()
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
 
 
 # --- what the experts compute, by running their gate --------------------------------------
@@ -255,24 +251,8 @@ def test_a_model_built_in_use_with_no_experts_swapped_is_warned_once(change: str
 
 @pytest.mark.slow  # compiles twice
 def test_compile_trains_the_swapped_experts_to_the_same_gradients_in_one_graph() -> None:
-    model = _model("qwen3_moe")
-    ids = _ids(model)
-    loss, grads = _train_step(model, ids)
-
-    def training_loss(ids: torch.Tensor) -> torch.Tensor:
-        return model(ids, labels=ids).loss
-
-    with layerswap.swap(model, "qwen3_moe.experts.fused"):
-        # the recomputed gate is a checkpoint region dynamo traces: no graph break
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(training_loss)(ids)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager")
-        compiled_loss, compiled_grads = _train_step(compiled, ids)
-    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(compiled_grads[f"_orig_mod.{name}"], grad, rtol=1e-4, atol=1e-6)
+    # the recomputed gate is a checkpoint region dynamo traces: no graph break
+    compiles_in_one_graph_to_the_same_gradients(_model("qwen3_moe"), "qwen3_moe.experts.fused")
 
 
 @pytest.mark.parametrize("swap_first", [True, False], ids=["swap-then-lora", "lora-then-swap"])

@@ -531,17 +531,17 @@ def test_on_a_gpu_the_mlps_verify(model_type: str, backend: str, dtype: torch.dt
 # --- the contract's clients: torch.compile, PEFT, pickle ----------------------------------
 
 
-@pytest.mark.slow  # compiles three times
-def test_compile_trains_the_swapped_model_to_the_same_gradients_in_one_graph() -> None:
-    model = layerswap.get_family("qwen3").build(seed=0)
+def compiles_in_one_graph_to_the_same_gradients(model: nn.Module, substitution: str) -> None:
+    """Swapped by ``substitution`` (its recomputed region a checkpoint dynamo traces),
+    ``model`` compiles to one graph with no break and trains to its unswapped loss and
+    gradients."""
     ids = _ids(model)
     loss, grads = _train_step(model, ids)
 
     def training_loss(ids: torch.Tensor) -> torch.Tensor:
         return model(ids, labels=ids).loss
 
-    with layerswap.swap(model, "qwen3.mlp.fused"):
-        # the recomputed product is a checkpoint region dynamo traces: no graph break
+    with layerswap.swap(model, substitution):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(training_loss)(ids)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0)
@@ -551,6 +551,14 @@ def test_compile_trains_the_swapped_model_to_the_same_gradients_in_one_graph() -
     torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(compiled_grads[f"_orig_mod.{name}"], grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # compiles three times
+def test_compile_trains_the_swapped_model_to_the_same_gradients_in_one_graph() -> None:
+    # the recomputed product is a checkpoint region dynamo traces: no graph break
+    compiles_in_one_graph_to_the_same_gradients(
+        layerswap.get_family("qwen3").build(seed=0), "qwen3.mlp.fused"
+    )
 
 
 def test_a_lora_adapter_on_the_projections_trains_and_moves_to_the_original(
