@@ -57,6 +57,7 @@ __all__ = [
     "inferring",
     "model_coverage",
     "slots_below_decoder",
+    "wrapper_family",
 ]
 
 
@@ -283,24 +284,35 @@ def _language_model_type(model_type: str) -> str | None:
 def _wrapped() -> dict[str, tuple[Family, str]]:
     """The multimodal wrappers proven on image or audio prompts: each one's text decoder
     family, and which medium it takes."""
+    from layerswap.verify.multimodal import WRAPPERS
+
+    return {t: found for t in sorted(WRAPPERS) if (found := wrapper_family(t)) is not None}
+
+
+def wrapper_family(model_type: str) -> tuple[Family, str] | None:
+    """For a multimodal wrapper proven on image or audio prompts, the family covering its
+    text decoder and the medium it takes (Llava: the ``llama`` family, ``"image"``);
+    ``None`` for any other model type.
+
+    Example::
+
+        family, media = wrapper_family("llava")    # (Family(name="llama", ...), "image")
+    """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from layerswap.verify.multimodal import WRAPPERS
 
+    if model_type not in WRAPPERS:
+        return None
+    media = "audio" if "audio" in WRAPPERS[model_type] else "image"
     by_type = {family.model_type: family for family in families().values()}
-    found = {}
-    for model_type in sorted(WRAPPERS):
-        media = "audio" if "audio" in WRAPPERS[model_type] else "image"
-        if model_type in by_type:  # a family of its own: the wrapper is its model (Qwen2-VL)
-            found[model_type] = (by_type[model_type], media)
-            continue
-        try:
-            text_type = CONFIG_MAPPING[model_type]().text_config.model_type
-        except Exception:  # not in this transformers
-            continue
-        if text_type in by_type:
-            found[model_type] = (by_type[text_type], media)
-    return found
+    if model_type in by_type:  # a family of its own: the wrapper is its model (Qwen2-VL)
+        return by_type[model_type], media
+    try:
+        text_type = CONFIG_MAPPING[model_type]().text_config.model_type
+    except Exception:  # not in this transformers
+        return None
+    return (by_type[text_type], media) if text_type in by_type else None
 
 
 def why_not_covered(model_type: str) -> str:

@@ -126,10 +126,11 @@ def _refuse_model_type(model_type: str) -> None:
     """A transformers model type no family covers: why, as coverage says it."""
     if model_type not in _model_types():
         return
-    from layerswap.coverage import slots_below_decoder, why_not_covered
+    from layerswap.coverage import slots_below_decoder, why_not_covered, wrapper_family
 
-    wrapped = _wrapped_family(model_type)
-    if wrapped is not None:
+    found = wrapper_family(model_type)
+    wrapped = None if found is None else found[0].name
+    if wrapped is not None and wrapped != model_type:
         raise UsageProblem(
             f"{model_type} is a multimodal wrapper whose language model the {wrapped} family "
             f"covers; the command line builds causal LMs: pass --model {wrapped} (or "
@@ -149,23 +150,6 @@ def _refuse_model_type(model_type: str) -> None:
         f"the slots below them take it: pass --substitution with one of {names} "
         f"(layerswap coverage {model_type} says what each replaces)"
     )
-
-
-def _wrapped_family(model_type: str) -> str | None:
-    """The family covering the language model of ``model_type``, a multimodal wrapper proven
-    on image or audio prompts (Llava: ``llama``); ``None`` for anything else."""
-    from layerswap.verify.multimodal import WRAPPERS
-
-    if model_type not in WRAPPERS:
-        return None
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    try:
-        text_type = CONFIG_MAPPING[model_type]().text_config.model_type
-    except Exception:  # not in this transformers
-        return None
-    found = [f.name for f in _families().values() if f.model_type == text_type]
-    return found[0] if found else None
 
 
 def _model_types() -> set[str]:
