@@ -42,6 +42,7 @@ from layerswap.inference import infer_family
 from layerswap.model_parts import model_parts
 from layerswap.registry import backends, families, get, get_family
 from layerswap.slots import get_slot, slot_names, takes_any_model_type
+from layerswap.trials import not_built
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -57,6 +58,7 @@ __all__ = [
     "inferring",
     "model_coverage",
     "slots_below_decoder",
+    "slots_refusal",
     "wrapper_family",
 ]
 
@@ -98,6 +100,17 @@ class Coverage:
             if usable:
                 found[slot] = usable
         return found
+
+    @property
+    def slots_refusal(self) -> str | None:
+        """Why no slot below the decoder layer takes the model type, where every slot and
+        backend gives the same reason (its tiny model does not build here: a library this
+        machine lacks); ``None`` where one takes it, or their reasons differ (``coverage
+        MODEL_TYPE`` gives each)."""
+        if self.below_decoder:
+            return None
+        reasons = {why for answers in self.slots.values() for why in answers.values()}
+        return next(iter(reasons)) if len(reasons) == 1 else None
 
     @property
     def swapped(self) -> bool:
@@ -210,6 +223,13 @@ def slots_below_decoder(model_type: str) -> dict[str, list[str]]:
     """
     answers = _below_decoder(model_type, None, backends())
     return Coverage(model_type, None, None, {}, slots=answers).below_decoder
+
+
+def slots_refusal(model_type: str) -> str | None:
+    """Why no slot below the decoder layer takes ``model_type``, where all give one reason
+    (:attr:`Coverage.slots_refusal`); ``None`` where one takes it or their reasons differ."""
+    answers = _below_decoder(model_type, None, backends())
+    return Coverage(model_type, None, None, {}, slots=answers).slots_refusal
 
 
 def _below_decoder_slots(declared: Mapping[str, Backend]) -> Iterator[tuple[str, str, Backend]]:
@@ -504,7 +524,8 @@ def model_coverage(target: str | Path | Family) -> ModelCoverage:
         # a model type no family covers whose tiny model does not build: coverage's reason
         raise UnknownSubstitutionError(
             f"{family.model_type} is a transformers model type that layerswap does not "
-            f"cover: {why_not_covered(family.model_type)}"
+            f"cover: {why_not_covered(family.model_type)}; the slots below its decoder "
+            f"layers: {not_built(exc)}"
         ) from exc
     parts = model_parts(model, family)
     # a model type no family covers: its decoder layers are not, the slots below may be

@@ -12,11 +12,12 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import re
 
 import torch
 from torch import nn
 
-__all__ = ["one_tensor_input", "random_copy", "relative_difference"]
+__all__ = ["not_built", "one_tensor_input", "random_copy", "relative_difference"]
 
 
 def one_tensor_input(module: nn.Module) -> str | None:
@@ -75,3 +76,30 @@ def relative_difference(expected: object, got: torch.Tensor) -> tuple[float, flo
         return None
     scale = expected.float().abs().max().item() + 1e-6
     return difference.max().item() / scale, (difference > 0).float().mean().item()
+
+
+#: transformers' words for a library a model needs and this machine lacks
+_MISSING_LIBRARY = re.compile(r"(\w+) requires the ([\w.-]+) library but it was not found")
+
+
+def not_built(error: BaseException) -> str:
+    """Why a tiny model did not build here, in one sentence: a library it needs and this
+    machine lacks by its name (transformers' import errors run over several paragraphs),
+    anything else as raised, on one line.
+
+    Example::
+
+        not_built(ImportError("TimmWrapperModel requires the timm library but it was not found ..."))
+        # "its tiny model does not build here (TimmWrapperModel needs timm, not installed here)"
+    """
+    message = str(error)
+    missing = _MISSING_LIBRARY.findall(message)
+    if missing:
+        needs: dict[str, list[str]] = {}
+        for owner, library in missing:
+            needs.setdefault(owner, []).append(library)
+        said = "; ".join(f"{owner} needs {', '.join(libs)}" for owner, libs in needs.items())
+        return f"its tiny model does not build here ({said}, not installed here)"
+    return (
+        f"its tiny model does not build here ({type(error).__name__}: {' '.join(message.split())})"
+    )

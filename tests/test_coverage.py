@@ -100,7 +100,10 @@ def test_a_config_of_a_multimodal_family_is_read_as_that_family(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("model_type", "message"),
     [
-        ("whisper", "whisper is a transformers model type that layerswap does not cover: "),
+        (
+            "whisper",
+            "whisper is a transformers model type that layerswap does not cover: ",
+        ),
         ("t5", "t5: transformers has no causal LM for this model type"),
     ],
 )
@@ -110,6 +113,62 @@ def test_the_cli_refuses_a_model_type_with_nothing_to_cover_with_the_reason(
     result = CliRunner().invoke(app, ["coverage", model_type])
 
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_the_cli_says_why_the_slots_below_the_decoder_take_nothing() -> None:
+    """Whisper's tiny model does not build (its own sizes): the slots below its decoder
+    layers are held back by that, and the refusal says so beside the decoder's reason."""
+    result = CliRunner().invoke(app, ["coverage", "whisper"])
+
+    assert result.exit_code == 2
+    assert "; the slots below its decoder layers: its tiny model does not build here (" in (
+        " ".join(result.output.split())
+    )
+
+
+def test_a_library_a_tiny_model_lacks_is_named_in_one_sentence() -> None:
+    """transformers' import error for a missing library runs over paragraphs (Gemma 3n's
+    vision tower needs timm and PIL): the reason names the libraries, on one line."""
+    from transformers.utils.import_utils import BACKENDS_MAPPING
+
+    from layerswap.trials import not_built
+
+    # the very words transformers raises with (requires_backends)
+    text = "".join(BACKENDS_MAPPING[b][1].format("TimmWrapperModel") for b in ("vision", "timm"))
+
+    assert not_built(ImportError(text)) == (
+        "its tiny model does not build here (TimmWrapperModel needs PIL, timm, not installed here)"
+    )
+    assert not_built(ValueError("embed_dim must be\n divisible")) == (
+        "its tiny model does not build here (ValueError: embed_dim must be divisible)"
+    )
+
+
+def test_one_reason_holding_back_every_slot_is_listed_beside_the_decoders() -> None:
+    from layerswap.coverage import Coverage
+
+    lacking = "its tiny model does not build here (TimmWrapperModel needs timm, not installed here)"
+    held = Coverage(
+        "gemma3n",
+        None,
+        "layers differ",
+        {},
+        slots={"norm": {"fused": lacking}, "head": {"fused": lacking, "liger": lacking}},
+    )
+    differing = Coverage(
+        "bert",
+        None,
+        "no layers",
+        {},
+        slots={"norm": {"fused": "no norm"}, "head": {"fused": "no head"}},
+    )
+    taken = Coverage(
+        "gpt2", None, "no layers", {}, slots={"norm": {"fused": lacking}, "head": {"fused": None}}
+    )
+
+    assert held.slots_refusal == lacking
+    assert differing.slots_refusal is None  # coverage MODEL_TYPE gives each
+    assert taken.slots_refusal is None
 
 
 def test_a_model_type_no_family_covers_keeps_its_language_models_layers() -> None:
@@ -262,3 +321,22 @@ def test_layer_indices_are_written_as_runs(indices: list[int], written: str) -> 
     from layerswap.spans import index_spans
 
     assert index_spans(indices) == written
+
+
+def test_list_all_says_what_holds_back_the_other_slots(capsys: pytest.CaptureFixture[str]) -> None:
+    from layerswap.cli.output import Output
+    from layerswap.cli.render import render_coverage
+
+    row = {
+        "model_type": "gemma3n",
+        "family": None,
+        "backends": [],
+        "reason": "layers differ",
+        "below_decoder": {},
+        "slots_refusal": "its tiny model does not build here (X needs timm, not installed here)",
+        "not_covered": {},
+    }
+    render_coverage(Output(), [row])
+
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "layers differ; other slots: its tiny model does not build here (X needs timm" in shown

@@ -56,6 +56,7 @@ from layerswap.errors import ParallelismError, UnsupportedModelError, UpstreamDr
 from layerswap.family import Family
 from layerswap.ops.linear_cross_entropy import LogitTransform
 from layerswap.substitution import Substitution, UpstreamCheck
+from layerswap.trials import not_built
 from layerswap.weights import Converter
 
 if TYPE_CHECKING:
@@ -406,7 +407,7 @@ def read_head_refusal(family: Family) -> str | None:
             with torch.device("meta"):
                 head = getattr(family.causal_lm_class()(family.tiny_config()), contract.head, None)
         except Exception as exc:
-            return f"its tiny model does not build here ({type(exc).__name__}: {exc})"
+            return not_built(exc)
         if type(head) is not nn.Linear:
             return (
                 f"its {contract.head} is a {type(head).__module__}.{type(head).__qualname__}, "

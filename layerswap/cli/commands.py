@@ -134,6 +134,7 @@ def _list_coverage(json_output: bool, jobs: int | None) -> None:
                     "kept": found.kept,
                     # the slots below the decoder layer swapping some of its modules
                     "below_decoder": found.below_decoder,
+                    "slots_refusal": found.slots_refusal,
                     "not_covered": {
                         backend: why for backend, why in found.backends.items() if why is not None
                     }

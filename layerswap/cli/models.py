@@ -126,7 +126,12 @@ def _refuse_model_type(model_type: str) -> None:
     """A transformers model type no family covers: why, as coverage says it."""
     if model_type not in _model_types():
         return
-    from layerswap.coverage import slots_below_decoder, why_not_covered, wrapper_family
+    from layerswap.coverage import (
+        slots_below_decoder,
+        slots_refusal,
+        why_not_covered,
+        wrapper_family,
+    )
 
     found = wrapper_family(model_type)
     wrapped = None if found is None else found[0].name
@@ -140,9 +145,11 @@ def _refuse_model_type(model_type: str) -> None:
         )
     taken = slots_below_decoder(model_type)
     if not taken:
+        held = slots_refusal(model_type)
         raise UsageProblem(
             f"{model_type} is a transformers model type that layerswap does not cover: "
             f"{why_not_covered(model_type)}"
+            + (f"; the slots below its decoder layers: {held}" if held else "")
         )
     names = ", ".join(f"{model_type}.{slot}.{backends[0]}" for slot, backends in taken.items())
     raise UsageProblem(

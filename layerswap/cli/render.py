@@ -179,6 +179,8 @@ def render_coverage(
             why = "; ".join(part for part in (row["wrapper"], why) if part)
         if row.get("kept"):  # a hybrid: its layers of another kind stay the original's
             why = "; ".join(part for part in (row["kept"], why) if part)
+        if row.get("slots_refusal"):  # nothing swapped: what holds the other slots back
+            why = "; ".join(part for part in (why, f"other slots: {row['slots_refusal']}") if part)
         below = row.get("below_decoder") or {}
         slots = "; ".join(f"{slot}: {', '.join(names)}" for slot, names in below.items())
         table.add_row(

@@ -31,6 +31,7 @@ from layerswap.handle import SwapHandle
 from layerswap.patching.undo import UndoLog
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot
+from layerswap.trials import not_built
 from layerswap.versions import transformers_version
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ class ClassSwapSlot(Slot):
         made: Any = resolve(replacement)
         model = _tiny_on_meta(family)
         if isinstance(model, Exception):
-            return f"its tiny model does not build here ({type(model).__name__}: {model})"
+            return not_built(model)
         size = sum(param.numel() for param in model.parameters())
         if size > _TINY_LIMIT:
             return (
