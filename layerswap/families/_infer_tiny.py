@@ -54,6 +54,18 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "longcat_flash": {"n_routed_experts": 4, "expert_ffn_hidden_size": 64},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2}},
+    # GPT-Neo: a pattern of global and local attention repeated to the default 24 layers
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]]},
+    # ModernBERT's decoder: rotary parameters per layer type (its config takes no flat
+    # ones), and its special tokens inside the small vocabulary
+    "modernbert-decoder": {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "cls_token_id": 3,
+        "sep_token_id": 4,
+    },
     # a layer whose MLP keeps its top activations only (the mlp slot keeps it), beside plain ones
     "gemma3n_text": {
         "num_kv_shared_layers": 2,
