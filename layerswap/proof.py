@@ -9,9 +9,11 @@ proven with it on), and runs it with original layers and with replacement layers
 the same weights:
 
 1. forward on a left-padded batch (the logits at every real token),
-2. prefill and greedy decoding with a dynamic cache (every step's logits),
-3. the same with a static cache,
-4. a backward pass (the loss and the gradients of the embeddings and the head),
+2. forward on the same tokens without padding (the model passes its layers no mask: SDPA's
+   causal path, where a layer's own idea of whether it is causal decides),
+3. prefill and greedy decoding with a dynamic cache (every step's logits),
+4. the same with a static cache,
+5. a backward pass (the loss and the gradients of the embeddings and the head),
 
 each run and judged as :func:`layerswap.verify` runs and judges
 (:mod:`layerswap.verify.first_difference`), within

@@ -149,6 +149,53 @@ def test_a_layer_that_does_not_handle_is_causal_refuses_it() -> None:
         read_layer_call({"is_causal": False}, layer="TEDecoder")
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_config_field_the_original_ignores_leaves_the_swapped_layer_causal(
+    proofs: Path, family: str
+) -> None:
+    """Llama and Qwen 3 configs may carry ``use_bidirectional_attention=True`` (Gemma 3's
+    field): their attention stays causal, and so must the replacement's, where the model
+    passes its layers no mask (no padding, SDPA)."""
+    config = get_family(family).tiny_config()
+    config.use_bidirectional_attention = True
+    torch.manual_seed(0)
+    model = get_family(family).causal_lm_class()(config).eval()
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        with layerswap.swap(model, f"{family}.decoder.fused"):
+            got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_proof_runs_the_model_without_a_mask() -> None:
+    """A layer attending both ways where the model passes no mask is caught by the proof's
+    unpadded forward (a left-padded batch always carries a mask)."""
+    import copy
+
+    from layerswap.verify.first_difference import first_difference
+    from layerswap.verify.tolerance import Tolerance
+
+    reference = tiny_llama()
+    candidate = copy.deepcopy(reference)
+    for layer in candidate.model.layers:
+        layer.self_attn.is_causal = False  # transformers' SDPA reads it where no mask is given
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+
+    check, detail = first_difference(
+        reference, candidate, batch, Tolerance.scaled(1e-4), new_tokens=2
+    )
+
+    assert check == "forward on a batch without padding", detail
+    assert first_difference(reference, reference, batch, Tolerance.scaled(1e-4), new_tokens=2) == (
+        None,
+        "5 checks equal",
+    )
+
+
 # --- what the tiny model keeps -----------------------------------------------------------
 
 

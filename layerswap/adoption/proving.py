@@ -6,9 +6,10 @@ every other field kept: :func:`layerswap.shrink.shrunk_config`), with seeded ran
 (:meth:`layerswap.family.Family.build`), runs with the original code and with the patched
 code, holding the same weights:
 
-1. forward on a left-padded batch (the logits at every real token),
-2. prefill and greedy decoding with a dynamic cache, 3. the same with a static cache,
-4. a backward pass (the loss, the gradients of the embeddings and the head),
+1. forward on a left-padded batch (the logits at every real token), 2. the same tokens
+without padding (no mask), 3. prefill and greedy decoding with a dynamic cache, 4. the same
+with a static cache, 5. a backward pass (the loss, the gradients of the embeddings and the
+head),
 
 run and judged by the verify core (:mod:`layerswap.verify.first_difference`) within
 :meth:`~layerswap.verify.tolerance.Tolerance.scaled` ``1e-4`` on a CPU (``2e-3`` on a GPU).

@@ -42,6 +42,10 @@ class OriginalNumbers:
     norm_eps: float | None = None
     #: whether the layer applies the rotary embedding (:attr:`Family.rotary_layers`)
     rotary: bool = True
+    #: whether its attention is causal where the model passes no mask: the original's own
+    #: ``is_causal`` (Gemma 3 reads ``use_bidirectional_attention``; Llama keeps it causal
+    #: whatever the config says)
+    is_causal: bool = True
 
 
 def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -> OriginalNumbers:
@@ -68,4 +72,5 @@ def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -
         attn_logit_softcapping=None if softcap is None else float(softcap),
         norm_eps=None if eps is None else float(eps),
         rotary=family.rotates(attention, config),
+        is_causal=bool(getattr(attention, "is_causal", True)),
     )

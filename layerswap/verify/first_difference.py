@@ -40,6 +40,7 @@ __all__ = [
     "first_difference",
     "gradients_differ",
     "outputs_differ",
+    "unpadded",
 ]
 
 Batch = Mapping[str, torch.Tensor]
@@ -64,6 +65,12 @@ def outputs_differ(
     actual = forward(candidate, batch, routing=False, layer_outputs=False)
     difference = diff(expected.logits, actual.logits, rowwise=True)
     return None if difference.passes(tolerance) else _described(difference)
+
+
+def unpadded(batch: Batch) -> dict[str, torch.Tensor]:
+    """``batch`` with every token attended: its padding read as tokens, so that a model
+    drops the mask (transformers passes SDPA layers none where nothing is masked)."""
+    return {**batch, "attention_mask": torch.ones_like(batch["attention_mask"])}
 
 
 @contextlib.contextmanager
@@ -167,6 +174,7 @@ def gradients_differ(
 #: the checks :func:`first_difference` runs, in order
 CHECKS = (
     "forward on a left-padded batch",
+    "forward on a batch without padding",
     "prefill and decode with a dynamic cache",
     "prefill and decode with a static cache",
     "backward",
@@ -184,7 +192,7 @@ def first_difference(
     candidate_context: ContextFactory = contextlib.nullcontext,
     failed: Callable[[Exception], None] | None = None,
 ) -> tuple[str | None, str]:
-    """The first of :data:`CHECKS` that differs and how, else ``(None, "4 checks equal")``;
+    """The first of :data:`CHECKS` that differs and how, else ``(None, "5 checks equal")``;
     a check that raises differs, with the exception as its detail (``failed`` sees the
     exception first, and may raise another: a kernel that cannot run here).
     ``reference_context``: what the reference's passes run in; ``candidate_context``: what
@@ -198,6 +206,11 @@ def first_difference(
     context = reference_context
     steps: tuple[Callable[[], str | None], ...] = (
         lambda: outputs_differ(reference, candidate, batch, tolerance, reference_context=context),
+        # no padding: the model passes its layers no mask (SDPA's causal path, where a
+        # layer's own idea of whether it is causal decides)
+        lambda: outputs_differ(
+            reference, candidate, unpadded(batch), tolerance, reference_context=context
+        ),
         lambda: decoding_differs(
             reference, candidate, batch, tolerance, new_tokens=new_tokens,
             reference_context=context,

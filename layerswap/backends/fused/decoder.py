@@ -203,7 +203,7 @@ class FusedAttention(nn.Module):
         self.softcap = numbers.attn_logit_softcapping
         self.rotates = numbers.rotary
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
-        self.is_causal = not getattr(config, "use_bidirectional_attention", False)
+        self.is_causal = numbers.is_causal  # the original's, not a config field it may ignore
         self.qkv_proj = nn.Linear(
             config.hidden_size, sum(self.sizes), bias=family.flag("qkv_bias", config)
         )

@@ -195,7 +195,7 @@ class LigerAttention(nn.Module):
         self.num_key_value_groups = q_size // kv_size
         self.scaling = numbers.scaling
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-        self.is_causal = not getattr(config, "use_bidirectional_attention", False)
+        self.is_causal = numbers.is_causal  # the original's, not a config field it may ignore
         qkv_bias = family.flag("qkv_bias", config)
         # under the original's names: q_proj, k_proj, v_proj, or one qkv_proj ([q | k | v])
         self.qkv_names = qkv_names(family)

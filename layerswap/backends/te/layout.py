@@ -219,7 +219,7 @@ class TELayerSpec:
             mlp_bias=family.flag("mlp_bias", config),
             qk_norm=bool(family.qk_norm),  # per head: unexpressible() refuses "across"
             zero_centered_norm=family.norm_offset == 1.0,
-            causal=not getattr(config, "use_bidirectional_attention", False),
+            causal=numbers.is_causal,
             sliding_window=_sliding_window(config, layer_idx),
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
             initializer_range=float(getattr(config, "initializer_range", 0.02) or 0.02),
