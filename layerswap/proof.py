@@ -158,15 +158,22 @@ def original_module(sub: Substitution) -> str:
 
 def proof_key(sub: Substitution, config: PreTrainedConfig | None) -> str:
     """The verdict's key: versions, the transformers source the original runs, the
-    substitution, its replacement class, the config's kind (its attention implementation
-    included)."""
+    substitution, its replacement class and (outside layerswap) its code, the device the
+    proof runs on, the config's kind (its attention implementation included)."""
     replacement = sub.replacement
     named = replacement if isinstance(replacement, str) else replacement.__qualname__
+    module = (
+        replacement.partition(":")[0] if isinstance(replacement, str) else replacement.__module__
+    )
     parts = {
         **verdicts.versions(),
         "source": sources.digest(original_module(sub)),
         "substitution": sub.name,
         "replacement": named,
+        # a plugin's or the user's own layer: its code, as transformers' is
+        "replacement_source": sources.code_digest(module),
+        # another device runs other kernels (SDPA's, a backend's)
+        "device": _device(sub).type,
         "config": "family" if config is None else config_kind(layer_config(config)),
     }
     encoded = json.dumps(parts, sort_keys=True).encode()

@@ -27,11 +27,14 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib.util
+import sys
+import uuid
 from pathlib import Path
 
 from layerswap.hf_internals import SHARED_SOURCES
 
-__all__ = ["digest", "files", "package_root"]
+__all__ = ["code_digest", "digest", "files", "package_root"]
 
 
 def package_root() -> Path | None:
@@ -125,3 +128,70 @@ def digest(module: str) -> str:
         combined.update(path.relative_to(root).as_posix().encode() if root else b"")
         combined.update(_file_digest(path))
     return combined.hexdigest()[:16]
+
+
+#: a package with more files than this is digested by its version and the module's own file
+_PACKAGE_FILES = 300
+
+
+@functools.cache
+def code_digest(module: str) -> str:
+    """A digest of the code module ``module`` belongs to, where neither layerswap's own
+    source digest nor transformers' covers it: a replacement layer of a plugin or of the
+    user's own code, so that a verdict proven on it is proven again once it changes.
+
+    The files of its top-level package (every ``.py`` under it; the package's installed
+    version and the module's own file where it holds more than a few hundred), or the
+    module's file. ``""`` for layerswap's and transformers' modules; a module whose file
+    cannot be read (a class defined in an interactive session) gets a digest of this
+    process alone: its verdict is never reused by another.
+
+    Example::
+
+        code_digest("my_kernels.layers")   # '5d41402abc4b2a76'
+    """
+    top = module.split(".")[0]
+    if top in ("layerswap", "transformers"):
+        return ""
+    paths = _code_files(module, top)
+    if not paths:
+        return f"unread-{uuid.uuid4().hex[:16]}"
+    combined = hashlib.sha256()
+    for path in paths:
+        combined.update(path.name.encode())
+        combined.update(_file_digest(path))
+    combined.update(_version_of(top).encode())
+    return combined.hexdigest()[:16]
+
+
+def _code_files(module: str, top: str) -> list[Path]:
+    loaded = sys.modules.get(module)
+    own = getattr(loaded, "__file__", None)
+    if own is None:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        own = spec.origin if spec is not None else None
+    own_path = Path(own) if own and Path(own).is_file() else None
+    try:
+        package = importlib.util.find_spec(top)
+    except (ImportError, ValueError):  # __main__, a half-imported package
+        package = None
+    locations = list(package.submodule_search_locations or []) if package else []
+    if locations:
+        found = sorted(p for location in locations for p in Path(location).rglob("*.py"))
+        if len(found) <= _PACKAGE_FILES:
+            return found
+    return [own_path] if own_path is not None else []
+
+
+def _version_of(top: str) -> str:
+    from importlib import metadata
+
+    for distribution in metadata.packages_distributions().get(top, []):
+        try:
+            return f"{distribution} {metadata.version(distribution)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return ""

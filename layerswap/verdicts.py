@@ -72,7 +72,8 @@ def layerswap_digest() -> str:
 
 
 def versions() -> dict[str, str]:
-    """The versions a verdict holds for: transformers, torch, layerswap (and its source).
+    """The versions a verdict holds for: transformers, torch, layerswap (and its source),
+    and the kernel libraries a backend runs (Liger, TransformerEngine, Triton) where installed.
 
     Example::
 
@@ -83,11 +84,28 @@ def versions() -> dict[str, str]:
 
     import layerswap
 
-    return {
+    found = {
         "transformers": str(transformers.__version__),
         "torch": str(torch.__version__),
         "layerswap": f"{layerswap.__version__}+{layerswap_digest()}",
     }
+    # the kernels a backend's layers run, where installed: another release, other kernels
+    found.update(_kernel_versions())
+    return found
+
+
+_KERNEL_DISTRIBUTIONS = ("liger-kernel", "transformer-engine", "transformer-engine-torch", "triton")
+
+
+@functools.cache
+def _kernel_versions() -> dict[str, str]:
+    found = {}
+    for name in _KERNEL_DISTRIBUTIONS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def _path(key: str, kind: str | None = None) -> Path:

@@ -101,6 +101,33 @@ def test_a_verdict_whose_source_changed_is_stale_not_proven(
     assert proof.proof_key(sub, None) != verdict_key(sub)
 
 
+def test_a_replacement_of_a_plugin_or_the_users_own_code_is_keyed_by_that_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """layerswap's source digest covers its own layers; a layer from elsewhere is keyed by
+    its own code, so that a verdict is not reused once that code changes."""
+    import dataclasses
+
+    package = tmp_path / "my_kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "layers.py").write_text("class MyLayer:\n    scale = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sub = dataclasses.replace(get("llama.decoder.fused"), replacement="my_kernels.layers:MyLayer")
+
+    def fresh_key() -> str:
+        sources.code_digest.cache_clear()
+        sources._file_digest.cache_clear()
+        return proof.proof_key(sub, None)
+
+    before = fresh_key()
+    assert fresh_key() == before  # the same code, the same key
+    (package / "layers.py").write_text("class MyLayer:\n    scale = 1.5\n")
+    assert fresh_key() != before
+    assert sources.code_digest("layerswap.backends.fused.decoder") == ""  # layerswap's digest
+    assert sources.code_digest("transformers.models.llama.modeling_llama") == ""
+
+
 def verdict_key(sub: Any) -> str:
     stored = [path.stem for path in Path(os.environ["LAYERSWAP_CACHE"]).glob("*.json")]
     return stored[0]
