@@ -372,14 +372,19 @@ def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool)
                 return known
         with zero3.outside_partitioning():  # tiny models stay whole inside zero.Init
             verdict = _prove(sub, sub.parts.family, config)
+        _MEMO[key] = verdict
         if verdict.config == "family" and config is not None:
             warnings.warn(
                 f"{sub.name}: the proof could not build a tiny model from this config's "
-                "fields, so it proved the family's tiny config instead",
+                "fields, so it proved the family's tiny config instead (this config's own "
+                "fields are not proven)",
                 SwapWarning,
                 stacklevel=3,
             )
-        _MEMO[key] = verdict
+            # stored for what it checked, the family's tiny config: never as this config's
+            # verdict, which another process would then take for a proof of it
+            verdicts.write(proof_key(sub, None), verdict.to_dict())
+            return verdict
         verdicts.write(key, verdict.to_dict())
         return verdict
 

@@ -140,9 +140,13 @@ def _shrunk_text(
     for name in SIZE_FIELDS:
         if name in values and name in tiny:
             values[name] = tiny[name]
+    was = _head_dim(config.to_dict())
     if "head_dim" in values and "head_dim" not in tiny:
         values["head_dim"] = tiny["hidden_size"] // tiny["num_attention_heads"]
     _shrink_positions(values)
+    now = _head_dim(values)
+    if was and now and now != was:
+        _rescale_rotary(values, now / was)
     vocab = values.get("vocab_size")
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         token = values.get(name)
@@ -163,6 +167,60 @@ def _shrunk_text(
             if isinstance(value, list) and len(value) == layers and name != "architectures":
                 values[name] = value[:kept]
     return _built(config, values)
+
+
+def _head_dim(values: Mapping[str, Any]) -> int | None:
+    head = values.get("head_dim")
+    if isinstance(head, int) and head > 0:
+        return head
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+#: rotary parameters sized by the rotary dimension: one entry per frequency (LongRoPE's
+#: factors), or sections summing to the frequencies (Qwen2-VL's multimodal rotary)
+_PER_FREQUENCY = ("short_factor", "long_factor")
+_SECTIONS = ("mrope_section",)
+
+
+def _rescale_rotary(values: dict[str, Any], ratio: float) -> None:
+    """The rotary parameters sized by the head dimension, resized to the shrunk one, in
+    place: a factor per frequency sampled evenly (so that they still differ as the user's
+    do), sections scaled to the same shares. Else the tiny model would not build (a
+    LongRoPE factor list of the wrong length) or crash (sections that do not sum to its
+    frequencies)."""
+    rope = values.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    tables = [rope, *(p for p in rope.values() if isinstance(p, dict))]
+    for table in tables:
+        for name in _PER_FREQUENCY:
+            factors = table.get(name)
+            if isinstance(factors, list) and factors:
+                size = max(1, round(len(factors) * ratio))
+                step = (len(factors) - 1) / max(1, size - 1)
+                table[name] = [factors[round(i * step)] for i in range(size)]
+        for name in _SECTIONS:
+            sections = table.get(name)
+            if (
+                isinstance(sections, list)
+                and sections
+                and all(isinstance(s, int) for s in sections)
+            ):
+                table[name] = _scaled_sections(sections, round(sum(sections) * ratio))
+
+
+def _scaled_sections(sections: list[int], total: int) -> list[int]:
+    """``sections`` scaled to sum to ``total``, each at least 1 (largest remainders)."""
+    whole = sum(sections)
+    exact = [s * total / whole for s in sections]
+    scaled = [max(1, int(x)) for x in exact]
+    by_remainder = sorted(
+        range(len(sections)), key=lambda i: exact[i] - int(exact[i]), reverse=True
+    )
+    for i in by_remainder[: max(0, total - sum(scaled))]:
+        scaled[i] += 1
+    return scaled
 
 
 def _built(config: PreTrainedConfig, values: dict[str, Any]) -> PreTrainedConfig:

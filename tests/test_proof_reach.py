@@ -242,6 +242,87 @@ def test_the_proof_keeps_a_layer_of_every_kind_past_the_fourth() -> None:
     assert shrink.shrunk_config(get_family("llama"), plain).num_hidden_layers == tiny
 
 
+def test_rotary_parameters_sized_by_the_head_dimension_shrink_with_it(proofs: Path) -> None:
+    """Qwen2-VL's multimodal rotary sections sum to half its head dimension (128: [16, 24,
+    24]), Phi-3.5's LongRoPE factors are one per frequency (48): at the tiny head
+    dimension the first crashed the original tiny model (the swap was refused) and the
+    second did not build (the family's tiny config was proven instead)."""
+    import transformers
+
+    vl = transformers.Qwen2VLConfig(
+        text_config={
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152064,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": [16, 24, 24],
+                "rope_theta": 1000000.0,
+            },
+        }
+    )
+    tiny = shrink.shrunk_config(get_family("qwen2_vl"), vl).get_text_config()
+    head = tiny.hidden_size // tiny.num_attention_heads
+    assert sum(tiny.rope_parameters["mrope_section"]) == head // 2
+    with torch.device("meta"):
+        model = transformers.Qwen2VLForConditionalGeneration(vl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SwapWarning)  # proven on its own config
+        layerswap.swap(model, "qwen2_vl.decoder.fused").undo()
+
+    long = [1.0 + 0.05 * i for i in range(48)]
+    phi = transformers.Phi3Config(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=200064,
+        partial_rotary_factor=0.75,
+        pad_token_id=199999,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 48,
+            "long_factor": long,
+            "original_max_position_embeddings": 4096,
+        },
+    )
+    small = shrink.shrunk_config(get_family("phi3"), phi)
+    factors = small.rope_parameters["long_factor"]
+    assert len(factors) == int(small.hidden_size // small.num_attention_heads * 0.75) // 2
+    assert factors[0] == long[0] and factors[-1] == long[-1]  # they still differ as the user's
+    assert proof.prove(get("phi3.decoder.fused"), phi).config == "shrunk"
+
+
+def test_a_config_proven_through_the_familys_tiny_config_is_not_stored_as_its_own(
+    proofs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the user's config cannot be shrunk, the family's tiny config is proven with a
+    warning, and the verdict is stored as the family's: another process proves again (and
+    warns again), never taking it for a proof of that config."""
+    sub = get("llama.decoder.fused")
+    config = tiny_llama().config
+
+    def unshrinkable(family: Any, config: Any) -> Any:
+        raise ValueError("a field sized for the full model")
+
+    monkeypatch.setattr(proof, "shrunk_config", unshrinkable)
+    with pytest.warns(SwapWarning, match="proved the family's tiny config instead"):
+        assert proof.prove(sub, config).config == "family"
+    stored = [json.loads(p.read_text()) for p in proofs.glob("*.json")]
+    assert stored and all(v["config"] == "family" for v in stored)
+    assert not (proofs / f"{proof.proof_key(sub, config)}.json").exists()
+    assert (proofs / f"{proof.proof_key(sub, None)}.json").exists()
+    monkeypatch.setattr(proof, "_MEMO", {})  # another process
+    with pytest.warns(SwapWarning, match="proved the family's tiny config instead"):
+        proof.prove(sub, config)
+
+
 def test_the_proof_runs_past_every_position_threshold() -> None:
     from transformers import Ministral3Config
 
