@@ -1381,3 +1381,53 @@ def test_advice_subclass_with_an_unsupported_set_of_hooks_is_refused_at_definiti
         class broken(Advice):
             def _returned(self, wrapped, instance, token, result):
                 pass
+
+
+@pytest.mark.parametrize("decorator", [ttl_cache, retry], ids=lambda d: d.__name__)
+def test_a_generator_function_is_refused_where_the_advice_would_do_nothing(decorator: Any) -> None:
+    """A generator function's call returns the generator before any of its code runs: a
+    cache would hand later callers an exhausted one, a retry would never see it raise."""
+
+    def numbers() -> Iterator[int]:
+        yield 1
+
+    async def streamed() -> Any:
+        yield 1
+
+    with pytest.raises(TypeError, match=r"numbers, a generator function: "):
+        decorator(numbers)
+    with pytest.raises(TypeError, match=r"streamed, a generator function: "):
+        decorator()(streamed)
+
+
+def test_ttl_cache_sees_a_tensor_changed_in_place_inside_a_namedtuple() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    cached = ttl_cache(clock=FakeClock())(lambda pair: float(pair.a.sum() + pair.b.sum()))
+    pair = Pair(torch.ones(2), torch.ones(1))
+    assert cached(pair) == 3.0
+    pair.a.add_(1)
+    assert cached(pair) == 5.0  # recomputed: the tensor's version is in the key
+    assert cached(Pair(torch.ones(2), torch.ones(1))) == 3.0
+
+
+def test_memory_guard_keeps_refusing_until_it_probes_again() -> None:
+    """With an interval, the calls between two probes are judged by the last one: a call
+    refused for memory is not let through by the next, unprobed one."""
+    clock, usage = FakeClock(), [0.9]
+    guarded = memory_guard(
+        0.5,
+        action="raise",
+        host_probe=lambda: MemoryUsage(int(usage[0] * 100), 100),
+        device_probe=no_device,
+        interval=5.0,
+        clock=clock,
+    )(scale)
+    for _ in range(2):
+        with pytest.raises(MemoryError, match="50% threshold"):
+            guarded(torch.ones(1))
+        clock.advance(1.0)
+    usage[0] = 0.1
+    clock.advance(5.0)  # probed again: under the threshold now
+    assert torch.equal(guarded(torch.ones(1)), torch.full((1,), 2.0))

@@ -637,3 +637,31 @@ def test_lazy_patch_stopped_while_its_import_hook_runs_is_undone(make_module):
         assert layerswap.active_patches() == []
     finally:
         sys.modules.pop("ls_race_events", None)
+
+
+def test_the_decorator_above_a_staticmethod_or_classmethod_keeps_its_binding(mod):
+    """``@patch`` written above ``@staticmethod``: called through an instance it takes
+    no instance, and an async one runs patched (the patch lasts while it runs)."""
+
+    class Tool:
+        @layerswap.patch(mod, "VALUE", "patched")
+        @staticmethod
+        def read():
+            return mod.VALUE
+
+        @layerswap.patch(mod, "VALUE", "patched")
+        @staticmethod
+        async def read_later():
+            await asyncio.sleep(0)
+            return mod.VALUE
+
+        @layerswap.patch(mod, "VALUE", "patched")
+        @classmethod
+        def owner(cls):
+            return cls, mod.VALUE
+
+    before = mod.VALUE
+    assert Tool.read() == "patched" and Tool().read() == "patched"
+    assert asyncio.run(Tool.read_later()) == "patched"
+    assert Tool().owner() == (Tool, "patched")
+    assert before == mod.VALUE

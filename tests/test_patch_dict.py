@@ -121,3 +121,16 @@ def test_group_member_already_started_fails_and_rolls_back():
 def test_group_rejects_non_patches():
     with pytest.raises(TargetTypeError, match="patch objects"):
         layerswap.patches(layerswap.patch(os, "sep", "/"), "not a patch")
+
+
+def test_the_very_value_objects_come_back():
+    """A block that rebinds a key to an equal but other object (a registry entry
+    rebuilt) leaves the original object there after, not the equal copy."""
+    entry = [1, 2]
+    config = {"lr": 1e-3}
+    data = {"a": entry, "opt": config, "s": "x"}
+    with layerswap.patch_dict(data, {"c": 1}):
+        data["a"] = [1, 2]
+        data["opt"] = dict(config)
+    assert data["a"] is entry and data["opt"] is config
+    assert list(data) == ["a", "opt", "s"]

@@ -242,6 +242,10 @@ class Advice:
     def _decorated(self, wrapper: Callable[..., Any]) -> None:
         """Hook: called with each wrapper the decorator form builds (e.g. to attach methods)."""
 
+    #: why a generator function cannot take this advice (the call returns the generator
+    #: before any of its code runs); ``None``: it can
+    refuses_generators: str | None = None
+
     def __call__(self, func: F) -> F:
         if isinstance(func, (classmethod, staticmethod)):
             # Decorating above @classmethod/@staticmethod: wrap the function inside and
@@ -251,6 +255,13 @@ class Advice:
             raise TypeError(
                 f"{type(self).__name__}(...) decorates a callable, got {type(func).__name__}; "
                 f"write @{type(self).__name__}(...) with the parentheses"
+            )
+        if self.refuses_generators is not None and (
+            inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func)
+        ):
+            raise TypeError(
+                f"{type(self).__name__}(...) cannot decorate {getattr(func, '__qualname__', func)}"
+                f", a generator function: {self.refuses_generators}"
             )
         wrapper: Callable[..., Any]
         if is_async_callable(func):

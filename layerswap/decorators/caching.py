@@ -109,6 +109,11 @@ class ttl_cache(Advice):
         causal_mask.cache_info()   # CacheInfo(hits=1, misses=1, maxsize=32, currsize=1, ttl=300.0)
     """
 
+    refuses_generators = (
+        "a cached generator would be handed, exhausted, to every later call; cache a "
+        "function that returns list(...) of it instead"
+    )
+
     __slots__ = (
         "_by_content",
         "_clock",
@@ -168,10 +173,11 @@ class ttl_cache(Advice):
         if isinstance(value, torch.Tensor):
             return self._tensor_key(torch, value, refs)
         kind = type(value)
-        if kind is tuple or kind is list:
-            # Lists become keys too; the type stays in, so [1] and (1,) differ.
+        if isinstance(value, (tuple, list)):
+            # Lists become keys too; the type stays in, so [1] and (1,) differ (and a
+            # namedtuple from a plain tuple).
             return (kind, tuple(self._freeze(torch, item, refs) for item in value))
-        if kind is dict:
+        if isinstance(value, dict):
             return (kind, tuple((k, self._freeze(torch, v, refs)) for k, v in value.items()))
         return value
 

@@ -225,7 +225,8 @@ class memory_guard(Advice):
 
     ``host_probe`` and ``device_probe`` replace the measurements (tests, or other
     sources); ``interval`` skips probing if the last probe is younger than that many
-    seconds of ``clock``, for functions called in a tight loop.
+    seconds of ``clock``, for functions called in a tight loop (with ``action="raise"``,
+    the last probe's refusal holds until the next probe).
 
     Example::
 
@@ -243,6 +244,7 @@ class memory_guard(Advice):
         "_host_probe",
         "_interval",
         "_next_check",
+        "_refused",
         "threshold",
     )
 
@@ -269,6 +271,8 @@ class memory_guard(Advice):
         self._interval = interval
         self._clock = clock  # None: time.monotonic, looked up at each call
         self._next_check = float("-inf")
+        # action="raise": the refusal of the last probe, kept until the next one
+        self._refused: str | None = None
 
     def _over(self) -> list[tuple[str, MemoryUsage]]:
         over = []
@@ -282,8 +286,12 @@ class memory_guard(Advice):
         if self._interval > 0.0:
             now = (self._clock or time.monotonic)()
             if now < self._next_check:
+                # not probed again yet: a call the last probe refused is refused still
+                if self._refused is not None:
+                    raise MemoryError(self._refused)
                 return
             self._next_check = now + self._interval
+        self._refused = None
         over = self._over()
         if not over:
             return
@@ -293,6 +301,7 @@ class memory_guard(Advice):
             f"at or over the {self.threshold:.0%} threshold of memory_guard"
         )
         if self._action == "raise":
+            self._refused = message
             raise MemoryError(message)
         if self._action == "warn":
             warnings.warn(message, RuntimeWarning, stacklevel=external_stacklevel())

@@ -44,6 +44,11 @@ class retry(Advice):
         async def serve(request): ...
     """
 
+    refuses_generators = (
+        "its code runs, and raises, only as it is iterated, after the call retry watches "
+        "has returned; retry the code that iterates it instead"
+    )
+
     __slots__ = (
         "_async_sleep",
         "_backoff",

@@ -188,7 +188,11 @@ def _restore(mapping: Any, before: list[tuple[Any, Any]]) -> None:
         del mapping[key]
     for key, value in before:
         current = _get(mapping, key)
-        if current is not value and not _same_value(current, value):
+        # the very object back; equal is enough only for strings, which a mapping such as
+        # os.environ decodes afresh on every read
+        if current is not value and not (
+            isinstance(value, (str, bytes)) and _same_value(current, value)
+        ):
             mapping[key] = value
     order = [key for key, _ in before]
     keys = list(iter(mapping))

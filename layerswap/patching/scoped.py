@@ -231,6 +231,11 @@ class Scoped:
 
     # -- decorator ---------------------------------------------------------------------
     def __call__(self, func: F) -> F:
+        if isinstance(func, (classmethod, staticmethod)):
+            # above @classmethod/@staticmethod: the function inside is decorated and the
+            # descriptor rebuilt, so binding still happens in the class (and an async
+            # function stays one, patched while it runs)
+            return type(func)(self(func.__func__))  # type: ignore[return-value]
         if isinstance(func, type):
             raise TargetTypeError(
                 f"{self._label()} can decorate functions, not classes; decorate the methods "
