@@ -112,6 +112,10 @@ def load_checkpoint(model_class: Any, directory: str | Path, **kwargs: Any) -> n
             )
     except (OSError, ValueError, RuntimeError) as error:
         raise CheckpointError(f"cannot load checkpoint {root}: {_one_line(error)}") from error
+    except Exception as error:
+        if type(error).__module__.startswith("huggingface_hub"):  # its config's own validation
+            raise CheckpointError(f"cannot load checkpoint {root}: {_one_line(error)}") from error
+        raise
     _refuse_faults(root, info, located)
     return model  # type: ignore[no-any-return]
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerswap import verdicts
-from layerswap.errors import UnknownSubstitutionError, UnsupportedFamilyError
+from layerswap.errors import CheckpointError, UnknownSubstitutionError, UnsupportedFamilyError
 from layerswap.families.infer import decoder_model_types
 from layerswap.family import Family
 from layerswap.inference import infer_family
@@ -561,7 +561,15 @@ def _family_and_config(target: str | Path | Family) -> tuple[Family, PreTrainedC
     if not config_file.is_file():
         family = _family_of_type(str(target))
         return family, family.tiny_config(), "tiny config"
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    try:
+        read = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(f"{config_file}: not a readable config JSON ({error})") from error
+    if not isinstance(read, dict):
+        raise CheckpointError(
+            f"{config_file}: a config is a JSON object, not {type(read).__name__}"
+        )
+    model_type = read.get("model_type")
     known = [f for f in families().values() if f.model_type == model_type]
     if not known and (not isinstance(model_type, str) or model_type not in _causal_lm_types()):
         raise UnknownSubstitutionError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import runpy
 import sys
 import types
@@ -615,3 +616,39 @@ def test_cli_verify_adopt_refuses_a_missing_function_with_close_names(make_modul
     code, _, err = run(capsys, "verify", "--adopt", f"{name}:fast_rms_nrom", "--model", "llama")
     assert code == 2
     assert "fast_rms_norm" in err
+
+
+def test_a_patch_is_not_proven_on_a_model_that_does_not_run_it(make_module, capsys) -> None:
+    """A patch of Llama's modeling code proven on a Qwen 3 model would pass, having changed
+    nothing that model runs: refused, naming the model type to prove it on, and undone."""
+    from command_line import run
+
+    name = make_module("cli_patches", _patches())
+    original = modeling_llama.LlamaRMSNorm
+    code, _, err = run(capsys, "verify", "--adopt", f"{name}:forgot_epsilon", "--model", "qwen3")
+    assert code == 2
+    assert "changes transformers' llama modeling code, which a qwen3 model does not run" in err
+    assert modeling_llama.LlamaRMSNorm is original
+    module = importlib.import_module(name)
+    with pytest.raises(AdoptionError, match="which a qwen3 model does not run"):
+        layerswap.adopt(module.forgot_epsilon, config=layerswap.get_family("qwen3").tiny_config())
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_cli_verify_adopt_refuses_what_it_would_not_use_or_cannot_run(
+    make_module, capsys, tmp_path
+) -> None:
+    from command_line import run
+
+    name = make_module("cli_patches", _patches() + "\n\ndef needs_arg(x):\n    return x\n")
+    adopt = ("verify", "--adopt", f"{name}:fast_rms_norm", "--model", "llama")
+    code, _, err = run(capsys, *adopt, "--dtype", "bfloat16", "--backward")
+    assert code == 2 and "it does not use --dtype, --backward" in err
+    code, _, err = run(capsys, "verify", "--adopt", f"{name}:needs_arg", "--model", "llama")
+    assert code == 2 and "raised TypeError" in err and "taken back" in err
+    broken = make_module("cli_broken", "raise ValueError('not at import')\n")
+    code, _, err = run(capsys, "verify", "--adopt", f"{broken}:f", "--model", "llama")
+    assert code == 2 and "cannot import" in err and "ValueError: not at import" in err
+    layerswap.get_family("qwen3").tiny_config().save_pretrained(tmp_path)
+    code, _, err = run(capsys, *adopt, "--config", str(tmp_path))
+    assert code == 2 and "describes a 'qwen3' model, not llama" in err

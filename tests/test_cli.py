@@ -385,3 +385,38 @@ def test_bare_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     for command in ("list", "patch", "verify", "bench", "doctor"):
         assert command in out
+
+
+def test_bad_options_and_files_are_one_line_and_exit_2(tmp_path: Path, capsys: Any) -> None:
+    """Each used to give a traceback, or to be ignored while the command ran anyway."""
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("no json here")
+    a_list = tmp_path / "list.json"
+    a_list.write_text("[1, 2]")
+    invalid = tmp_path / "invalid.json"
+    invalid.write_text(
+        json.dumps({**get_family("llama").tiny_config().to_dict(), "num_attention_heads": 7})
+    )
+    cases = [
+        (["patch", "--model", "llama", "--device", "cuda:x"], "unknown device 'cuda:x'"),
+        (
+            ["patch", "--substitution", "llama.decoder.fused", "--backend", "te"],
+            "--substitution llama.decoder.fused names its backend",
+        ),
+        (["patch", "--model", "llama", "--fp8-recipe", "delayed"], "add --fp8 to use it"),
+        (["list", "--backend", "fusde"], "no backend named 'fusde'; did you mean 'fused'"),
+        (["coverage", str(not_json)], "not a readable config JSON"),
+        (["coverage", str(a_list)], "a config is a JSON object, not list"),
+        (["coverage", str(invalid)], "invalid config: "),
+        (["patch", "--config", str(invalid)], "cannot read config"),
+    ]
+    for args, message in cases:
+        code, out, err = run(capsys, *args)
+        assert code == 2 and message in err, (args, out, err)
+        assert "Traceback" not in err
+
+
+def test_a_device_name_is_read_whatever_its_case(capsys: Any) -> None:
+    code, out, err = run(capsys, "patch", "--model", "llama", "--device", " CPU ", "--no-verify")
+    assert code == 0, err
+    assert "device: cpu" in out

@@ -209,11 +209,27 @@ def adopt(
             )
     if family is not None:
         try:
+            _refuse_unreached(recording, family)
             checks = _prove_in_place(recording, family, config)
         except BaseException:
             recording.undo()
             raise
     return Adoption(recording, result, family.name if family else None, checks)
+
+
+def _refuse_unreached(recording: Recording, family: Family) -> None:
+    """Refuse a proof on a model that does not run what the patch changed: a patch of
+    Llama's modeling module proven on a Qwen 3 model would pass, having changed nothing
+    that model runs."""
+    changed = _modeling_types(recording)
+    own = family.module.split(".")[2] if family.module.startswith("transformers.models.") else None
+    if changed and own not in changed:
+        raise AdoptionError(
+            f"{recording.name} changes transformers' {', '.join(sorted(changed))} modeling "
+            f"code, which a {family.name} model does not run: a proof on it would prove "
+            f"nothing; prove it on a model of that type (--model, or a config of model_type "
+            f"{' or '.join(repr(t) for t in sorted(changed))})"
+        )
 
 
 def _device() -> torch.device:
@@ -238,8 +254,8 @@ def _no_family(model: nn.Module | None, config: PreTrainedConfig | None) -> str:
     return f"no layerswap family for model_type {kind!r}: the patch cannot be proven (prove=False adopts it unproven)"
 
 
-def _changed_family(recording: Recording) -> Family | None:
-    """The family of the one transformers modeling module the recording changed."""
+def _modeling_types(recording: Recording) -> set[str]:
+    """The model types whose transformers modeling module the recording changed."""
     found = set()
     for change in recording.changes:
         # transformers.models.<family>.modeling_<family>.<name>: not the auto mappings'
@@ -248,6 +264,12 @@ def _changed_family(recording: Recording) -> Family | None:
         modeling = len(parts) > 4 and parts[3] == f"modeling_{parts[2]}"
         if modeling and parts[:2] == ["transformers", "models"]:
             found.add(parts[2])
+    return found
+
+
+def _changed_family(recording: Recording) -> Family | None:
+    """The family of the one transformers modeling module the recording changed."""
+    found = _modeling_types(recording)
     if len(found) != 1:
         return None
     return family_for(found.pop())

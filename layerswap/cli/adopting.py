@@ -24,7 +24,7 @@ from layerswap.cli.models import find_family
 from layerswap.cli.options import ModelChoice
 from layerswap.cli.output import Output, Progress, print_json
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
-from layerswap.errors import PatchDivergenceError
+from layerswap.errors import LayerswapError, PatchDivergenceError
 from layerswap.suggestions import did_you_mean
 
 __all__ = ["load_patch_function", "verify_adopted"]
@@ -44,8 +44,10 @@ def load_patch_function(target: str) -> Callable[..., Any]:
         sys.path.insert(0, here)
     try:
         found: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UsageProblem(f"--adopt: cannot import {module_name!r}: {error}") from error
+    except Exception as error:  # a missing module, or one that fails as it runs
+        raise UsageProblem(
+            f"--adopt: cannot import {module_name!r}: {type(error).__name__}: {error}"
+        ) from error
     finally:
         if added:
             sys.path.remove(here)
@@ -70,9 +72,17 @@ def _config(choice: ModelChoice) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(choice.config)
-    except (OSError, ValueError) as error:
+        config = AutoConfig.from_pretrained(choice.config)
+    except Exception as error:  # unreadable, or refused by the config's own validation
         raise UsageProblem(f"--config {choice.config}: {error}") from error
+    if choice.model is not None:
+        family = find_family(choice.model)
+        if config.model_type != family.model_type:
+            raise UsageProblem(
+                f"--config {choice.config} describes a {config.model_type!r} model, not "
+                f"{family.name} ({family.model_type!r})"
+            )
+    return config
 
 
 def verify_adopted(target: str, choice: ModelChoice, *, json_output: bool) -> None:
@@ -89,6 +99,13 @@ def verify_adopted(target: str, choice: ModelChoice, *, json_output: bool) -> No
         except PatchDivergenceError as error:
             _show(target, json_output, passed=False, detail=str(error), layer=error.layer)
             raise typer.Exit(1) from None
+        except LayerswapError:
+            raise  # exit 2 with its sentence (exit_codes)
+        except Exception as error:  # the patch function's own: it cannot run here
+            raise UsageProblem(
+                f"--adopt: {target} raised {type(error).__name__}: {error} (its changes were "
+                "taken back)"
+            ) from error
         adoption.undo()
     _show(
         target,

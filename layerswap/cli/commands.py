@@ -85,6 +85,16 @@ def list_command(
             raise UsageProblem("--jobs goes with --all (the processes that infer model types)")
         if family is not None:
             family = find_family(family).name
+        if backend is not None:
+            known = sorted({sub.backend for sub in offers()})
+            if backend not in known:
+                from layerswap.suggestions import did_you_mean
+
+                hint = did_you_mean(backend, known)
+                raise UsageProblem(
+                    f"no backend named {backend!r}{'; ' + hint if hint else ''} "
+                    f"(known: {', '.join(known)})"
+                )
         # instant once answered; the first list on a transformers release reads each
         # family's causal LM and builds the tiny layers liger and te judge
         progress.step("reading the backends' answers for this transformers release")
@@ -174,6 +184,23 @@ def coverage_command(
     render_model_coverage(Output(), report.as_dict())
 
 
+def _refuse_with_adopt(choice: ModelChoice, **verification: Any) -> None:
+    """``--adopt`` proves the patch on a tiny float32 model on its own terms: an option it
+    would not use is refused by name, not ignored."""
+    defaults = ModelChoice()
+    unused = [
+        f"--{name.replace('_', '-')}"
+        for name in ("backend", "substitution", "device", "dtype", "seed", "fp8", "fp8_recipe")
+        if getattr(choice, name) != getattr(defaults, name)
+    ]
+    unused += [f"--{name}" for name, value in verification.items() if value not in (None, False)]
+    if unused:
+        raise UsageProblem(
+            f"--adopt proves the patch on a tiny float32 model of --model (or --config) "
+            f"with its own checks; it does not use {', '.join(unused)}"
+        )
+
+
 @app.command()
 @model_options
 def patch(
@@ -257,6 +284,14 @@ def verify_command(
 ) -> None:
     """Verify a substitution against the original model, layer by layer."""
     if adopt is not None:
+        with exit_codes():
+            _refuse_with_adopt(
+                choice,
+                backward=backward,
+                generate=generate,
+                streaming=streaming,
+                tolerance=tolerance,
+            )
         verify_adopted(adopt, choice, json_output=json_output)
         return
     with exit_codes(), Progress(not json_output) as progress:

@@ -183,9 +183,16 @@ def _choose_substitution(choice: ModelChoice) -> tuple[Family, Substitution]:
     from layerswap.registry import get, get_backend
 
     model, backend, substitution = choice.model, choice.backend, choice.substitution
+    if choice.fp8_recipe != "auto" and not choice.fp8:
+        raise UsageProblem("--fp8-recipe chooses the recipe of --fp8; add --fp8 to use it")
     if substitution is not None:
         if choice.fp8:
             raise UsageProblem(_fp8_usage())
+        if backend != "fused":
+            raise UsageProblem(
+                f"--substitution {substitution} names its backend; --backend {backend} "
+                "chooses one for --model instead: pass one of them"
+            )
         sub = get(substitution)
         if sub.parts.slot.takes_any_model_type and sub.parts.family.name not in _families():
             # a slot that takes any model type (the norm slot): the model type's own family
@@ -300,9 +307,13 @@ def _placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
         resolved_dtype = resolve_dtype(dtype)
     except ValueError as error:
         raise UsageProblem(error) from error
-    if device.strip().lower() not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+    wanted = device.strip().lower()
+    if wanted not in ("auto", "cpu", "cuda") and not wanted.startswith("cuda:"):
         raise UsageProblem(f"unknown device {device!r}; choose auto, cpu or cuda")
-    resolved_device = resolve_device(device)
+    try:
+        resolved_device = resolve_device(wanted)
+    except RuntimeError as error:  # cuda:x
+        raise UsageProblem(f"unknown device {device!r}: {error}") from error
     assert resolved_device is not None and resolved_dtype is not None
     return resolved_device, resolved_dtype
 
@@ -365,7 +376,7 @@ def _build_model(
     else:
         try:
             model_config = config_class.from_json_file(str(config_file))
-        except (OSError, ValueError, TypeError) as error:
+        except Exception as error:  # unreadable, or refused by the config's own validation
             raise UsageProblem(f"cannot read config {config_file}: {one_line(error)}") from error
         source = f"config {config_file}, random weights"
     return family.build(model_config, seed=seed), f"{source} (seed {seed})"

@@ -39,6 +39,20 @@ def exit_codes() -> Iterator[None]:
         if isinstance(error, VerificationError):
             raise
         fail(error)
+    except Exception as error:
+        if not _invalid_config(error):
+            raise
+        fail(f"invalid config: {error}")
+
+
+def _invalid_config(error: BaseException) -> bool:
+    """Whether ``error`` is a config refused by its own validation (huggingface_hub's
+    strict dataclasses: ``num_attention_heads`` not dividing ``hidden_size``), told by
+    its class's name, not imported here."""
+    return any(
+        cls.__name__ == "StrictDataclassError" and cls.__module__.startswith("huggingface_hub")
+        for cls in type(error).__mro__
+    )
 
 
 def fail(error: object) -> NoReturn:
