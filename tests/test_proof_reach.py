@@ -168,6 +168,25 @@ def test_a_keyword_the_layer_does_not_know_is_refused_at_the_call_naming_it(proo
         model(ids, labels=ids, num_items_in_batch=torch.tensor(5))
 
 
+def test_a_boolean_mask_under_eager_attention_is_refused_at_the_call(proofs: Path) -> None:
+    """transformers' eager attention adds a 4-D mask to the scores: a boolean one masks
+    nothing there, where the fused layer would mask with it. Refused, naming the mask; a
+    float mask is computed as the original computes it."""
+    from layerswap.errors import RequirementError
+
+    model = tiny_llama(attn_implementation="eager")
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    allowed = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=additive).logits
+        with layerswap.swap(model, "llama.decoder.fused"):
+            with pytest.raises(RequirementError, match="boolean 4-D attention mask under eager"):
+                model(ids, attention_mask=allowed)
+            got = model(ids, attention_mask=additive).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_layer_that_does_not_handle_is_causal_refuses_it() -> None:
     from layerswap.hf_internals import read_layer_call
 

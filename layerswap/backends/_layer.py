@@ -351,6 +351,19 @@ def check_mask(mask: Any, backend: str, config: Any) -> None:
             f"'eager'); it got {type(mask).__name__} from attn_implementation "
             f"{getattr(config, '_attn_implementation', None)!r}"
         )
+    if (
+        mask is not None
+        and mask.dtype == torch.bool
+        and getattr(config, "_attn_implementation", None) == "eager"
+    ):
+        # transformers' eager attention adds the mask to the scores: a True/False mask
+        # masks nothing there, where the layer would mask with it
+        raise RequirementError(
+            f"the {backend} layer got a boolean 4-D attention mask under eager attention, "
+            "where the original adds the mask to the scores (True adds 1, False 0: nothing "
+            "is masked); pass an additive float mask (0 where attended, a large negative "
+            "number elsewhere), or use attn_implementation 'sdpa'"
+        )
 
 
 def causal_keys(
