@@ -264,6 +264,9 @@ class TEDecoderLayer(_layer.DecoderLayer):
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
+        # the model's config, read at each call: its attention implementation decides how
+        # a mask is read
+        self._config = config
         te = _te()
         self.spec = spec = TELayerSpec.for_layer(self.declared_family(), config, layer_idx)
         factory = {
@@ -300,6 +303,7 @@ class TEDecoderLayer(_layer.DecoderLayer):
         *,
         output_attentions: bool = False,  # TE computes no weights: the skeleton warns
     ) -> torch.Tensor:
+        _layer.check_mask(attention_mask, "te", self._config)
         # the input RMSNorm is fused into self_attention.layernorm_qkv
         attended: torch.Tensor = self.self_attention(
             hidden_states, position_embeddings, attention_mask, cache
