@@ -665,3 +665,61 @@ def test_the_decorator_above_a_staticmethod_or_classmethod_keeps_its_binding(mod
     assert asyncio.run(Tool.read_later()) == "patched"
     assert Tool().owner() == (Tool, "patched")
     assert before == mod.VALUE
+
+
+@pytest.mark.parametrize("stops", list(itertools.permutations(range(3))))
+def test_children_and_parameters_come_back_in_order_whatever_order_the_patches_stop(stops):
+    """Children (and parameters) replaced by values of another kind leave the module's
+    containers; they go back where they sat, whichever left first and returns first."""
+    model = torch.nn.Sequential()
+    for name in "abcd":
+        model.add_module(name, torch.nn.Linear(1, 1))
+    children = dict(model.named_children())
+    linear = model.a
+    params = dict(linear.named_parameters())
+    patches = [layerswap.patch(model, name, lambda x: x) for name in "abc"]
+    patches += [layerswap.patch(linear, "weight", torch.zeros(1, 1))]
+    for p in patches:
+        p.start()
+    assert list(model._modules) == ["d"]
+    for index in stops:
+        patches[index].stop()
+    patches[3].stop()
+    assert list(model._modules) == list("abcd")
+    assert all(model._modules[name] is child for name, child in children.items())
+    assert list(linear._parameters) == ["weight", "bias"]
+    assert all(linear._parameters[n] is p for n, p in params.items())
+
+
+def test_a_child_moved_by_a_foreign_write_goes_back_where_it_sat():
+    model = torch.nn.Sequential()
+    for name in "abc":
+        model.add_module(name, torch.nn.Identity())
+    original = model.a
+    with pytest.warns(PatchConflictWarning), layerswap.patch(model, "a", lambda x: x):
+        del model.__dict__["a"]
+        model.a = torch.nn.ReLU()  # registered anew: at the end
+    assert list(model._modules) == ["a", "b", "c"] and model.a is original
+
+
+def test_readers_never_see_a_module_without_its_children_while_patches_come_and_go():
+    model = torch.nn.Sequential()
+    for index in range(50):
+        model.add_module(f"l{index}", torch.nn.Identity())
+    done, missing = threading.Event(), []
+
+    def read() -> None:
+        while not done.is_set():
+            if not hasattr(model, "l49"):
+                missing.append(1)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(2000):
+            with layerswap.patch(model, "l0", lambda x: x):
+                pass
+    finally:
+        done.set()
+        reader.join()
+    assert missing == [] and next(iter(model._modules)) == "l0"

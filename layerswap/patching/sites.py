@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from typing import Any, Final
 
 __all__ = ["DELETED", "NOTSET", "Original", "Site", "make_site"]
@@ -52,9 +53,12 @@ class Original:
 
     __slots__ = ("container", "position", "value")
 
-    def __init__(self, container: str | None, value: Any, position: int = -1) -> None:
+    def __init__(
+        self, container: str | None, value: Any, position: int | tuple[str, ...] = -1
+    ) -> None:
         self.container = container  # None: absent (inherited, or missing)
         self.value = value
+        # where it sat: an index, or (an nn.Module's child or tensor) the keys before it
         self.position = position
 
 
@@ -271,7 +275,10 @@ class ModuleSite(Site):
         for container in _NN_CONTAINERS:
             store = d.get(container)
             if store is not None and self.name in store:
-                return Original(container, store[self.name], list(store).index(self.name))
+                # the keys before it in the order first seen, not an index: other patches
+                # may have taken keys out already, and may put them back in any order
+                keys = _order_of(self.owner, container, store)
+                return Original(container, store[self.name], tuple(keys[: keys.index(self.name)]))
         raw = d.get(self.name, NOTSET)
         return Original(None if raw is NOTSET else "__dict__", raw)
 
@@ -295,16 +302,16 @@ class ModuleSite(Site):
                 store.pop(self.name, None)
         d.pop(self.name, None)
 
-    def write(self, value: Any, original: Original) -> None:
+    def write(self, value: Any, original: Original, *, placed: bool = False) -> None:
         d = self.owner.__dict__
         container = original.container
         if value is not DELETED and container in _NN_CONTAINERS and self._fits(container, value):
             d.pop(self.name, None)
             store = d[container]
-            if self.name in store:
+            if self.name in store and not placed:
                 store[self.name] = value  # same key: position kept
-            else:
-                _insert_at(store, self.name, value, original.position)
+            else:  # back where it sat (a foreign write may have moved it to the end)
+                _insert_at(d, container, self.name, value, original.position)
             return
         self._discard()
         if value is DELETED:
@@ -327,15 +334,50 @@ class ModuleSite(Site):
             self._discard()
             self.owner.__dict__[self.name] = original.value
         else:
-            self.write(original.value, original)
+            self.write(original.value, original, placed=True)
 
 
-def _insert_at(store: dict[str, Any], key: str, value: Any, position: int) -> None:
-    items = list(store.items())
-    position = len(items) if position < 0 else min(position, len(items))
-    items.insert(position, (key, value))
-    store.clear()
-    store.update(items)
+#: per nn.Module and container, its keys in the order first seen by a patch (kept while
+#: the module lives): where a displaced key goes back, whichever were displaced before it
+_ORDERS: weakref.WeakKeyDictionary[Any, dict[str, list[str]]] = weakref.WeakKeyDictionary()
+
+
+def _order_of(owner: Any, container: str, store: dict[str, Any]) -> list[str]:
+    orders = _ORDERS.get(owner)
+    if orders is None:
+        orders = _ORDERS[owner] = {}
+    current = list(store)
+    known = orders.get(container)
+    if known is None:
+        orders[container] = current
+        return current
+    for index, name in enumerate(current):
+        if name not in known:  # come in since: after the key before it now
+            before = current[index - 1] if index else None
+            known.insert(known.index(before) + 1 if before in known else 0, name)
+    return known
+
+
+def _insert_at(
+    owner: dict[str, Any], container: str, key: str, value: Any, position: int | tuple[str, ...]
+) -> None:
+    """``owner[container][key] = value`` at ``position`` (an index, or after the last of
+    the keys that preceded it that is there now). The container is replaced by its new
+    form in one step: a reader in another thread sees the old one or the new one, never
+    one emptied to be rebuilt."""
+    store = owner[container]
+    keys = [name for name in store if name != key]
+    if isinstance(position, tuple):
+        present = set(keys)
+        anchor = next((name for name in reversed(position) if name in present), None)
+        index = 0 if anchor is None else keys.index(anchor) + 1
+    else:
+        index = len(keys) if position < 0 else min(position, len(keys))
+    order = [*keys[:index], key, *keys[index:]]
+    if list(store) == order:
+        store[key] = value
+        return
+    owner[container] = {name: value if name == key else store[name] for name in order}
 
 
 def _is_nn_module(owner: Any) -> bool:
