@@ -258,3 +258,38 @@ def test_safe_wraps_keeps_plain_data_markers():
     assert g.is_test is True
     assert not hasattr(g, "_private") and not hasattr(g, "helper")
     assert g.__wrapped__ is f
+
+
+def test_an_async_generator_method_wrapped_on_one_instance_relays_athrow_and_aclose():
+    """What is thrown into (or closes) the wrapped generator reaches the method's own, as
+    it does wrapped on the class: its handlers and its ``finally`` run."""
+    import asyncio
+
+    log = []
+
+    class Stream:
+        async def items(self):
+            try:
+                yield 1
+                yield 2
+            except ValueError:
+                log.append("caught")
+                yield 3
+            finally:
+                log.append("finally")
+
+    def passthrough(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    async def run(stream):
+        agen = stream.items()
+        first = await agen.__anext__()
+        recovered = await agen.athrow(ValueError())
+        await agen.aclose()
+        return first, recovered
+
+    stream = Stream()
+    with layerswap.wrap(stream, "items", passthrough):
+        assert inspect.isasyncgenfunction(stream.items)
+        assert asyncio.run(run(stream)) == (1, 3)
+    assert log == ["caught", "finally"]

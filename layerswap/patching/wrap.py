@@ -43,7 +43,7 @@ from layerswap.errors import TargetAttributeError, TargetTypeError
 from layerswap.patching.patch import Patch
 from layerswap.patching.sites import NOTSET, Site
 from layerswap.patching.target import ParsedTarget
-from layerswap.patching.wraps import forwarder, safe_update_wrapper
+from layerswap.patching.wraps import delegating_async_generator, forwarder, safe_update_wrapper
 
 __all__ = ["Advice", "wrap"]
 
@@ -110,16 +110,10 @@ def _drop_self(forwarded: Callable[..., Any], function: Any) -> Callable[..., An
             return await forwarded(*args, **kwargs)
 
     elif inspect.isasyncgenfunction(forwarded):
-
-        async def method(self: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-            agen = forwarded(*args, **kwargs)
-            sent: Any = None
-            while True:
-                try:
-                    item = await agen.asend(sent)
-                except StopAsyncIteration:
-                    return
-                sent = yield item
+        # values sent, exceptions thrown (athrow) and aclose all reach the inner generator
+        method = delegating_async_generator(
+            lambda _self, *args, **kwargs: forwarded(*args, **kwargs)
+        )
 
     else:
 
