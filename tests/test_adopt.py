@@ -652,3 +652,32 @@ def test_cli_verify_adopt_refuses_what_it_would_not_use_or_cannot_run(
     layerswap.get_family("qwen3").tiny_config().save_pretrained(tmp_path)
     code, _, err = run(capsys, *adopt, "--config", str(tmp_path))
     assert code == 2 and "describes a 'qwen3' model, not llama" in err
+
+
+def test_suspending_an_older_adoption_keeps_a_newer_patch_on_top() -> None:
+    """An adoption taken back for a while (its proof's original side) is made again where
+    it sat: a newer adoption or patch of the same attribute stays the visible one."""
+    original = modeling_llama.LlamaMLP.forward
+
+    def older() -> None:
+        modeling_llama.LlamaMLP.forward = lambda self, x: original(self, x)
+
+    def newer() -> None:
+        modeling_llama.LlamaMLP.forward = lambda self, x: original(self, x) + 0.0
+
+    a = layerswap.adopt(older, prove=False)
+    b = layerswap.adopt(newer, prove=False)
+    shown = modeling_llama.LlamaMLP.__dict__["forward"]
+    try:
+        with a.suspended():
+            assert modeling_llama.LlamaMLP.__dict__["forward"] is shown
+        assert modeling_llama.LlamaMLP.__dict__["forward"] is shown
+        with layerswap.patch(modeling_llama.LlamaMLP, "forward", lambda self, x: x) as top:
+            with b.suspended():
+                assert modeling_llama.LlamaMLP.forward is top.new
+            assert modeling_llama.LlamaMLP.forward is top.new
+        assert modeling_llama.LlamaMLP.__dict__["forward"] is shown
+    finally:
+        b.undo()
+        a.undo()
+    assert modeling_llama.LlamaMLP.forward is original

@@ -99,6 +99,9 @@ class Rebinding(Change):
         self.where = f"{where}.{name}"
         self.what = "added" if old is NOTSET else "rebound"
         self._patch: Patch | None = None
+        # where its layer sat when taken back (suspended): made again there, under any
+        # newer patch of the same attribute
+        self._position: int | None = None
 
     def adopt(self) -> None:
         # the engine's stack must see the value before the function as the one below
@@ -110,6 +113,7 @@ class Rebinding(Change):
         if self._patch is None:  # the function failed half-way: nothing was adopted
             _put(self.owner, self.name, self.old)
         else:
+            self._position = self._patch.stack_position()
             self._patch.stop()
 
     def apply(self) -> None:
@@ -117,6 +121,9 @@ class Rebinding(Change):
             _put(self.owner, self.name, self.new)
         else:
             self._patch.start()
+            if self._position is not None:
+                self._patch.restack(self._position)
+            self._position = None
 
 
 class Deletion(Change):

@@ -263,6 +263,18 @@ class Patch(Scoped):
         finally:
             self.__dict__.pop("_claim", None)
 
+    def stack_position(self) -> int | None:
+        """Where this patch's layer sits among the live patches of its attribute (0: the
+        oldest), ``None`` when it is not started."""
+        return _stack.position_of(self._layers[0]) if self._layers else None
+
+    def restack(self, position: int) -> None:
+        """Put this started patch's layer back at ``position`` among the live patches of
+        its attribute (:meth:`stack_position` gave it before a stop): a patch started
+        again goes on top, above newer ones it was under before."""
+        if self._layers:
+            _stack.move_to(self._layers[0], position)
+
     def _revert(self) -> None:
         if not self._lazy:
             self._remove_layers()

@@ -266,6 +266,41 @@ def _remove_locked(site: Site, layer: Layer) -> str | None:
     return conflict
 
 
+def position_of(layer: Layer) -> int | None:
+    """Where ``layer`` sits in its site's stack (0: the bottom), ``None`` when it is off."""
+    with LOCK:
+        stack = _STACKS.get(layer.site.key)
+        if stack is None:
+            return None
+        for index, candidate in enumerate(stack.layers):
+            if candidate is layer:
+                return index
+        return None
+
+
+def move_to(layer: Layer, index: int) -> None:
+    """Put ``layer`` back at ``index`` of its stack (a layer taken off and pushed again
+    returns to the top; a newer patch above it must stay above): the wrappers from there
+    up are rebuilt around what is below them, and the top's value is written."""
+    with LOCK:
+        stack = _STACKS.get(layer.site.key)
+        if stack is None or layer not in stack.layers:
+            return
+        layers = stack.layers
+        layers.remove(layer)
+        index = max(0, min(index, len(layers)))
+        layers.insert(index, layer)
+        site = stack.site
+        for position in range(index, len(layers)):
+            above = layers[position]
+            if above.factory is not None and getattr(above.factory, "rebuild", True):
+                above.value = above.factory(site, stack.value_below(position))
+        top = layers[-1]
+        site.write(top.value, stack.original)
+        stack.written = top.value
+        stack.observed = top.value if site.raw_reads else site.read()
+
+
 def _conflict_message(site: Site, expected: Any, found: Any, live: int) -> str:
     return (
         f"{site.describe()} was rebound outside layerswap while patched: expected "
