@@ -414,6 +414,45 @@ def test_leaked_patch_errors_at_teardown_naming_it_and_later_tests_see_the_origi
     )
 
 
+def test_a_leaked_adoption_is_undone_whole_and_named_where_it_was_adopted(pytester):
+    """An adoption's changes are more than patches (a dict entry, a function's code): the
+    guard undoes the adoption, not only the patches behind its rebindings."""
+    pytester.makepyfile(
+        test_leaky_adoption="""
+        import layerswap as ls
+        from transformers.activations import ACT2FN
+        from transformers.models.llama import modeling_llama
+
+        NORM, CODE = modeling_llama.LlamaRMSNorm, modeling_llama.rotate_half.__code__
+
+        class Other:
+            pass
+
+        def my_patch():
+            modeling_llama.LlamaRMSNorm = Other
+            ACT2FN["leaked_act"] = ACT2FN["silu"]
+            modeling_llama.rotate_half.__code__ = (lambda x: x).__code__
+
+        def test_leaks():
+            ls.adopt(my_patch, prove=False)
+
+        def test_after():
+            assert modeling_llama.LlamaRMSNorm is NORM
+            assert "leaked_act" not in ACT2FN
+            assert modeling_llama.rotate_half.__code__ is CODE
+        """
+    )
+    result = run(pytester)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_leaky_adoption.py::test_leaks left 1 layerswap patch active:",
+            "*layerswap.adopt(my_patch), adopted at test_leaky_adoption.py:16 in test_leaks "
+            "(left by the test)",
+        ]
+    )
+
+
 def test_a_leaked_use_is_named_by_its_substitution(pytester):
     pytester.makepyfile(
         test_leaky_use="""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from layerswap.adoption.changes import Change, find_changes
+from layerswap.adoption.changes import Change, Rebinding, find_changes
 from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_packages
 from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
 from layerswap.patching.undo import UndoLog
@@ -74,6 +74,14 @@ class Recording:
             for change in self.changes:
                 change.apply()
                 self._log.record(change.revert)
+
+    def patches(self) -> list[Any]:
+        """The engine's patches behind the rebindings (a leak guard tells them apart)."""
+        return [
+            change._patch
+            for change in self.changes
+            if isinstance(change, Rebinding) and change._patch is not None
+        ]
 
     def report(self) -> list[str]:
         """One line per change: where, and what happened there."""

@@ -49,6 +49,7 @@ class _Guard:
 _GUARD = pytest.StashKey[_Guard]()
 # Patches live when the test's setup began (kept referenced, so their ids stay unique).
 _BEFORE = pytest.StashKey[list[Scoped]]()
+_ADOPTED_BEFORE = pytest.StashKey[list[Any]]()
 
 
 def _guard(config: pytest.Config) -> _Guard:
@@ -60,6 +61,12 @@ def _guard(config: pytest.Config) -> _Guard:
 
 def _live() -> list[Scoped]:
     return [info.patch for info in active_patches()]
+
+
+def _adoptions() -> list[Any]:
+    """The adoptions in effect (none where adoption was never imported)."""
+    adopting = sys.modules.get("layerswap.adoption.adopting")
+    return [] if adopting is None else adopting.live_adoptions()
 
 
 # Hook names are shared with the marker's in the package's one namespace (see
@@ -80,6 +87,7 @@ def pytest_addoption_leak_guard(parser: pytest.Parser) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     # outermost: everything started from here on is the test's
     item.stash[_BEFORE] = _live()
+    item.stash[_ADOPTED_BEFORE] = _adoptions()
     return (yield)
 
 
@@ -137,8 +145,14 @@ def _finish(item: pytest.Item) -> str | None:
     before = item.stash.get(_BEFORE, None)
     state = _guard(item.config)
     leaks: list[tuple[Scoped, str]] = []
+    adopted: list[Any] = []
     if before is not None and state.enabled:
-        known = {id(scoped) for scoped in before}
+        # an adoption left in effect is one leak, undone whole (its dict entries and code
+        # changes too, which are no patches), not the patches behind its rebindings
+        known_adoptions = {id(a) for a in item.stash.get(_ADOPTED_BEFORE, [])}
+        adopted = [a for a in _adoptions() if id(a) not in known_adoptions]
+        theirs = {id(p) for adoption in adopted for p in adoption.patches()}
+        known = {id(scoped) for scoped in before} | theirs
         new = [
             scoped
             for scoped in _live()
@@ -147,14 +161,22 @@ def _finish(item: pytest.Item) -> str | None:
         leaks.extend((scoped, "the test") for scoped in _collapse(_without_own(new)))
     leaks.extend(state.fixture_leaks)
     state.fixture_leaks = []
-    if not leaks:
+    if not leaks and not adopted:
         return None
-    lines = []
+    root = os.fspath(item.config.rootpath) + os.sep
+    lines = [
+        f"  layerswap.adopt({adoption.name}), adopted at "
+        f"{adoption.origin.replace(root, '')} (left by the test)"
+        for adoption in adopted
+    ]
     for scoped, who in leaks:
         lines.append(f"  {_describe(scoped, item.config.rootpath)} (left by {who})")
     for scoped, _ in reversed(leaks):
         scoped.stop()  # stopped now, so later tests see the original
-    count = f"{len(leaks)} layerswap patch{'es' if len(leaks) > 1 else ''}"
+    for adoption in reversed(adopted):
+        adoption.undo()
+    total = len(leaks) + len(adopted)
+    count = f"{total} layerswap patch{'es' if total > 1 else ''}"
     return (
         f"{item.nodeid} left {count} active:\n"
         + "\n".join(lines)
