@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from layerswap.errors import ConversionError
+from layerswap.errors import CheckpointError, ConversionError
 from layerswap.model import decoder_layers, layer_config, substitution_of, unwrap
 from layerswap.weights import Concat
 
@@ -364,12 +364,40 @@ def touches_fused(weights: Mapping[str, torch.Tensor], groups: list[FusedGroup])
 
 
 def read_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], Any]:
-    """(weights, config) of a PEFT adapter directory, as PEFT reads them."""
+    """(weights, config) of a PEFT adapter directory, as PEFT reads them.
+
+    The directory is read as one (never looked up on the Hub): an
+    ``adapter_config.json`` holding a ``peft_type``, and a weights file beside it; else
+    :class:`~layerswap.errors.CheckpointError` says what is missing.
+    """
+    import json
+
     from peft import PeftConfig
     from peft.utils import load_peft_weights
+    from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
-    config = PeftConfig.from_pretrained(str(directory))
-    return dict(load_peft_weights(str(directory), device="cpu")), config
+    root = Path(directory)
+    config_file = root / "adapter_config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"adapter {root}: no adapter_config.json there")
+    try:
+        declared = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(f"adapter {config_file}: not readable JSON ({error})") from error
+    if not isinstance(declared, dict) or "peft_type" not in declared:
+        raise CheckpointError(
+            f"adapter {config_file}: no PEFT adapter config (a JSON object with a peft_type)"
+        )
+    if not any((root / name).is_file() for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME)):
+        raise CheckpointError(
+            f"adapter {root}: no weights file ({SAFETENSORS_WEIGHTS_NAME} or {WEIGHTS_NAME})"
+        )
+    try:
+        config = PeftConfig.from_pretrained(str(root))
+        weights = dict(load_peft_weights(str(root), device="cpu"))
+    except (OSError, TypeError, ValueError, KeyError) as error:
+        raise CheckpointError(f"adapter {root}: {' '.join(str(error).split())}") from error
+    return weights, config
 
 
 def write_adapter(

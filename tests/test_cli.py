@@ -420,3 +420,23 @@ def test_a_device_name_is_read_whatever_its_case(capsys: Any) -> None:
     code, out, err = run(capsys, "patch", "--model", "llama", "--device", " CPU ", "--no-verify")
     assert code == 0, err
     assert "device: cpu" in out
+
+
+def test_an_adapter_directory_that_is_no_adapter_is_one_line_and_never_looked_up(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """Read as a local directory, never resolved on the Hub: each fault said in one line."""
+    cases = {
+        "broken": ("{", "not readable JSON"),
+        "a_list": ("[1]", "no PEFT adapter config"),
+        "no_type": ('{"r": 8}', "no PEFT adapter config"),
+        "no_weights": ('{"peft_type": "LORA", "r": 8}', "no weights file"),
+    }
+    for name, (text, message) in cases.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "adapter_config.json").write_text(text)
+        code, out, err = run(capsys, "adapter", str(directory), "--model", "llama")
+        assert code == 2 and message in err and "Traceback" not in err, (name, out, err)
+    code, _, err = run(capsys, "adapter", str(tmp_path), "--model", "llama")
+    assert code == 2 and "no adapter_config.json" in err
