@@ -405,6 +405,33 @@ def test_aliases_patches_every_module_global_bound_to_the_same_object(make_modul
     assert user_mod.renamed is original
 
 
+@pytest.mark.parametrize("older_first", [True, False], ids=["older-first", "newer-first"])
+def test_a_name_imported_under_one_aliases_patch_and_taken_by_another_comes_back(
+    make_module, older_first
+):
+    """A module imported while an ``aliases=True`` patch is live binds its replacement; a
+    newer ``aliases=True`` patch then takes that name over. Whichever stops first, the
+    name ends as the original, not as the older replacement."""
+    source = make_module("late_src", "class Y:\n    pass\n")
+    late = make_module("late_user", f"from {source} import Y\n")
+    __import__(source)
+    original = sys.modules[source].Y
+
+    class A:
+        pass
+
+    class B:
+        pass
+
+    older = layerswap.patch(f"{source}:Y", A, aliases=True).start()
+    __import__(late)  # binds A
+    newer = layerswap.patch(f"{source}:Y", B, aliases=True).start()
+    assert sys.modules[late].Y is B
+    for p in (older, newer) if older_first else (newer, older):
+        p.stop()
+    assert sys.modules[source].Y is original and sys.modules[late].Y is original
+
+
 def test_without_aliases_a_from_import_copy_is_not_patched(make_module):
     source = make_module("noalias_src", "def helper():\n    return 'orig'\n")
     user = make_module("noalias_user", f"from {source} import helper\n")

@@ -387,6 +387,13 @@ def _unbind_late_aliases(
         return
     first = layers[0].site
     restored = first.visible()
+
+    def bound_before_or_first(site: Site) -> bool:
+        key = (id(site.owner), site.name)
+        return key in bound_before or (site.owner is first.owner and site.name == first.name)
+
+    # a late alias a newer aliases=True patch took over: restored when that one stops
+    _stack.rebase_originals(written, restored, bound_before_or_first)
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):

@@ -266,6 +266,28 @@ def _remove_locked(site: Site, layer: Layer) -> str | None:
     return conflict
 
 
+def rebase_originals(replaced: dict[int, Any], restored: Any, keep: Callable[[Site], bool]) -> None:
+    """Module globals still patched by newer patches whose value before them was one of
+    ``replaced`` (a name bound to an older patch's replacement while it was live, then
+    taken over by a newer patch): their value before becomes ``restored`` (``NOTSET``:
+    absent), so the newer patch's stop does not bring the older replacement back.
+    ``keep(site)``: a global bound to it before the older patch, left alone."""
+    with LOCK:
+        for stack in _STACKS.values():
+            site, before = stack.site, stack.original.value
+            if (
+                not isinstance(site.owner, types.ModuleType)
+                or replaced.get(id(before)) is not before
+            ):
+                continue
+            if keep(site):
+                continue
+            if restored is NOTSET:
+                stack.original.container, stack.original.value = None, NOTSET
+            else:
+                stack.original.value = restored
+
+
 def position_of(layer: Layer) -> int | None:
     """Where ``layer`` sits in its site's stack (0: the bottom), ``None`` when it is off."""
     with LOCK:
