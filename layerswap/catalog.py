@@ -50,8 +50,10 @@ def _suggest(name: str, known: Iterable[str]) -> str:
     known = sorted(known)
     hint = did_you_mean(name, known)
     if len(known) > _LISTED:  # hundreds of substitution names bury the hint
-        return f"{'; ' + hint if hint else ''} {len(known)} are known: `layerswap list` lists them."
-    return f"{'; ' + hint if hint else ''} Known: {', '.join(known) or '(none)'}."
+        return (
+            f"{'; ' + hint if hint else ''} ({len(known)} are known: `layerswap list` lists them)"
+        )
+    return f"{'; ' + hint if hint else ''} (known: {', '.join(known) or 'none'})"
 
 
 def _builtin_backends() -> list[Backend]:

@@ -120,7 +120,7 @@ def test_without_the_package_the_backend_is_unknown_with_a_suggestion() -> None:
 
     assert result.returncode == 0, result.stderr[-2000:]
     assert "no backend named 'guardd'" in result.stdout
-    assert "Known: fused, liger, te." in result.stdout
+    assert "(known: fused, liger, te)" in result.stdout
 
 
 # issue 38, item 7: on transformers 5.18 (inside the supported range; apertus1p5 arrived

@@ -64,6 +64,7 @@ class Adoption:
         self.proven = proven
         self.checks = checks
         self._active = True
+        self._unproven_by_choice = False  # prove=False (set by adopt)
         #: ``file:line in function`` of the code that adopted it
         self.origin = _caller()
         self._sequence = next(_SEQUENCE)
@@ -150,6 +151,8 @@ class Adoption:
         proof = (
             f"proven equal to the original on a tiny {self.proven} model ({', '.join(self.checks)})"
             if self.proven
+            else "not proven (prove=False)"
+            if self._unproven_by_choice
             else "not proven (no model, config or transformers family to prove it on)"
         )
         count = len(self.changes)
@@ -232,7 +235,7 @@ def adopt(
         if family is not None:
             checks = _prove_on_copy(fn, args, kwargs, family, config or model.config)
         recording, result = record(fn, args, kwargs, model=model)
-        return Adoption(recording, result, family.name if family else None, checks)
+        return _made(Adoption(recording, result, family.name if family else None, checks), prove)
     recording, result = record(fn, args, kwargs)
     if family is None and prove is not False:
         family = _changed_family(recording)
@@ -249,7 +252,7 @@ def adopt(
         except BaseException:
             recording.undo()
             raise
-    return Adoption(recording, result, family.name if family else None, checks)
+    return _made(Adoption(recording, result, family.name if family else None, checks), prove)
 
 
 def _refuse_unreached(recording: Recording, family: Family) -> None:
@@ -265,6 +268,11 @@ def _refuse_unreached(recording: Recording, family: Family) -> None:
             f"nothing; prove it on a model of that type (--model, or a config of model_type "
             f"{' or '.join(repr(t) for t in sorted(changed))})"
         )
+
+
+def _made(adoption: Adoption, prove: bool | None) -> Adoption:
+    adoption._unproven_by_choice = prove is False
+    return adoption
 
 
 def _device() -> torch.device:
