@@ -175,6 +175,10 @@ def convert_incoming(
         try:
             if all(present):
                 tensors = [state_dict.pop(prefix + key) for key in rule.sources]
+                if len({t.dtype for t in tensors if isinstance(t, torch.Tensor)}) > 1:
+                    # parts in several dtypes: each cast to the layer's, as torch's copy_
+                    # casts each tensor of a plain load
+                    tensors = _cast_like(tensors, current[rule.targets[0]])
                 results = list(rule.to_replacement(tensors, config))
             else:
                 results = _fill_parts(rule, state_dict, prefix, present, current, config)
@@ -206,13 +210,23 @@ def _fill_parts(
     (target,) = rule.targets
     with torch.no_grad():
         parts = list(torch.split(current[target].detach(), rule.part_sizes(config), dim=rule.dim))
+    # the parts not given keep the layer's values exactly: the given ones are cast to the
+    # layer's dtype (as torch's copy_ would), never the layer's values to theirs
     tensors = [
-        state_dict.pop(prefix + key)
-        if ok
-        else part.to(dtype=given[0].dtype, device=given[0].device)
+        state_dict.pop(prefix + key) if ok else part.to(device=given[0].device)
         for key, ok, part in zip(rule.sources, present, parts, strict=True)
     ]
-    return list(rule.to_replacement(tensors, config))
+    return list(rule.to_replacement(_cast_like(tensors, current[target]), config))
+
+
+def _cast_like(tensors: list[Any], like: torch.Tensor) -> list[Any]:
+    """Floating ``tensors`` in ``like``'s dtype (the others as they are)."""
+    return [
+        t.to(dtype=like.dtype)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and like.is_floating_point()
+        else t
+        for t in tensors
+    ]
 
 
 def _refuse_fused_away_state(

@@ -78,6 +78,33 @@ def test_a_concatenation_given_in_part_loads_the_parts_given_and_keeps_the_rest(
     assert torch.equal(after[q + k :], before[q + k :])  # not given: kept, and reported missing
 
 
+def test_a_part_not_given_keeps_its_exact_values_under_a_lower_precision_state() -> None:
+    """A bfloat16 state missing v_proj: q and k arrive cast to the layer's float32 (as
+    torch's copy_ casts), v keeps its own values, not rounded to bfloat16 and back."""
+    state, _, swapped = _pair("llama")
+    fused = swapped.model.layers[0].self_attn
+    q, k, _ = fused.sizes
+    before = fused.qkv_proj.weight.detach().clone()
+    low = {key: value.to(torch.bfloat16) for key, value in state.items()}
+    del low["model.layers.0.self_attn.v_proj.weight"]
+    swapped.load_state_dict(low, strict=False)
+    after = fused.qkv_proj.weight.detach()
+    assert after.dtype == torch.float32
+    assert torch.equal(after[q + k :], before[q + k :])
+    expected_q = low["model.layers.0.self_attn.q_proj.weight"].float()
+    assert torch.equal(after[:q], expected_q)
+
+
+def test_parts_given_in_several_dtypes_load_as_torch_loads_them() -> None:
+    state, original, swapped = _pair("llama")
+    state["model.layers.0.self_attn.q_proj.weight"] = state[
+        "model.layers.0.self_attn.q_proj.weight"
+    ].half()
+    original.load_state_dict(state)
+    swapped.load_state_dict(state)
+    torch.testing.assert_close(_logits(swapped), _logits(original), rtol=1e-5, atol=1e-5)
+
+
 def test_unexpected_keys_keep_the_callers_names() -> None:
     state, _, swapped = _pair("llama")  # llama has no q/k/v biases
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(256)
