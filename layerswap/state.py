@@ -148,6 +148,18 @@ def convert_incoming(
     original_given = sorted(given & original_only)
     if not original_given:
         return
+    current = {
+        key: value
+        for key, value in module.state_dict(keep_vars=True).items()
+        if not is_extra_state(key)
+    }
+    # torch's set_model_state_dict(full_state_dict=True) (accelerate's checkpoint loading
+    # too) adds the model's own tensors under their names beside the state given: those
+    # are no second layout, and are converted from what was given instead
+    for key in sorted(given & replacement_only):
+        if key in current and _is_own(state_dict[prefix + key], current[key]):
+            del state_dict[prefix + key]
+            given.discard(key)
     replacement_given = sorted(given & replacement_only)
     if replacement_given:
         raise ConversionError(
@@ -155,11 +167,6 @@ def convert_incoming(
             f"({prefix + original_given[0]!r}) and {substitution.name}'s layout "
             f"({prefix + replacement_given[0]!r}); give one layout per layer"
         )
-    current = {
-        key: value
-        for key, value in module.state_dict(keep_vars=True).items()
-        if not is_extra_state(key)
-    }
     for rule in converter.rules:
         present = [key in given for key in rule.sources]
         if not all(target in current for target in rule.targets):
@@ -217,6 +224,19 @@ def _fill_parts(
         for key, ok, part in zip(rule.sources, present, parts, strict=True)
     ]
     return list(rule.to_replacement(_cast_like(tensors, current[target]), config))
+
+
+def _is_own(given: Any, own: Any) -> bool:
+    """Whether ``given`` is the layer's tensor ``own`` or a view of its memory."""
+    if given is own:
+        return True
+    if not isinstance(given, torch.Tensor) or not isinstance(own, torch.Tensor):
+        return False
+    if given.device != own.device or given.device.type == "meta" or given.shape != own.shape:
+        return False
+    if hasattr(given, "to_local") and hasattr(own, "to_local"):  # DTensors: their shards
+        given, own = given.to_local(), own.to_local()
+    return bool(given.data_ptr() == own.data_ptr() and given.data_ptr() != 0)
 
 
 def _cast_like(tensors: list[Any], like: torch.Tensor) -> list[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +104,25 @@ def test_parts_given_in_several_dtypes_load_as_torch_loads_them() -> None:
     original.load_state_dict(state)
     swapped.load_state_dict(state)
     torch.testing.assert_close(_logits(swapped), _logits(original), rtol=1e-5, atol=1e-5)
+
+
+def test_torchs_full_state_dict_loading_and_accelerates_checkpoint_loading_convert(
+    tmp_path: Path,
+) -> None:
+    """torch's set_model_state_dict(full_state_dict=True) adds the model's own tensors, under
+    their names, beside the original-layout state given (accelerate's checkpoint loading
+    takes that path too): no mixed layout, every tensor given arrives."""
+    from accelerate.utils import load_checkpoint_in_model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state, original, swapped = _pair("llama")
+    set_model_state_dict(swapped, dict(state), options=StateDictOptions(full_state_dict=True))
+    torch.testing.assert_close(_logits(swapped), _logits(original), rtol=0, atol=0)
+
+    original.save_pretrained(tmp_path)
+    _, _, other = _pair("llama")
+    load_checkpoint_in_model(other, str(tmp_path))
+    torch.testing.assert_close(_logits(other), _logits(original), rtol=0, atol=0)
 
 
 def test_unexpected_keys_keep_the_callers_names() -> None:
