@@ -125,6 +125,16 @@ def _adapted_modules(weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str,
     return modules
 
 
+def _rank_of(weights: Mapping[str, torch.Tensor], leaves: Mapping[str, str]) -> int | None:
+    """The LoRA rank of an adapted module (a linear one's ``lora_A``, an embedding's
+    ``lora_embedding_A``); ``None`` for a module that is no LoRA pair (a module saved whole,
+    ``modules_to_save``; trainable tokens), which goes through as it is."""
+    for leaf in ("lora_A.weight", "lora_embedding_A"):
+        if leaf in leaves:
+            return int(weights[leaves[leaf]].shape[0])
+    return None
+
+
 def _scaling(alpha: float, rank: int, rslora: bool) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
@@ -199,8 +209,9 @@ def _to_fused(
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     for module in modules:
-        if module not in part_to_group:
-            ranks[module] = int(weights[modules[module]["lora_A.weight"]].shape[0])
+        rank = None if module in part_to_group else _rank_of(weights, modules[module])
+        if rank is not None:  # a LoRA module the swap keeps (not one saved whole)
+            ranks[module] = rank
             alphas[module] = float(_pattern_value(config.alpha_pattern, module, config.lora_alpha))
     for group in dict.fromkeys(part_to_group[module] for module in touched):
         present = [part for part in group.parts if part in modules]
@@ -308,14 +319,15 @@ def _to_original(
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     for module, leaves_of in modules.items():
-        a = weights[leaves_of["lora_A.weight"]] if "lora_A.weight" in leaves_of else None
-        rank = int(a.shape[0]) if a is not None else int(config.r)
         alpha = float(_pattern_value(config.alpha_pattern, module, config.lora_alpha))
         if module not in by_fused:
             converted.update((key, weights[key]) for key in leaves_of.values())
-            ranks[module], alphas[module] = rank, alpha
+            found = _rank_of(weights, leaves_of)
+            if found is not None:  # a LoRA module (not one saved whole): its own rank
+                ranks[module], alphas[module] = found, alpha
             continue
-        assert a is not None
+        a = weights[leaves_of["lora_A.weight"]]
+        rank = int(a.shape[0])
         b = weights[leaves_of["lora_B.weight"]]
         scaling = _scaling(alpha, rank, rslora)
         group = by_fused[module]

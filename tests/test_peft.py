@@ -6,6 +6,7 @@ import copy
 import gc
 import importlib.metadata
 import json
+import re
 import types
 from pathlib import Path
 
@@ -68,6 +69,31 @@ def test_an_all_linear_adapter_from_the_original_applies_exactly_to_the_swapped_
     loaded = adapters.load_adapter(_swapped(base), tmp_path)
     assert "model.layers.0.self_attn.qkv_proj" in loaded.base_model.targeted_module_names
     torch.testing.assert_close(_logits(loaded, base.config.vocab_size), expected, atol=ATOL, rtol=0)
+
+
+def test_an_adapter_with_a_module_saved_whole_and_an_embedding_lora_converts_both_ways(
+    tmp_path: Path,
+) -> None:
+    """``modules_to_save=["lm_head"]`` (a module saved whole) and a LoRA of the embeddings
+    at its own rank are no LoRA pair of a linear module: they go through as they are,
+    loaded onto the swapped model and saved back for plain PEFT, numbers unchanged."""
+    base = tiny_model("llama", num_hidden_layers=2)
+    lora = {
+        "target_modules": ["q_proj", "v_proj", "embed_tokens"],
+        "r": 4,
+        "rank_pattern": {"embed_tokens": 8},
+        "modules_to_save": ["lm_head"],
+    }
+    expected = _trained_on_original(base, tmp_path / "original", **lora)
+    swapped = _swapped(base)  # (swapped first: PeftModel.from_pretrained is looked up after)
+    loaded = PeftModel.from_pretrained(swapped, str(tmp_path / "original")).eval()
+    torch.testing.assert_close(_logits(loaded, base.config.vocab_size), expected, atol=ATOL, rtol=0)
+    loaded.save_pretrained(str(tmp_path / "back"))
+    written = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
+    assert "lm_head" not in written["target_modules"]
+    assert written["rank_pattern"][re.escape("model.embed_tokens")] == 8
+    plain = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "back")).eval()
+    torch.testing.assert_close(_logits(plain, base.config.vocab_size), expected, atol=ATOL, rtol=0)
 
 
 def test_q_and_v_with_different_ranks_and_scalings_fuse_exactly_and_come_back(
