@@ -55,9 +55,9 @@ from torch import nn
 
 from layerswap.errors import ConversionError
 from layerswap.patching import Patch, Scoped, wrap
-from layerswap.state import LayoutLoadHook, fused_modules
+from layerswap.state import LAYER_COPIED, LayoutLoadHook, fused_modules
 
-__all__ = ["check_targets", "fused_away", "guard", "hold", "is_guard"]
+__all__ = ["check_targets", "fused_away", "guard", "hold", "hold_while_alive", "is_guard"]
 
 INJECT = "peft.tuners.tuners_utils:BaseTuner.inject_adapter"
 
@@ -295,6 +295,20 @@ def hold(model: nn.Module) -> Callable[[], None]:
                     patch.stop()
 
     return release
+
+
+def hold_while_alive(module: nn.Module) -> None:
+    """Arm the check for as long as ``module`` lives: a swapped layer made by copying or
+    unpickling one (``copy.deepcopy`` of a swapped model: TRL's reference model, an EMA
+    copy) is still swapped after the swap it was copied from is undone."""
+    token = next(_TOKENS)
+    with _LOCK:
+        _HOLDS.add(token)
+        _arm()
+    weakref.finalize(module, _HOLDS.discard, token)
+
+
+LAYER_COPIED.append(hold_while_alive)
 
 
 def is_guard(scoped: Scoped) -> bool:

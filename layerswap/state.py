@@ -30,7 +30,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +44,12 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["LayoutLoadHook", "fused_modules", "install_load_hook", "layout_hooks"]
+__all__ = ["LAYER_COPIED", "LayoutLoadHook", "fused_modules", "install_load_hook", "layout_hooks"]
+
+
+#: called with each replacement layer made by copying or unpickling one: what a swap arms
+#: for its layers (:func:`layerswap.peft_targets.hold_while_alive` registers itself here)
+LAYER_COPIED: list[Callable[[nn.Module], None]] = []
 
 
 class LayoutLoadHook:

@@ -523,3 +523,26 @@ def test_the_adapter_command_reads_the_family_from_a_local_base_checkpoint(
     assert "(qwen3): original layout, adapts q_proj" in out
     code, _, err = run(capsys, "adapter", str(tmp_path / "base"))
     assert code == 2 and "no adapter_config.json" in err
+
+
+def test_a_copy_of_a_swapped_model_saves_its_adapter_in_the_original_layout_after_undo(
+    tmp_path: Path,
+) -> None:
+    """A deep copy (TRL's reference model, an EMA copy) is swapped too, and outlives the
+    swap it was copied from: PEFT's layout advice and target check stay armed for it."""
+    base = tiny_model("llama", num_hidden_layers=2)
+    model = copy.deepcopy(base)
+    handle = layerswap.swap(model, "llama.decoder.fused")
+    copied = copy.deepcopy(model)
+    handle.undo()
+    with pytest.raises(ConversionError, match="fused away"):
+        get_peft_model(copy.deepcopy(copied), LoraConfig(target_modules=["q_proj", "o_proj"]))
+    torch.manual_seed(1)
+    config = LoraConfig(init_lora_weights=False, target_modules=["qkv_proj", "o_proj"])
+    adapted = get_peft_model(copied, config).eval()
+    expected = _logits(adapted, base.config.vocab_size)
+    adapted.save_pretrained(str(tmp_path))
+    written = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert not any("qkv_proj" in key for key in written)
+    plain = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).eval()
+    torch.testing.assert_close(_logits(plain, base.config.vocab_size), expected, atol=ATOL, rtol=0)

@@ -58,6 +58,7 @@ from layerswap.backends.per_family import class_named, family_class
 from layerswap.errors import RequirementError, SwapWarning, UpstreamDriftError
 from layerswap.family import Family
 from layerswap.rotary import rotate_half, rotate_interleaved
+from layerswap.state import LAYER_COPIED
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -129,6 +130,14 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
                 f"layerswap.get('llama.decoder.{cls.backend}').replacement_class()"
             )
         return cls.family
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, unpickling) is a swapped layer too, outliving the
+        swap it was copied from: it holds PEFT's layout advice and target check armed
+        while it lives, as a swap does."""
+        super().__setstate__(state)
+        for made in LAYER_COPIED:
+            made(self)
 
     def __init__(self, config: PreTrainedConfig, layer_idx: int) -> None:
         self.declared_family()
