@@ -63,21 +63,30 @@ def fused_names(model: nn.Module, names: Iterable[str]) -> list[str]:
         fused_names(model, ["model.layers.0.self_attn.qkv_proj.SCB"])   # that key
     """
     base = getattr(model, "base_model_prefix", "") or ""
-    under: list[str] = []  # ".layers.0.self_attn.qkv_proj.": anything below it
-    exact: list[str] = []  # ".layers.0.<a key only the replacement has>"
+    # (".layers.0.self_attn.qkv_proj.", the other parts of the layer's path): a key holding
+    # the needle and every one of those parts, in any order (a wrapper's checkpoint writes
+    # "language_model.model.layers.0..." for "model.language_model.layers.0...")
+    under: list[tuple[str, frozenset[str]]] = []
+    exact: list[tuple[str, frozenset[str]]] = []  # a key only the replacement has
     for name, _, hook in layout_hooks(model):
-        layer = name.removeprefix(f"{base}.") if base else name
+        parts = name.split(".")
+        tail = ".".join(parts[-2:])  # "layers.0"
+        context = frozenset(parts[:-2]) - {base, "model"}
         converter = hook.substitution.converter
         rules = getattr(converter, "rules", ())  # a converter that is not a rule list: none
         sources = {key for rule in rules for key in rule.sources}
         targets = {key for rule in rules for key in rule.targets}
-        under += [f".{layer}.{fused}." for fused in fused_modules(converter)]
-        exact += [f".{layer}.{key}" for key in targets - sources]
+        under += [(f".{tail}.{fused}.", context) for fused in fused_modules(converter)]
+        exact += [(f".{tail}.{key}", context) for key in targets - sources]
+
+    def among(key: str, context: frozenset[str]) -> bool:
+        return context <= set(key.split("."))
+
     return [
         key
         for key in names
-        if any(needle in f".{key}" for needle in under)
-        or any(f".{key}".endswith(needle) for needle in exact)
+        if any(needle in f".{key}" and among(key, context) for needle, context in under)
+        or any(f".{key}".endswith(needle) and among(key, context) for needle, context in exact)
     ]
 
 

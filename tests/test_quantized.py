@@ -185,3 +185,20 @@ def test_fused_names_are_those_of_the_swapped_layers_own_layout() -> None:
         "lm_head.weight",
     ]
     assert fused_names(model, names) == names[:2]
+
+
+def test_fused_names_are_found_under_a_wrappers_checkpoint_names() -> None:
+    """A LLaVA checkpoint writes ``language_model.model.layers.0...`` for the model's
+    ``model.language_model.layers.0...``: its fused names are found either way, and the
+    vision tower's keys of the same layer number are not taken for them."""
+    from test_wrappers import tiny_wrapper
+
+    model = tiny_wrapper("llava")
+    layerswap.swap(model, SUBSTITUTION)
+    names = [
+        "language_model.model.layers.0.self_attn.qkv_proj.weight",
+        "model.language_model.layers.1.mlp.gate_up_proj.SCB",
+        "language_model.model.layers.0.self_attn.q_proj.weight",
+        "vision_tower.vision_model.encoder.layers.0.self_attn.qkv_proj.weight",
+    ]
+    assert fused_names(model, names) == names[:2]
