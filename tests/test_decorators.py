@@ -1431,3 +1431,37 @@ def test_memory_guard_keeps_refusing_until_it_probes_again() -> None:
     usage[0] = 0.1
     clock.advance(5.0)  # probed again: under the threshold now
     assert torch.equal(guarded(torch.ones(1)), torch.full((1,), 2.0))
+
+
+def test_a_decorated_generator_function_stays_one() -> None:
+    """``inspect.isgeneratorfunction`` (pytest fixtures, FastAPI dependencies) still
+    answers for the decorated function; values, ``send`` and ``close`` go through."""
+    closed: list[str] = []
+
+    @nan_guard
+    def numbers(n: int) -> Iterator[torch.Tensor]:
+        try:
+            for i in range(n):
+                got = yield torch.full((1,), float(i))
+                if got is not None:
+                    yield got
+        finally:
+            closed.append("closed")
+
+    @nan_guard
+    async def streamed(n: int) -> Any:
+        for i in range(n):
+            yield i
+
+    assert inspect.isgeneratorfunction(numbers) and inspect.isasyncgenfunction(streamed)
+    assert [float(t) for t in numbers(3)] == [0.0, 1.0, 2.0]
+    running = numbers(3)
+    next(running)
+    assert float(running.send(torch.full((1,), 7.0))) == 7.0
+    running.close()
+    assert closed == ["closed", "closed"]
+
+    async def collect() -> list[int]:
+        return [i async for i in streamed(3)]
+
+    assert asyncio.run(collect()) == [0, 1, 2]

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
 
 from layerswap.patching import safe_wraps
+from layerswap.patching.wraps import delegating_async_generator
 
 __all__ = [
     "Advice",
@@ -272,6 +273,22 @@ class Advice:
                 return await async_advice(func, None, args, kwargs)
 
             wrapper = async_wrapper
+        elif inspect.isasyncgenfunction(func):
+            # the advice around the call that makes the generator (as for any function),
+            # the wrapper an async generator function still (what is sent, thrown in and
+            # closed reaches the function's own)
+            advice = self._advice
+            wrapper = safe_wraps(func)(
+                delegating_async_generator(lambda *args, **kwargs: advice(func, None, args, kwargs))
+            )
+        elif inspect.isgeneratorfunction(func):
+            advice = self._advice
+
+            @safe_wraps(func)
+            def generator_wrapper(*args: Any, **kwargs: Any) -> Any:
+                return (yield from advice(func, None, args, kwargs))
+
+            wrapper = generator_wrapper
         else:
             advice = self._advice
 
