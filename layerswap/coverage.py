@@ -558,6 +558,8 @@ def _family_and_config(target: str | Path | Family) -> tuple[Family, PreTrainedC
         return target, target.tiny_config(), "tiny config"
     path = Path(target)
     config_file = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not config_file.is_file():
+        raise CheckpointError(f"{path}: a directory without a config.json (no checkpoint there)")
     if not config_file.is_file():
         family = _family_of_type(str(target))
         return family, family.tiny_config(), "tiny config"

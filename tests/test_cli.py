@@ -409,6 +409,8 @@ def test_bad_options_and_files_are_one_line_and_exit_2(tmp_path: Path, capsys: A
         (["coverage", str(a_list)], "a config is a JSON object, not list"),
         (["coverage", str(invalid)], "invalid config: "),
         (["patch", "--config", str(invalid)], "cannot read config"),
+        (["coverage", str(tmp_path)], "a directory without a config.json"),
+        (["verify", "--model", "llama", "--tolerance", "inf"], "takes a finite number"),
     ]
     for args, message in cases:
         code, out, err = run(capsys, *args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -283,6 +284,9 @@ def verify_command(
     json_output: JsonOption = False,
 ) -> None:
     """Verify a substitution against the original model, layer by layer."""
+    if tolerance is not None and not math.isfinite(tolerance):
+        with exit_codes():
+            raise UsageProblem(f"--tolerance takes a finite number, not {tolerance}")
     if adopt is not None:
         with exit_codes():
             _refuse_with_adopt(
