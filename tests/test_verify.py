@@ -548,3 +548,27 @@ def test_where_the_originals_own_gradient_is_nan_the_candidate_is_held_to_the_sa
             local=False,
         )
     assert report.passed
+
+
+def test_a_layer_wrong_only_in_cached_decoding_is_named(llama: Any) -> None:
+    """The forward pass agrees; decoding one token at a time with the cache does not. The
+    report names the first layer whose output differs at the first step that differs."""
+    fused_layer = get(FUSED).replacement_class()
+
+    class DecodeOnlyBug(fused_layer):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            output = super().forward(hidden_states, *args, **kwargs)
+            if self.layer_idx == 1 and hidden_states.shape[1] == 1:
+                output = output * 1.05
+            return output
+
+    sub = dataclasses.replace(
+        get(FUSED), name="llama.decoder.decode_only", replacement=DecodeOnlyBug
+    )
+    report = verify(llama, sub)
+
+    assert not report.passed and report.logits_passed and report.first_divergent_layer is None
+    assert report.generation is not None
+    assert report.generation.first_divergent_layer == "model.layers.1 (decoding step 1)"
+    assert "first decoder layer whose output differs is model.layers.1" in report.failure_message()
+    assert verify(llama, FUSED).generation.first_divergent_layer is None  # passing: none

@@ -353,6 +353,28 @@ def _output_rows(excused: Excused | None, output: torch.Tensor, batch: int) -> t
     return ~excused.sequences(batch) if output.shape[0] == batch else None
 
 
+def _decode_divergence(reference: Run, candidate: Run, tolerance: Tolerance) -> str | None:
+    """The first decoder layer whose output differs at the first decoding step that
+    differs, of the steps both models were fed the same tokens up to (``None``: none)."""
+    if (
+        reference.decode_layers is None
+        or candidate.decode_layers is None
+        or reference.tokens is None
+        or candidate.tokens is None
+    ):
+        return None
+    for step, (expected, actual) in enumerate(
+        zip(reference.decode_layers, candidate.decode_layers, strict=False)
+    ):
+        # step ``step`` feeds the token generated at that step: the same on both sides?
+        if not torch.equal(reference.tokens[:, : step + 1], candidate.tokens[:, : step + 1]):
+            return None
+        for (name, want), (_, got) in zip(expected, actual, strict=False):
+            if want.shape != got.shape or not diff(want, got, rowwise=True).passes(tolerance):
+                return f"{name} (decoding step {step + 1})"
+    return None
+
+
 def _compare_decoding(
     reference: Run,
     candidate: Run,
@@ -543,6 +565,11 @@ class Comparison:
         sequences = ~excused.sequences(int(ids.shape[0])) if excused is not None else None
         prompt = self.valid_tokens()
         generation = _compare_decoding(reference, candidate, tolerance, floor, sequences, prompt)
+        if generation is not None and not generation.passed:
+            generation = dataclasses.replace(
+                generation,
+                first_divergent_layer=_decode_divergence(reference, candidate, tolerance),
+            )
         layers = _compare_layers(reference, candidate, tolerance, floor, floor_kind, excused)
         keep = _output_rows(excused, reference.logits, int(ids.shape[0]))
         logits = _compare_logits(reference, candidate, floor, keep, tolerance, floor_kind)

@@ -60,6 +60,10 @@ class Run:
     #: ``[batch, seq]``: the positions whose loss terms the loss and gradients left out
     #: (``forward(left_out=...)``); ``None``: it learnt from every position
     loss_left_out: torch.Tensor | None = None
+    #: per step of cached decoding after the prompt (step ``t``: the token generated at
+    #: step ``t - 1`` fed in), every decoder layer's output at that token, ``[batch,
+    #: hidden]`` on the host; ``None``: not recorded
+    decode_layers: list[list[tuple[str, torch.Tensor]]] | None = None
 
 
 def layer_output(output: Any) -> torch.Tensor:
@@ -176,8 +180,11 @@ def forward(
                 for (name, param), grad in zip(params, grads, strict=True)
             }
     compared, is_logits = task.compared(output, valid)
+    decoded: list[list[tuple[str, torch.Tensor]]] | None = (
+        [] if generate and layer_outputs else None
+    )
     tokens, token_logits, decode_routing = (
-        _generate(model, batch, generate, context, routing=routing)
+        _generate(model, batch, generate, context, routing=routing, decode_layers=decoded)
         if generate
         else (None, None, None)
     )
@@ -192,7 +199,40 @@ def forward(
         routing=routed,
         decode_routing=decode_routing,
         loss_left_out=left_out if wants_loss else None,
+        decode_layers=decoded,
     )
+
+
+@contextlib.contextmanager
+def _capture_decode_outputs(
+    layers: list[tuple[str, nn.Module]], steps: list[list[tuple[str, torch.Tensor]]]
+) -> Iterator[None]:
+    """Append to ``steps``, for every decoding step after the prompt, each layer's output
+    at the token fed (``[batch, hidden]``, on the host)."""
+    calls = [0] * len(layers)
+
+    def hook_for(position: int, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            step = calls[position]
+            calls[position] += 1
+            if step == 0:
+                return  # the prompt: compared by the forward pass
+            while len(steps) < step:
+                steps.append([])
+            hidden = layer_output(output)
+            steps[step - 1].append((name, hidden[:, -1].detach().float().cpu()))
+
+        return hook
+
+    handles = [
+        layer.register_forward_hook(hook_for(position, name))
+        for position, (name, layer) in enumerate(layers)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def generate_tokens(
@@ -223,9 +263,11 @@ def _generate(
     *,
     cache: str | None = None,
     routing: bool = False,
+    decode_layers: list[list[tuple[str, torch.Tensor]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[Routing | None]] | None]:
     """:func:`generate_tokens`, and with ``routing`` each decoding step's mixture-of-experts
-    routing (:func:`~layerswap.verify.routing.capture_decode_routing`)."""
+    routing (:func:`~layerswap.verify.routing.capture_decode_routing`); ``decode_layers``
+    (a list) gets every decoding step's layer outputs (:attr:`Run.decode_layers`)."""
     # disable_compile: on a GPU, generate() with a static cache compiles the forward
     # (transformers' auto-compile); what is compared is what the layers compute, eagerly,
     # the same on every device (TransformerEngine 2.20's attention cannot be traced by
@@ -244,7 +286,12 @@ def _generate(
         if routing
         else contextlib.nullcontext(None)
     )
-    with recording as decode_routing, evaluation(model), torch.no_grad(), context():
+    outputs = (
+        _capture_decode_outputs(decoder_layers_if_known(model), decode_layers)
+        if decode_layers is not None
+        else contextlib.nullcontext()
+    )
+    with recording as decode_routing, outputs, evaluation(model), torch.no_grad(), context():
         sequences = generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],

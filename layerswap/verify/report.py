@@ -120,6 +120,10 @@ class GenerationReport:
     logits_passed: bool = True
     excused_sequences: int = 0
     excused_steps: tuple[tuple[int, int], ...] = ()
+    #: where decoding diverges though the forward pass agrees: the first decoder layer whose
+    #: output differs at the first decoding step that differs, ``"model.layers.1 (decoding
+    #: step 1)"`` (``None``: none found, or the tokens fed already differed)
+    first_divergent_layer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,11 @@ class VerificationReport:
                 problems.append(
                     f"cached decoding: the logits of the generated tokens differ: max abs "
                     f"error {gen.max_abs_error:.3g} (atol {tol.atol:g}, rtol {tol.rtol:g})"
+                )
+            if gen.first_divergent_layer is not None:
+                problems.append(
+                    "cached decoding: the first decoder layer whose output differs is "
+                    f"{gen.first_divergent_layer}"
                 )
         return problems
 
