@@ -750,3 +750,20 @@ def test_readers_never_see_a_module_without_its_children_while_patches_come_and_
         done.set()
         reader.join()
     assert missing == [] and next(iter(model._modules)) == "l0"
+
+
+def test_unpatched_sees_past_a_patch_of_an_inherited_attribute():
+    from layerswap.patching.stack import unpatched
+
+    class Base:
+        def method(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    child = Child()
+    with layerswap.patch(Child, "method", lambda self: "new", create=True):
+        assert unpatched(Child, "method") is Base.method
+    with layerswap.patch(child, "method", lambda: "new", create=True):
+        assert unpatched(child, "method")() == "base"

@@ -349,7 +349,26 @@ def unpatched(owner: Any, name: str) -> Any:
             original = stack.original
             if original.container is not None:
                 return original.value
+            return _past(owner, name)  # inherited: what getattr finds past the patch
     return getattr(owner, name)
+
+
+def _past(owner: Any, name: str) -> Any:
+    """``getattr(owner, name)`` as if ``owner`` held no ``name`` of its own: a class's
+    bases, an instance's class, bound as attribute access binds them."""
+    if isinstance(owner, type):
+        for base in owner.__mro__[1:]:
+            if name in base.__dict__:
+                raw = base.__dict__[name]
+                bind = getattr(type(raw), "__get__", None)
+                return raw if bind is None else bind(raw, None, owner)
+    elif not isinstance(owner, types.ModuleType):
+        for klass in type(owner).__mro__:
+            if name in klass.__dict__:
+                raw = klass.__dict__[name]
+                bind = getattr(type(raw), "__get__", None)
+                return raw if bind is None else bind(raw, owner, type(owner))
+    raise AttributeError(f"{owner!r} has no attribute {name!r} before its patches")
 
 
 def stack_depth(site: Site) -> int:
