@@ -94,17 +94,31 @@ def versions() -> dict[str, str]:
     return found
 
 
-_KERNEL_DISTRIBUTIONS = ("liger-kernel", "transformer-engine", "transformer-engine-torch", "triton")
+#: import name -> the distributions whose version counts (the import name is looked up
+#: first: asking for a distribution that is not installed scans every path entry)
+_KERNEL_DISTRIBUTIONS = {
+    "liger_kernel": ("liger-kernel",),
+    "transformer_engine": ("transformer-engine", "transformer-engine-torch"),
+    "triton": ("triton",),
+}
 
 
 @functools.cache
 def _kernel_versions() -> dict[str, str]:
+    import importlib.util
+
     found = {}
-    for name in _KERNEL_DISTRIBUTIONS:
+    for module, distributions in _KERNEL_DISTRIBUTIONS.items():
         try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
+            if importlib.util.find_spec(module) is None:
+                continue
+        except (ImportError, ValueError):
             continue
+        for name in distributions:
+            try:
+                found[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
     return found
 
 
