@@ -411,6 +411,10 @@ def test_bad_options_and_files_are_one_line_and_exit_2(tmp_path: Path, capsys: A
         (["patch", "--config", str(invalid)], "cannot read config"),
         (["coverage", str(tmp_path)], "a directory without a config.json"),
         (["verify", "--model", "llama", "--tolerance", "inf"], "takes a finite number"),
+        (
+            ["patch", "--model", "llama", "--save", str(not_json / "model")],
+            "notes.txt is a file, not a directory",
+        ),
     ]
     for args, message in cases:
         code, out, err = run(capsys, *args)

@@ -113,7 +113,9 @@ def save_target(path: Path, overwrite: bool) -> SaveTarget:
     existing = parent
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
+        raise UsageProblem(f"--save {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageProblem(f"--save {path}: cannot write in {existing} (permission denied)")
     return SaveTarget(path, replaces=bool(entries))
 
