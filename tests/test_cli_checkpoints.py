@@ -215,7 +215,7 @@ def test_save_where_nothing_can_be_written_is_refused_before_any_work(
     code, _, err = run(capsys, "patch", "-m", "llama", "--save", str(tmp_path / "a-file" / "out"))
 
     assert code == 2
-    assert f"cannot write in {tmp_path / 'a-file'}" in one_error_line(err)
+    assert f"{tmp_path / 'a-file'} is a file, not a directory" in one_error_line(err)
 
 
 def test_an_interrupted_save_leaves_nothing_behind(
