@@ -34,6 +34,19 @@ NOT_STANDALONE = {
         "a draft model that runs inside its target model (it reads the target's shared "
         "key/value states): no model of its own runs on token ids"
     ),
+    "git": (
+        "its causal LM's loss leaves out the image's patch positions first (GitForCausalLM "
+        "shifts its logits by image_patch_tokens), so on token ids alone it has no loss to "
+        "train or prove"
+    ),
+    "musicgen": (
+        "its causal LM decodes audio codes, num_codebooks rows of ids per sequence, not a "
+        "batch of token ids"
+    ),
+    "musicgen_melody": (
+        "its causal LM decodes audio codes, num_codebooks rows of ids per sequence, not a "
+        "batch of token ids"
+    ),
 }
 
 
@@ -54,6 +67,9 @@ SWITCHED_ON: dict[str, dict[str, Any]] = {
     # text model and in the multimodal wrapper's text config
     "gemma4_text": _GEMMA4_MOE,
     "gemma4": {"text_config": _GEMMA4_MOE},
+    # X-MOD's language adapters: its default config chooses none, and the model refuses to
+    # run until one is chosen
+    "xmod": {"default_language": "en_XX"},
 }
 
 
