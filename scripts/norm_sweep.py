@@ -1,8 +1,8 @@
 """Prove the ``norm`` slot on every model type ``layerswap list --all`` says it takes (with
-``--slot mlp`` or ``--slot experts`` that slot; with ``--slot head``, the ``head`` slot on
-every model type no family covers that it takes), and write what was swapped, what was
-kept and the verdict to ``docs/norms.md`` (``docs/mlps.md``, ``docs/experts.md``,
-``docs/heads.md``).
+``--slot mlp``, ``--slot experts`` or ``--slot qkv`` that slot; with ``--slot head``, the
+``head`` slot on every model type no family covers that it takes), and write what was
+swapped, what was kept and the verdict to ``docs/norms.md`` (``docs/mlps.md``,
+``docs/experts.md``, ``docs/attentions.md``, ``docs/heads.md``).
 
 Each model type runs in a process of its own (a model type that crashes its process is
 recorded as such, not the sweep), two at a time by default::
@@ -24,9 +24,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: where each slot's rows and page go
-PAGES = {"norm": "norms", "mlp": "mlps", "experts": "experts", "head": "heads"}
+PAGES = {
+    "norm": "norms",
+    "mlp": "mlps",
+    "experts": "experts",
+    "qkv": "attentions",
+    "head": "heads",
+}
 #: the slots that swap classes of a model's own modules (every model type they take)
-CLASS_SLOTS = ("norm", "mlp", "experts")
+CLASS_SLOTS = ("norm", "mlp", "experts", "qkv")
 
 ONE = r"""
 import json, logging, sys, time, warnings

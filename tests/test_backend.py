@@ -58,6 +58,7 @@ def test_the_builtin_backends_are_declared() -> None:
         "norm",
         "mlp",
         "experts",
+        "qkv",
     }
     assert layerswap.get_backend("liger").devices == ("cuda",)
 

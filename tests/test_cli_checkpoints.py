@@ -249,7 +249,7 @@ def test_an_interrupted_save_leaves_nothing_behind(
     ("args", "message"),
     [
         (["patch", "--model", "deepseek_v3"], "no family covers deepseek_v3's decoder layers ("),
-        (["patch", "--model", "bert"], "bert is a transformers model type that layerswap does not cover: "),
+        (["patch", "--model", "xlnet"], "xlnet is a transformers model type that layerswap does not cover: "),
         (["patch", "--model", "llava"], "llava is a multimodal wrapper whose language model the llama family covers; "),
         (["coverage", "llava"], "pass --model llama (or --substitution llama.decoder.fused)"),
         (["patch", "--model", "./nope"], "--model takes a family name, not a path (./nope: no such file or directory)"),
@@ -276,12 +276,12 @@ def test_a_refused_family_gives_coverages_reason() -> None:
     assert why_not_covered("deepseek_v3") in str(refused.value)
     assert "multi-head latent attention" in str(refused.value)
     # the slots below its decoder layers take it: the message names their substitutions
-    for slot in ("norm", "mlp", "experts", "head"):
+    for slot in ("norm", "mlp", "experts", "qkv", "head"):
         assert f"deepseek_v3.{slot}.fused" in str(refused.value), slot
     assert "--substitution" in str(refused.value)
-    with pytest.raises(UsageProblem) as nothing:  # nothing of BERT's causal LM is swapped
-        find_family("bert")
-    assert str(nothing.value).endswith(why_not_covered("bert"))
+    with pytest.raises(UsageProblem) as nothing:  # nothing of XLNet's causal LM is swapped
+        find_family("xlnet")
+    assert str(nothing.value).endswith(why_not_covered("xlnet"))
 
 
 def test_a_checkpoint_directory_given_to_model_is_taken_as_config(

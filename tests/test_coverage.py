@@ -73,7 +73,7 @@ def test_a_config_no_family_covers_lists_what_the_slots_below_the_decoder_take(
     assert report.family == "jamba" and report.source == str(tmp_path / "config.json")
     assert "decoder layers of different structure" in str(rows["jamba.decoder.fused"].unsupported)
     assert rows["jamba.decoder.fused"].replaces == ()
-    for slot in ("norm", "mlp", "experts", "head"):
+    for slot in ("norm", "mlp", "experts", "qkv", "head"):
         row = rows[f"jamba.{slot}.fused"]
         assert row.unsupported is None and row.unmet_requirement is None, slot
         assert row.replaces and row.keeps[0].startswith("model.layers.0-"), slot

@@ -106,7 +106,16 @@ def final_norm_backend() -> Iterator[str]:
 
 
 def test_a_new_slot_is_served_by_swap_use_and_coverage(final_norm_backend: str) -> None:
-    assert slot_names() == ("decoder", "head", "patch", "norm", "mlp", "experts", "final_norm")
+    assert slot_names() == (
+        "decoder",
+        "head",
+        "patch",
+        "norm",
+        "mlp",
+        "experts",
+        "qkv",
+        "final_norm",
+    )
     family = layerswap.get_family("llama")
     model = family.build(seed=0).eval()
     ids = torch.randint(
@@ -150,7 +159,7 @@ def test_an_unknown_slot_is_refused_with_the_slots_there_are() -> None:
         register_slot(get_slot("decoder"))
     with pytest.raises(SubstitutionError, match="builtin slots stay"):
         unregister_slot("head")
-    assert slot_names() == ("decoder", "head", "patch", "norm", "mlp", "experts")
+    assert slot_names() == ("decoder", "head", "patch", "norm", "mlp", "experts", "qkv")
 
 
 @pytest.mark.parametrize("slot", ["decoder", "head"])

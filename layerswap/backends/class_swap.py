@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from layerswap.patching.undo import UndoLog
 
 __all__ = ["ClassReplacement"]
 
@@ -74,6 +77,14 @@ class ClassReplacement(nn.Module):
                 assert issubclass(made, ClassReplacement)
                 _MADE[key] = made
             return made
+
+    def _layerswap_attach(self, changes: UndoLog) -> None:
+        """What a swap changes beyond the class, each change logged in ``changes`` (nothing:
+        the class alone; the ``qkv`` slot packs the projections)."""
+
+    def _layerswap_detach(self) -> None:
+        """Take back what :meth:`_layerswap_attach` changed, on a module given its original
+        class outside an undo (:meth:`~layerswap.slots.class_swap.ClassSwapSlot.rebuild_originals`)."""
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # pickled as how to make its class again (a made class is not importable by name)

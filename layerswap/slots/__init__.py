@@ -48,10 +48,11 @@ _BUILTIN = {
     "norm": "layerswap.slots.norm",
     "mlp": "layerswap.slots.mlp",
     "experts": "layerswap.slots.experts",
+    "qkv": "layerswap.slots.qkv",
 }
 #: the builtin slots whose substitutions may name any causal-LM model type, with or
 #: without a registered family (their modules are not imported to say so)
-_ANY_MODEL_TYPE = frozenset({"norm", "mlp", "experts", "head"})
+_ANY_MODEL_TYPE = frozenset({"norm", "mlp", "experts", "qkv", "head"})
 _SLOTS: dict[str, Slot] = {}
 _ADDED: list[str] = []  # names of slots registered beyond the builtin ones, in order
 _LOCK = threading.RLock()

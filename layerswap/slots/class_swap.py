@@ -15,6 +15,8 @@ replacement base; everything else is here, once.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import threading
 import warnings
 from collections import OrderedDict
@@ -183,7 +185,8 @@ class ClassSwapHandle(SwapHandle):
             label = self._slot.spec_label(made._layerswap_spec)
             if label not in kinds:
                 kinds.append(label)
-        lines = [f"{self.substitution.name}: {len(self)} {self._slot.plural} swapped ({state})"]
+        kind = self._slot.noun if len(self) == 1 else self._slot.plural
+        lines = [f"{self.substitution.name}: {len(self)} {kind} swapped ({state})"]
         lines += [f"  {name} -> {', '.join(kinds)}" for name, kinds in per_class.items()]
         if self._plan.kept:
             lines.append(f"  kept: {_kept_text(self._plan)}")
@@ -216,6 +219,8 @@ def instance_forward(module: nn.Module) -> str | None:
 def _apply(plan: ClassPlan, changes: UndoLog) -> None:
     for _, module, made in plan.swapped:
         changes.set_class(module, made)
+        swapped: Any = module
+        swapped._layerswap_attach(changes)
 
 
 def _decoder_overlap(model: nn.Module, slot: ClassSwapSlot, plan: ClassPlan) -> str | None:
@@ -393,6 +398,7 @@ class ClassSwapSlot(Slot):
                 raise SubstitutionError(
                     f"{name!r} was swapped by {module._layerswap_swapped_by}, not by {sub.name}"
                 )
+            module._layerswap_detach()
             restored: Any = module
             restored.__class__ = module._layerswap_original
             rebuilt += 1
@@ -437,6 +443,15 @@ class ClassSwapSlot(Slot):
             return result
 
         return [wrap(hf_internals.POST_INIT_TARGET, adopt)]
+
+    def first_class(self, family: Family, matches: Callable[[str, type], bool]) -> str:
+        """``"module:Class"`` of the first ``nn.Module`` class the family's modeling module
+        holds for which ``matches(name, cls)``; its causal LM where none does."""
+        module = importlib.import_module(family.module)
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and issubclass(value, nn.Module) and matches(name, value):
+                return f"{family.module}:{name}"
+        return f"{family.module}:{family.causal_lm}"
 
     def swapped_by(self, model: nn.Module) -> str | None:
         for module in model.modules():

@@ -23,8 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -93,16 +91,12 @@ class ExpertsSlot(ClassSwapSlot):
     def original(self, family: Family) -> str:
         """The first experts class the family's modeling module holds; its causal LM where
         it holds none."""
-        module = importlib.import_module(family.module)
-        for name, value in vars(module).items():
-            if (
-                inspect.isclass(value)
-                and issubclass(value, nn.Module)
-                and callable(getattr(value, "_apply_gate", None))
-                and name.endswith("Experts")
-            ):
-                return f"{family.module}:{name}"
-        return f"{family.module}:{family.causal_lm}"
+        return self.first_class(
+            family,
+            lambda name, cls: (
+                callable(getattr(cls, "_apply_gate", None)) and name.endswith("Experts")
+            ),
+        )
 
     def none_found(self, family: Family) -> str:
         return f"its model has no experts module of {family.module} (no mixture-of-experts block)"

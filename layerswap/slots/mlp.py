@@ -24,8 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -68,16 +66,10 @@ class MLPSlot(ClassSwapSlot):
     def original(self, family: Family) -> str:
         """The first MLP class the family's modeling module defines; its causal LM where it
         defines none."""
-        module = importlib.import_module(family.module)
-        for name, value in vars(module).items():
-            if (
-                inspect.isclass(value)
-                and issubclass(value, nn.Module)
-                and value.__module__ == family.module
-                and is_mlp_class(value, family.module)
-            ):
-                return f"{family.module}:{name}"
-        return f"{family.module}:{family.causal_lm}"
+        return self.first_class(
+            family,
+            lambda _, cls: cls.__module__ == family.module and is_mlp_class(cls, family.module),
+        )
 
 
 SLOT = MLPSlot()

@@ -17,7 +17,7 @@ from layerswap.backend import Implementation, Lazy
 from layerswap.family import Family
 from layerswap.patching import active_patches
 
-__all__ = ["class_slot", "experts_slot", "mlp_slot", "norm_slot"]
+__all__ = ["class_slot", "experts_slot", "mlp_slot", "norm_slot", "qkv_slot"]
 
 
 def class_slot(slot: str, replacement: str, *, description: str) -> Implementation:
@@ -73,3 +73,8 @@ def mlp_slot(replacement: str, *, description: str) -> Implementation:
 def experts_slot(replacement: str, *, description: str) -> Implementation:
     """The ``experts`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
     return class_slot("experts", replacement, description=description)
+
+
+def qkv_slot(replacement: str, *, description: str) -> Implementation:
+    """The ``qkv`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
+    return class_slot("qkv", replacement, description=description)

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from layerswap.backend import Backend, Implementation, Lazy
 from layerswap.backends.declarations.head_slot import head_slot
-from layerswap.backends.declarations.norm_slot import experts_slot, mlp_slot, norm_slot
+from layerswap.backends.declarations.norm_slot import (
+    experts_slot,
+    mlp_slot,
+    norm_slot,
+    qkv_slot,
+)
 
 __all__ = ["BACKEND"]
 
@@ -52,6 +57,13 @@ BACKEND = Backend(
             description=(
                 "pure PyTorch, CPU and GPU: each gated experts module of a mixture-of-experts "
                 "block, its gate recomputed in the backward pass (one intermediate fewer kept)"
+            ),
+        ),
+        "qkv": qkv_slot(
+            "layerswap.backends.fused.projections:FusedProjections",
+            description=(
+                "pure PyTorch, CPU and GPU: each attention's projections from one input (q/k/v, "
+                "MLA's q_a/kv_a) as one matrix product, the attention itself the original's"
             ),
         ),
     },

@@ -1,0 +1,94 @@
+"""The ``qkv`` slot: the projections every attention of a model's own classes computes from
+one input, packed into one matrix product.
+
+A ``<model type>.qkv.<backend>`` substitution takes the attention modules below the
+decoder layer: each module whose class is named as an attention of the model's modeling
+module and holds two or more projections (:func:`~layerswap.projections.candidate_attention_classes`),
+and whose ``forward`` calls two or more of them on one input
+(:func:`~layerswap.projections.classify`: Llama's q/k/v, Qwen3-Next's gated query with k/v,
+DeepSeek's latent ``q_a_proj`` with ``kv_a_proj_with_mqa``), gets a subclass of its class
+whose projections of that input are one product (:mod:`layerswap.backends.projections`).
+Everything else stays the original's: the attention core, rotary, q/k norms, MLA's latent
+path, the output projection. The projections stay the module's own ``Parameter`` objects
+under their names (slices of one tensor), so ``state_dict``, ``save_pretrained``, PEFT
+targets and optimizers see the same objects; undo sets the classes back and gives each
+projection its own storage again. Linear-attention, Mamba and convolution mixers are no
+attention classes and stay as they are.
+
+Example::
+
+    handle = layerswap.swap(model, "qwen3_next.qkv.fused")
+    print(handle.report())       # 1 attention swapped (Qwen3NextAttention -> q_proj+k_proj+v_proj)
+    handle.undo()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from layerswap.backends.projections import ProjectionsReplacement
+from layerswap.projections import (
+    ProjectionSpec,
+    candidate_attention_classes,
+    classify,
+    is_attention_class,
+)
+from layerswap.slots.class_swap import ClassPlan, ClassSwapHandle, ClassSwapSlot
+
+if TYPE_CHECKING:
+    from layerswap.family import Family
+    from layerswap.substitution import Substitution
+
+__all__ = ["SLOT", "QKVSlot", "QKVSwapHandle", "qkv_plan", "read_refusal"]
+
+
+class QKVSwapHandle(ClassSwapHandle):
+    """A ``qkv`` swap in effect; ``undo()`` sets every swapped attention's class back and
+    unpacks its projections."""
+
+
+class QKVSlot(ClassSwapSlot):
+    """The projections the attentions of a model's own classes compute from one input: each
+    group packed into one product of a backend."""
+
+    name = "qkv"
+    description = "every attention's projections from one input (q/k/v) as one product"
+    noun = "attention"
+    plural = "attentions"
+    replacement_base = ProjectionsReplacement
+    handle_class = QKVSwapHandle
+
+    def candidates(self, model: nn.Module, module_name: str) -> dict[type, list[str]]:
+        return candidate_attention_classes(model, module_name)
+
+    def classify(self, module: nn.Module) -> ProjectionSpec | str:
+        return classify(module)
+
+    def spec_label(self, spec: Any) -> str:
+        return str(spec.label)
+
+    def original(self, family: Family) -> str:
+        """The first attention class the family's modeling module defines; its causal LM
+        where it defines none."""
+        return self.first_class(
+            family,
+            lambda _, cls: (
+                cls.__module__ == family.module and is_attention_class(cls, family.module)
+            ),
+        )
+
+
+SLOT = QKVSlot()
+
+
+def qkv_plan(model: nn.Module, sub: Substitution) -> ClassPlan:
+    """Which of ``model``'s attentions ``sub`` swaps (and into which class), and which stay."""
+    return SLOT.plan(model, sub)
+
+
+def read_refusal(family: Family, replacement: str) -> str | None:
+    """Why ``replacement`` packs none of the attentions of ``family``'s tiny model (``None``:
+    it packs at least one); asked once per transformers release."""
+    return SLOT.read_refusal(family, replacement)

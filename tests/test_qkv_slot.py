@@ -1,0 +1,520 @@
+"""The ``qkv`` slot: the projections an attention computes from one input, read from its
+forward and packed into one product, on the models the decoder slot refuses (hybrids,
+multi-head latent attention, Llama 4, Gemma 4) and on every family; the projections stay
+the model's own parameters, and every path that moves them is checked when it runs."""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_mlp_slot import _model, _train_step
+from test_norm_slot import _ids, _state, coverage_report, listed_and_swept
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import layerswap
+from layerswap.backends.projections import PackedLinear, ProjectionsReplacement
+from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
+from layerswap.projections import ProjectionSpec, classify
+from layerswap.swap import rebuild_originals
+
+#: the model types people run in late 2026 whose attentions the slot packs
+POPULAR = (
+    "qwen3_next",
+    "qwen3_5_text",
+    "falcon_h1",
+    "lfm2",
+    "jamba",
+    "bamba",
+    "granitemoehybrid",
+    "deepseek_v2",
+    "deepseek_v3",
+    "llama4_text",
+    "gemma4_text",
+    "gemma3n_text",
+)
+FAST = ("qwen3_next", "deepseek_v3", "llama4_text")
+
+
+def _lanes() -> list[Any]:
+    return [pytest.param(t, marks=() if t in FAST else pytest.mark.slow, id=t) for t in POPULAR]
+
+
+def _packed(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, ProjectionsReplacement)]
+
+
+class _Products(TorchDispatchMode):
+    """Counts the matrix products run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _products(module: nn.Module, *args: Any, **kwargs: Any) -> int:
+    with torch.no_grad(), _Products() as counted:
+        module(*args, **kwargs)
+    return counted.count
+
+
+# --- what an attention's forward projects from one input, read from its source -----------
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int = 16, *, bias: tuple[bool, bool, bool] = (False,) * 3) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(width, width, bias=bias[0])
+        self.k_proj = nn.Linear(width, width // 2, bias=bias[1])
+        self.v_proj = nn.Linear(width, width // 2, bias=bias[2])
+        self.o_proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        return self.o_proj(q * torch.cat([k, v], -1))
+
+
+class _CrossAttention(_Attention):
+    def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(memory)
+        v = self.v_proj(memory)
+        return self.o_proj(q * torch.cat([k, v], -1))
+
+
+class _Reassigned(_Attention):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(hidden_states)
+        hidden_states = hidden_states * 2
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        return self.o_proj(q * torch.cat([k, v], -1))
+
+
+def test_the_projections_called_on_one_input_form_a_group() -> None:
+    assert classify(_Attention()) == ProjectionSpec((("q_proj", "k_proj", "v_proj"),), (False,))
+    # keys and values from another tensor: they are a group of their own, the query alone
+    assert classify(_CrossAttention()) == ProjectionSpec((("k_proj", "v_proj"),), (False,))
+    # the input assigned anew between the calls (its right side still reads the old one)
+    assert classify(_Reassigned()) == ProjectionSpec((("k_proj", "v_proj"),), (False,))
+
+
+def test_the_popular_attentions_are_read_with_their_own_names() -> None:
+    llama4 = _model("llama4_text").model.layers[0].self_attn
+    assert classify(llama4).groups == (("q_proj", "k_proj", "v_proj"),)
+    deepseek = _model("deepseek_v3").model.layers[0].self_attn  # multi-head latent attention
+    assert classify(deepseek).groups == (("q_a_proj", "kv_a_proj_with_mqa"),)
+
+
+def test_what_the_slot_does_not_pack_is_said_with_the_reason() -> None:
+    assert "some have a bias and some none" in str(classify(_Attention(bias=(True, True, False))))
+    wrapped = _Attention()
+    wrapped.k_proj = nn.utils.parametrizations.weight_norm(nn.Linear(16, 8))
+    assert "k_proj is a ParametrizedLinear, not an nn.Linear" in str(classify(wrapped))
+    alone = _Attention()
+    alone.k_proj = nn.Sequential(nn.Linear(16, 8))  # no in_features: not a projection
+    alone.v_proj = nn.Sequential(nn.Linear(16, 8))
+    assert "calls no two of its projections on one input" in str(classify(alone))
+
+
+# --- swapped: the same numbers, one product ------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", _lanes())
+def test_a_popular_model_packs_its_attentions_and_computes_the_same(
+    model_type: str, tmp_path: Path
+) -> None:
+    model = _model(model_type)
+    ids, before = _ids(model), _state(model)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+
+    handle = layerswap.swap(model, f"{model_type}.qkv.fused")
+    assert len(handle) > 0
+    for name, original, made in handle.swapped:
+        module = model.get_submodule(name)
+        assert type(module) is made and isinstance(module, original)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+    # the same parameters under the same names: the original layout is what is saved
+    assert all(p is params[n] for n, p in model.named_parameters())
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not _packed(plain)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+    handle.undo()
+    assert not _packed(model) and not any(type(m) is PackedLinear for m in model.modules())
+    after = _state(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # each projection holds a storage of its own again
+    attention = model.get_submodule(handle.swapped[0][0])
+    storages = {id(p.untyped_storage()) for p in attention.parameters()}
+    assert len({p.untyped_storage().data_ptr() for p in attention.parameters()}) == len(storages)
+
+
+def test_an_attention_computes_its_projections_as_one_product() -> None:
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(1, 5, model.config.hidden_size)
+    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+
+    def three(x: torch.Tensor) -> None:
+        q(x), k(x), v(x)
+
+    assert _products(three, x) == 3
+    with layerswap.swap(model, "llama.qkv.fused"):
+        # the weights are slices of one tensor, in the order forward calls them
+        assert q.weight.data_ptr() + q.weight.nbytes == k.weight.data_ptr()
+        assert k.weight.data_ptr() + k.weight.nbytes == v.weight.data_ptr()
+        assert _products(three, x) == 1
+        # a projection called on another tensor computes its own product
+        assert _products(lambda x: (q(x), k(x.clone()), v(x)), x) == 3
+        with torch.no_grad():
+            torch.testing.assert_close(k(x), nn.functional.linear(x, k.weight))
+
+
+def test_training_gives_the_original_loss_and_gradients_and_the_optimizer_steps_alike() -> None:
+    family = layerswap.get_family("qwen2")  # q/k/v biases
+    ids = _ids(family.build())
+    models = [family.build(seed=0), family.build(seed=0)]
+    layerswap.swap(models[1], "qwen2.qkv.fused")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    (loss, grads), (packed_loss, packed_grads) = map(_train_step, models, (ids, ids))
+    torch.testing.assert_close(packed_loss, loss, rtol=1e-5, atol=1e-6)
+    assert packed_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6)
+    for _ in range(3):  # the optimizer updates the slices in place
+        for optimizer in optimizers:
+            optimizer.step()
+        (loss, _), (packed_loss, _) = map(_train_step, models, (ids, ids))
+        torch.testing.assert_close(packed_loss, loss, rtol=1e-4, atol=1e-5)
+    attention = models[1].model.layers[0].self_attn
+    assert attention.q_proj._layerswap_group.packed()  # stepped in place: still one tensor
+    assert attention.q_proj.bias.data_ptr() + attention.q_proj.bias.nbytes == (
+        attention.k_proj.bias.data_ptr()
+    )
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_around_the_layers_recomputes_the_packed_product(
+    reentrant: bool,
+) -> None:
+    model = layerswap.get_family("qwen3").build(seed=0)
+    ids = _ids(model)
+    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    loss, grads = _train_step(model, ids)
+    with layerswap.swap(model, "qwen3.qkv.fused"), _Products() as counted:
+        swapped_loss, swapped_grads = _train_step(model, ids)
+    torch.testing.assert_close(swapped_loss, loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(swapped_grads[name], grad, rtol=1e-4, atol=1e-6)
+    with _Products() as original:
+        _train_step(model, ids)
+    # forward, the recomputed forward and backward each run one product per attention
+    # where the original ran three
+    layers = model.config.num_hidden_layers
+    assert original.count - counted.count == layers * (2 + 2 + 2 * 2)
+
+
+def test_moved_weights_are_packed_again_at_the_next_call() -> None:
+    """``model.to`` gives each weight a tensor of its own: the next call packs them again,
+    a deep copy likewise, and the numbers follow the moved weights."""
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
+    layerswap.swap(model, "llama.qkv.fused")
+    group = model.model.layers[0].self_attn.q_proj._layerswap_group
+    model.to(torch.float64)
+    assert not group.packed()
+    reference = copy.deepcopy(model)
+    rebuild_originals(reference, "llama.qkv.fused")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+    assert group.packed()
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float64
+    again = copy.deepcopy(model)
+    with torch.inference_mode():
+        torch.testing.assert_close(again(ids).logits, reference(ids).logits)
+    assert again.model.layers[0].self_attn.q_proj._layerswap_group.packed()
+    # packed under inference_mode, the copy still trains
+    again.train()
+    again(ids, labels=ids).loss.backward()
+
+
+def test_weights_another_library_holds_are_left_to_it_and_said() -> None:
+    """ZeRO-3 and FSDP keep parameters as views of a flat buffer of their own: the group is
+    not packed (that would take them from it), the projections compute their own products,
+    and a warning says so once."""
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    layerswap.swap(model, "llama.qkv.fused")
+    params = list(model.parameters())[::-1]  # not in the order the attention calls them
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    start = 0
+    for param in params:
+        param.data = flat[start : start + param.numel()].view_as(param)
+        start += param.numel()
+    with (
+        pytest.warns(SwapWarning, match="q_proj\\+k_proj\\+v_proj are not packed.*ZeRO-3"),
+        torch.no_grad(),
+    ):
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert params[0].data_ptr() == flat.data_ptr()  # the buffer still holds them
+
+
+def test_threads_running_one_model_each_get_their_own_products() -> None:
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    inputs = [
+        torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(4)
+    ]
+    with torch.no_grad():
+        expected = [model(ids).logits for ids in inputs]
+    layerswap.swap(model, "llama.qkv.fused")
+    failures: list[str] = []
+
+    def run(i: int) -> None:
+        for _ in range(10):
+            with torch.no_grad():
+                got = model(inputs[i]).logits
+            if not torch.allclose(got, expected[i], rtol=1e-5, atol=1e-5):
+                failures.append(f"thread {i}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_use_builds_and_loads_with_the_attentions_packed(tmp_path: Path) -> None:
+    original = _model("deepseek_v3")
+    ids = _ids(original)
+    with torch.no_grad():
+        expected = original(ids).logits
+    original.save_pretrained(tmp_path)
+    with layerswap.use("deepseek_v3.qkv.fused"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert _packed(loaded) and _packed(built)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert loaded.model.layers[0].self_attn.q_a_proj._layerswap_group.packed()
+    assert not _packed(AutoModelForCausalLM.from_config(original.config))
+
+
+def test_verify_compares_a_qkv_swap_with_the_original() -> None:
+    report = layerswap.verify(_model("qwen3_next"), "qwen3_next.qkv.fused", backward=True)
+    assert report.passed, report.summary()
+
+
+def test_the_norm_and_mlp_slots_compose_with_it_and_all_undo_in_any_order() -> None:
+    model = _model("qwen3_next")
+    ids, before = _ids(model), _state(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    handles = [layerswap.swap(model, f"qwen3_next.{slot}.fused") for slot in ("qkv", "norm", "mlp")]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    for handle in (handles[1], handles[0], handles[2]):
+        handle.undo()
+    assert not _packed(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("slot", ["qkv"])
+def test_a_packed_model_pickles_and_copies_with_its_classes(slot: str) -> None:
+    model = _model("qwen3_next")
+    ids = _ids(model)
+    handle = layerswap.swap(model, f"qwen3_next.{slot}.fused")
+    with torch.no_grad():
+        expected = model(ids).logits
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for again in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        kinds = {name: type(again.get_submodule(name)) for name, _, _ in handle.swapped}
+        assert kinds == {name: made for name, _, made in handle.swapped}
+        attention = again.get_submodule(handle.swapped[0][0])
+        assert attention.q_proj._layerswap_group.members[0] is attention.q_proj
+        with torch.no_grad():
+            assert torch.equal(again(ids).logits, expected)
+
+
+# --- refused, changing nothing ------------------------------------------------------------
+
+
+def test_swapping_twice_is_refused() -> None:
+    model = _model("qwen3_next")
+    with (
+        layerswap.swap(model, "qwen3_next.qkv.fused"),
+        pytest.raises(SubstitutionError, match=r"already swapped by qwen3_next\.qkv\.fused"),
+    ):
+        layerswap.swap(model, "qwen3_next.qkv.fused")
+
+
+def test_after_the_decoder_slot_no_original_attention_is_left_to_pack() -> None:
+    model = layerswap.get_family("llama").build()
+    with layerswap.swap(model, "llama.decoder.fused"):
+        classes = {type(m) for m in model.modules()}
+        with pytest.raises(SubstitutionError, match=r"decoder layers are llama\.decoder\.fused's"):
+            layerswap.swap(model, "llama.qkv.fused")
+        assert {type(m) for m in model.modules()} == classes
+
+
+def test_projections_an_adapter_wraps_already_are_kept_with_the_order() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        layerswap.get_family("llama").build(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    with pytest.raises(SubstitutionError, match=r"q_proj is a Linear, not an nn\.Linear.*before"):
+        layerswap.swap(model.base_model.model, "llama.qkv.fused")
+    assert not _packed(model)
+
+
+def test_the_first_use_proof_catches_a_wrong_product() -> None:
+    """A backend whose packed product forgets the weights' gradients: its proof fails and
+    the swap is refused before the model changes."""
+    from layerswap.backends import projections
+
+    class Forgetful(ProjectionsReplacement):
+        backend = "forgetful"
+        kernels = {"packed": "forgetful"}
+
+        def _layerswap_attach(self, changes: Any) -> None:
+            super()._layerswap_attach(changes)
+            for member in self.modules():
+                if type(member) is PackedLinear:
+                    changes.set_class(member, _Detached)
+
+    class _Detached(PackedLinear):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return super().forward(input).detach()
+
+    import dataclasses
+
+    base = layerswap.get("llama.qkv.fused")
+    sub = dataclasses.replace(base, name="llama.qkv.forgetful", replacement=Forgetful)
+    model = layerswap.get_family("llama").build()
+    with pytest.raises(UpstreamDriftError, match=r"llama\.qkv\.forgetful"):
+        layerswap.swap(model, sub)
+    assert not _packed(model)
+    assert projections.PackedLinear not in {type(m) for m in model.modules()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type", POPULAR)
+def test_on_a_gpu_the_attentions_verify(model_type: str, dtype: torch.dtype) -> None:
+    report = layerswap.verify(
+        _model(model_type), f"{model_type}.qkv.fused", dtype=dtype, device="cuda", backward=True
+    )
+    assert report.passed, report.summary()
+
+
+# --- the contract's clients: torch.compile, PEFT -----------------------------------------
+
+
+@pytest.mark.slow  # compiles twice
+def test_compile_traces_the_packed_model_in_one_graph_to_the_same_gradients() -> None:
+    from test_mlp_slot import compiles_in_one_graph_to_the_same_gradients
+
+    compiles_in_one_graph_to_the_same_gradients(
+        layerswap.get_family("qwen3").build(seed=0), "qwen3.qkv.fused"
+    )
+
+
+def test_a_lora_adapter_on_the_projections_trains_and_merges_as_on_the_original(
+    tmp_path: Path,
+) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    family = layerswap.get_family("llama")
+    ids = _ids(family.build())
+    config = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    plain_peft = get_peft_model(family.build(seed=0), copy.deepcopy(config))
+    expected_loss, expected_grads = _train_step(plain_peft, ids)
+
+    swapped = family.build(seed=0)
+    handle = layerswap.swap(swapped, "llama.qkv.fused")
+    torch.manual_seed(1)
+    peft_model = get_peft_model(swapped, config)
+    loss, grads = _train_step(peft_model, ids)
+    assert _packed(peft_model)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6)
+    peft_model.eval()
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path)
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    handle.undo()
+    plain = PeftModel.from_pretrained(family.build(seed=0), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- what it covers -----------------------------------------------------------------------
+
+
+def test_model_coverage_names_the_attentions_the_slot_replaces() -> None:
+    from layerswap.coverage import model_coverage
+
+    row = {r.substitution: r for r in model_coverage("qwen3").rows}["qwen3.qkv.fused"]
+    assert row.unsupported is None
+    layers = layerswap.get_family("qwen3").tiny_config().num_hidden_layers
+    assert row.replaces == (f"the attentions (Qwen3Attention x{layers})",)
+
+
+@pytest.mark.slow  # every model type of the installed transformers, on the meta device
+def test_list_all_names_the_model_types_whose_attentions_are_packed() -> None:
+    # every model type the list says the fused qkv slot takes was proven by the sweep
+    # (scripts/norm_sweep.py --slot qkv) on this transformers release
+    listed = listed_and_swept("qkv", "attentions")
+    assert len(listed) >= 150, len(listed)
+    assert set(POPULAR) <= listed
+    rows = coverage_report()
+    assert "no attention class" in str(rows["mamba"].slots["qkv"]["fused"])
+
+
+def test_the_command_line_patches_a_model_types_attentions() -> None:
+    from typer.testing import CliRunner
+
+    from layerswap.cli import app
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = CliRunner().invoke(app, ["patch", "--substitution", "qwen3_next.qkv.fused"])
+    assert result.exit_code == 0, result.output
+    assert "Qwen3NextAttention -> FusedProjections[Qwen3NextAttention]" in result.output
+    assert "PASS: the swapped model matches the original" in result.output
