@@ -40,6 +40,7 @@ from torch import nn
 
 from layerswap import shards
 from layerswap.errors import ConversionError
+from layerswap.state import is_own
 from layerswap.weights import row_concats
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ class PackedLoadHook:
             except AttributeError:
                 continue
             shard = packed_shard(param)
-            if shard is None or _is_own(given, param):
+            if shard is None or is_own(given, param):
                 continue
             state_dict[prefix + key] = packed_local(given, param, sizes, shard, prefix + key)
 
@@ -219,14 +220,3 @@ def packed_local(given: Any, param: Any, sizes: list[int], shard: shards.Shard, 
         shape=param.shape,
         stride=param.stride(),
     )
-
-
-def _is_own(given: Any, param: Any) -> bool:
-    """Whether ``given`` is ``param`` or a view of its storage (read as it is)."""
-    if given is param:
-        return True
-    to_local = getattr(given, "to_local", None)
-    if to_local is None:
-        return False
-    local, own = to_local(), param.to_local()
-    return bool(local.untyped_storage().data_ptr() == own.untyped_storage().data_ptr())

@@ -44,7 +44,14 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["LAYER_COPIED", "LayoutLoadHook", "fused_modules", "install_load_hook", "layout_hooks"]
+__all__ = [
+    "LAYER_COPIED",
+    "LayoutLoadHook",
+    "fused_modules",
+    "install_load_hook",
+    "is_own",
+    "layout_hooks",
+]
 
 
 #: called with each replacement layer made by copying or unpickling one: what a swap arms
@@ -162,7 +169,7 @@ def convert_incoming(
     # too) adds the model's own tensors under their names beside the state given: those
     # are no second layout, and are converted from what was given instead
     for key in sorted(given & replacement_only):
-        if key in current and _is_own(state_dict[prefix + key], current[key]):
+        if key in current and is_own(state_dict[prefix + key], current[key]):
             del state_dict[prefix + key]
             given.discard(key)
     replacement_given = sorted(given & replacement_only)
@@ -231,16 +238,22 @@ def _fill_parts(
     return list(rule.to_replacement(_cast_like(tensors, current[target]), config))
 
 
-def _is_own(given: Any, own: Any) -> bool:
-    """Whether ``given`` is the layer's tensor ``own`` or a view of its memory."""
+def is_own(given: Any, own: Any) -> bool:
+    """Whether ``given`` is the tensor ``own`` or a view of all of its memory: a state dict
+    holding the module's own tensors (torch's ``set_model_state_dict(full_state_dict=True)``,
+    accelerate's loading) rather than a second copy. Two ``DTensor`` objects are compared by their
+    local shards; a ``DTensor`` and a plain tensor are never the same."""
     if given is own:
         return True
     if not isinstance(given, torch.Tensor) or not isinstance(own, torch.Tensor):
         return False
     if given.device != own.device or given.device.type == "meta" or given.shape != own.shape:
         return False
-    if hasattr(given, "to_local") and hasattr(own, "to_local"):  # DTensors: their shards
-        given, own = given.to_local(), own.to_local()
+    local_given, local_own = getattr(given, "to_local", None), getattr(own, "to_local", None)
+    if local_given is not None and local_own is not None:  # DTensors: their shards
+        given, own = local_given(), local_own()
+    elif local_given is not None or local_own is not None:
+        return False
     return bool(given.data_ptr() == own.data_ptr() and given.data_ptr() != 0)
 
 

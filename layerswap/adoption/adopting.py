@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -33,6 +32,7 @@ from layerswap.adoption.record import Recording, record
 from layerswap.adoption.verifying import verify_adopted
 from layerswap.errors import AdoptionError
 from layerswap.model import family_of
+from layerswap.patching.scoped import caller_outside
 
 if TYPE_CHECKING:
     from torch import nn
@@ -190,12 +190,8 @@ def live_adoptions() -> list[Adoption]:
 
 def _caller() -> str:
     """``file:line in function`` of the first frame outside layerswap."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    file, line, function = caller_outside(_PACKAGE)
+    return f"{file}:{line} in {function}"
 
 
 def adopt(

@@ -30,7 +30,7 @@ from typing import Any, TypeAlias, TypeVar
 from layerswap.errors import PatchStateError, TargetTypeError
 from layerswap.patching.wraps import delegating_async_generator, safe_update_wrapper
 
-__all__ = ["Origin", "PatchInfo", "Scoped", "active_patches", "restore_all"]
+__all__ = ["Origin", "PatchInfo", "Scoped", "active_patches", "caller_outside", "restore_all"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 S = TypeVar("S", bound="Scoped")
@@ -45,15 +45,21 @@ _ACTIVE: dict[int, Scoped] = {}
 _SEQUENCE = itertools.count(1)
 
 
-def _caller_origin() -> Origin:
-    """(file, line, function) of the first frame outside the patching engine."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+def caller_outside(root: str) -> Origin:
+    """(file, line, function) of the innermost frame of the caller's stack whose file is not
+    under ``root`` (a package's folder: the first frame of the code that called into it)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(root):
         frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:  # pragma: no cover - only the engine on the stack
+    if frame is None:  # pragma: no cover - only the package on the stack
         return ("<unknown>", 0, "<unknown>")
     code = frame.f_code
     return (code.co_filename, frame.f_lineno, code.co_name)
+
+
+def _caller_origin() -> Origin:
+    """(file, line, function) of the first frame outside the patching engine."""
+    return caller_outside(_HERE)
 
 
 @dataclass(frozen=True)
