@@ -127,7 +127,8 @@ def classify(module: nn.Module) -> ProjectionSpec | str:
 @functools.lru_cache(maxsize=256)
 def _calls_on_one_input(cls: type) -> tuple[tuple[str, ...], ...] | str:
     """Per variable, the ``self.<child>(variable)`` calls of ``cls.forward`` between two
-    assignments of that variable, in source order; or why the source cannot be read."""
+    assignments of that variable (or in-place changes: ``variable.mul_(...)``), in source
+    order; or why the source cannot be read."""
     try:
         forward: Any = getattr(cls, "forward", None)
         source = textwrap.dedent(inspect.getsource(forward))
@@ -145,6 +146,16 @@ def _calls_on_one_input(cls: type) -> tuple[tuple[str, ...], ...] | str:
                 # assigned once the statement has run: its right side reads the old value
                 end = statement.end_lineno or statement.lineno
                 events.append((end, 1 << 30, node.id, "="))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id != "self"
+                and node.func.attr.endswith("_")
+                and not node.func.attr.startswith("_")
+            ):
+                # changed in place (x.mul_(...)): what follows reads another value
+                events.append((node.lineno, node.col_offset, node.func.value.id, "="))
             elif (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)

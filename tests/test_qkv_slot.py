@@ -106,12 +106,23 @@ class _Reassigned(_Attention):
         return self.o_proj(q * torch.cat([k, v], -1))
 
 
+class _ChangedInPlace(_Attention):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(hidden_states)
+        hidden_states.mul_(2)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        return self.o_proj(q * torch.cat([k, v], -1))
+
+
 def test_the_projections_called_on_one_input_form_a_group() -> None:
     assert classify(_Attention()) == ProjectionSpec((("q_proj", "k_proj", "v_proj"),), (False,))
     # keys and values from another tensor: they are a group of their own, the query alone
     assert classify(_CrossAttention()) == ProjectionSpec((("k_proj", "v_proj"),), (False,))
     # the input assigned anew between the calls (its right side still reads the old one)
     assert classify(_Reassigned()) == ProjectionSpec((("k_proj", "v_proj"),), (False,))
+    # changed in place between the calls: under inference_mode no version counter says so
+    assert classify(_ChangedInPlace()) == ProjectionSpec((("k_proj", "v_proj"),), (False,))
 
 
 def test_the_popular_attentions_are_read_with_their_own_names() -> None:
@@ -174,6 +185,7 @@ def test_a_popular_model_packs_its_attentions_and_computes_the_same(
 
 def test_an_attention_computes_its_projections_as_one_product() -> None:
     model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
     attention = model.model.layers[0].self_attn
     x = torch.randn(1, 5, model.config.hidden_size)
     q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
@@ -181,14 +193,23 @@ def test_an_attention_computes_its_projections_as_one_product() -> None:
     def three(x: torch.Tensor) -> None:
         q(x), k(x), v(x)
 
-    assert _products(three, x) == 3
+    products = _products(model, ids)
     with layerswap.swap(model, "llama.qkv.fused"):
         # the weights are slices of one tensor, in the order forward calls them
         assert q.weight.data_ptr() + q.weight.nbytes == k.weight.data_ptr()
         assert k.weight.data_ptr() + k.weight.nbytes == v.weight.data_ptr()
-        assert _products(three, x) == 1
-        # a projection called on another tensor computes its own product
-        assert _products(lambda x: (q(x), k(x.clone()), v(x)), x) == 3
+        # one product per attention where the original ran three
+        assert _products(model, ids) == products - 2 * model.config.num_hidden_layers
+        # outside the attention's forward each projection computes its own product
+        assert _products(three, x) == 3
+        group = q._layerswap_group
+        group.opened()  # as the attention's forward does
+        try:
+            assert _products(three, x) == 1
+            # a projection called on another tensor computes the group's product anew
+            assert _products(lambda x: (q(x), k(x.clone()), v(x)), x) == 3
+        finally:
+            group.closed()
         with torch.no_grad():
             torch.testing.assert_close(k(x), nn.functional.linear(x, k.weight))
 
@@ -283,6 +304,122 @@ def test_weights_another_library_holds_are_left_to_it_and_said() -> None:
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert params[0].data_ptr() == flat.data_ptr()  # the buffer still holds them
+
+
+def test_weights_in_storages_of_their_own_side_by_side_are_not_taken_for_packed() -> None:
+    """Separate tensors may lie back to back in memory (a caching allocator after
+    ``model.to``; a checkpoint read in file order): they are packed anew, never read as one."""
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    layerswap.swap(model, "llama.qkv.fused")
+    attention = model.model.layers[0].self_attn
+    members = (attention.q_proj, attention.k_proj, attention.v_proj)
+    memory = torch.empty(sum(m.weight.numel() for m in members)).untyped_storage()
+    start = 0
+    for member in members:
+        size = member.weight.numel() * member.weight.element_size()
+        own = torch.empty(0).set_(memory[start : start + size], 0, member.weight.shape)
+        own.copy_(member.weight.detach())
+        member.weight.data = own
+        start += size
+    group = attention.q_proj._layerswap_group
+    assert not group.packed()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert group.packed()
+
+
+def test_weights_made_when_called_are_made_before_the_product() -> None:
+    """Pruning recomputes each projection's weight in a pre-hook when it is called: the
+    projections compute their own products, from what their hooks make."""
+    import torch.nn.utils.prune as prune
+
+    family = layerswap.get_family("llama")
+    ids = _ids(family.build())
+    models = [family.build(seed=0), family.build(seed=0)]
+    layerswap.swap(models[1], "llama.qkv.fused")
+    for model in models:
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                prune.l1_unstructured(getattr(layer.self_attn, name), "weight", amount=0.5)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    for _ in range(3):
+        (loss, _), (swapped_loss, _) = map(_train_step, models, (ids, ids))
+        torch.testing.assert_close(swapped_loss, loss, rtol=1e-5, atol=1e-6)
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def test_a_weight_changed_in_place_before_the_backward_pass_is_refused_as_by_the_original() -> None:
+    for swapped in (False, True):
+        model = layerswap.get_family("llama").build(seed=0)
+        if swapped:
+            layerswap.swap(model, "llama.qkv.fused")
+        ids = _ids(model)
+        loss = model(ids, labels=ids).loss
+        with torch.no_grad():
+            model.model.layers[0].self_attn.k_proj.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_a_product_is_handed_over_only_in_the_mode_it_was_made_in() -> None:
+    model = layerswap.get_family("llama").build(seed=0)
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(1, 5, model.config.hidden_size)
+    layerswap.swap(model, "llama.qkv.fused")
+    group = attention.q_proj._layerswap_group
+    group.opened()
+    try:
+        with torch.no_grad():
+            attention.q_proj(x)
+        assert attention.k_proj(x).requires_grad  # made anew, with grad
+        attention.q_proj(x)
+        assert group._local.pending is not None
+    finally:
+        group.closed()
+    # nothing made in one call of the attention is kept after it
+    assert group._local.pending is None
+
+
+def test_projections_hooked_by_accelerate_before_the_swap_are_kept_and_after_it_packed() -> None:
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
+    add_hook_to_module(model.model.layers[0].self_attn.k_proj, ModelHook())
+    with layerswap.swap(model, "llama.qkv.fused") as handle:
+        assert "k_proj: its forward is set on the instance (an accelerate hook)" in (
+            handle.report()
+        )
+        assert len(handle) == model.config.num_hidden_layers - 1
+    products = _products(model, ids)
+    with layerswap.swap(model, "llama.qkv.fused"):
+        add_hook_to_module(model.model.layers[1].self_attn.v_proj, ModelHook())
+        # the hook runs the projection's own forward, which takes its slice
+        assert _products(model, ids) == products - 2 * (model.config.num_hidden_layers - 1)
+
+
+def test_torch_func_transforms_run_the_projections_as_the_original() -> None:
+    from torch.func import functional_call, grad
+
+    model = layerswap.get_family("llama").build(seed=0)
+    ids = _ids(model)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = functional_call(model, params, (ids,), {"labels": ids}).loss
+        return out
+
+    expected = grad(loss)(params)
+    layerswap.swap(model, "llama.qkv.fused")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SwapWarning)  # the tensors given are not the model's
+        got = grad(loss)(params)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6)
 
 
 def test_threads_running_one_model_each_get_their_own_products() -> None:

@@ -35,7 +35,12 @@ from layerswap.projections import (
     classify,
     is_attention_class,
 )
-from layerswap.slots.class_swap import ClassPlan, ClassSwapHandle, ClassSwapSlot
+from layerswap.slots.class_swap import (
+    ClassPlan,
+    ClassSwapHandle,
+    ClassSwapSlot,
+    instance_forward,
+)
 
 if TYPE_CHECKING:
     from layerswap.family import Family
@@ -65,6 +70,15 @@ class QKVSlot(ClassSwapSlot):
 
     def classify(self, module: nn.Module) -> ProjectionSpec | str:
         return classify(module)
+
+    def spec_of(self, module: nn.Module) -> Any:
+        # a projection whose forward is set on the instance (accelerate's hooks) runs that
+        # forward whatever its class: it would never take its slice of the group's product
+        for name, child in module.named_children():
+            reason = instance_forward(child)
+            if reason is not None:
+                return f"{name}: {reason}"
+        return super().spec_of(module)
 
     def spec_label(self, spec: Any) -> str:
         return str(spec.label)
