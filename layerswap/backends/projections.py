@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from layerswap.backends.class_swap import ClassReplacement
 from layerswap.errors import SwapWarning
@@ -104,15 +105,17 @@ def _is_slice_chain(parts: list[Tensor]) -> bool:
     )
 
 
-def _own_storage(part: Tensor, shape: tuple[int, ...], made: set[int]) -> bool:
+def _own_storage(part: Tensor, shape: tuple[int, ...], made: dict[int, Any]) -> bool:
     """Whether ``part`` is a projection's own ``Parameter`` of ``shape`` holding its whole
-    storage, or a slice of a tensor its group made (``made``: their storages' addresses),
+    storage, or a slice of a tensor its group made (``made``: their storages' addresses and
+    weak references; an address is the group's only while its storage lives),
     so that packing it takes nothing from another library (ZeRO-3 and FSDP hold views of
     their own flat buffers, tensor parallelism ``DTensor`` objects)."""
     if type(part) is not nn.Parameter or tuple(part.shape) != shape or part.is_meta:
         return False
     storage = part.untyped_storage()
-    if storage.data_ptr() in made:
+    ours = made.get(storage.data_ptr())
+    if ours is not None and not ours.expired():
         return True
     return (
         part.is_contiguous()
@@ -121,11 +124,18 @@ def _own_storage(part: Tensor, shape: tuple[int, ...], made: set[int]) -> bool:
     )
 
 
+def _weak(storage: torch.UntypedStorage) -> Any:
+    """A weak reference to ``storage`` (``expired()`` once it is freed)."""
+    return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+
+
+_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
 def _traced(x: Tensor) -> bool:
     """Whether ``x`` is a tensor of a ``torch.func`` transform (``vmap``, ``grad``), which
     has no storage to pack against."""
-    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(wrapped is not None and wrapped(x))
+    return bool(_WRAPPED is not None and _WRAPPED(x))
 
 
 def _version(x: Tensor) -> int:
@@ -158,20 +168,27 @@ class PackedGroup:
         self.bias = bias
         self.sizes = tuple(member.out_features for member in members)
         self._starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self._made: set[int] = set()
+        self._split = list(self.sizes)
+        self._made: dict[int, Any] = {}
+        self._fresh()
+
+    def _fresh(self) -> None:
         self._local = threading.local()
         self._lock = threading.Lock()
+        #: (the packed storages, weakly; the members' weight and bias addresses) as last
+        #: checked: while those storages live, addresses in them are slices of them
+        self._verified: tuple[list[Any], list[int]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        del state["_local"], state["_lock"]
-        state["_made"] = set()
+        for name in ("_local", "_lock", "_verified"):
+            del state[name]
+        state["_made"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._local = threading.local()
-        self._lock = threading.Lock()
+        self._fresh()
 
     def _parts(self, name: str) -> list[Tensor]:
         return [getattr(member, name) for member in self.members]
@@ -206,17 +223,45 @@ class PackedGroup:
                     )
                 if len({(p.dtype, p.device) for p in parts}) != 1:
                     return "their weights differ in dtype or device"
-            made = set()
+            made: dict[int, Any] = {}
             # a tensor made under inference_mode could never be saved for a backward later
             with torch.inference_mode(False):
                 for name in names:
                     parts = self._parts(name)
                     whole = torch.cat([part.detach() for part in parts])
-                    made.add(whole.untyped_storage().data_ptr())
+                    storage = whole.untyped_storage()
+                    made[storage.data_ptr()] = _weak(storage)
                     for part, start in zip(parts, self._starts, strict=True):
                         part.data = whole.narrow(0, start, part.shape[0])
             self._made = made
             return None if self.packed() else "their weights could not be packed"
+
+    def _addresses(self) -> list[int]:
+        names = ("weight", "bias") if self.bias else ("weight",)
+        return [m._parameters[name].data_ptr() for name in names for m in self.members]  # type: ignore[union-attr]
+
+    def _still_packed(self) -> bool:
+        """Whether the group is packed: the addresses it last found packed, in storages
+        that still live, answer at once; anything else is checked (and packed) again."""
+        verified = self._verified
+        if (
+            verified is not None
+            and not any(ref.expired() for ref in verified[0])
+            and self._addresses() == verified[1]
+        ):
+            return True
+        self._verified = None
+        if not self.packed():
+            reason = self.pack()
+            if reason is not None:
+                self._unpacked(reason)
+                return False
+        names = ("weight", "bias") if self.bias else ("weight",)
+        self._verified = (
+            [_weak(getattr(self.members[0], n).untyped_storage()) for n in names],
+            self._addresses(),
+        )
+        return True
 
     def _unpacked(self, reason: str) -> None:
         """Say once per group why its projections compute their own products."""
@@ -238,7 +283,8 @@ class PackedGroup:
                 if _is_slice_chain(parts):
                     for part in parts:
                         part.data = part.detach().clone()
-            self._made = set()
+            self._made = {}
+            self._verified = None
 
     def opened(self) -> None:
         """The attention's forward starts: products may be handed over until it ends."""
@@ -250,53 +296,52 @@ class PackedGroup:
         self._local.open = False
         self._local.pending = None
 
-    def _computable(self, member: nn.Linear, x: Tensor) -> bool:
-        """Whether the group may compute ``member``'s product with the others' now."""
-        if not getattr(self._local, "open", False) or _traced(x):
-            return False
-        if not any(m is member for m in self.members):  # a replica (DataParallel)
-            return False
-        # a projection whose weight is made when it is called (pruning's and other
-        # pre-hooks, a parametrization) computes its own, from what its hooks make
-        return all("weight" in m._parameters and not m._forward_pre_hooks for m in self.members)
-
     def output(self, member: nn.Linear, x: Tensor) -> Tensor | None:
         """``member``'s product of ``x``: handed over when the group computed it from this
         very ``x`` in this call, or the whole group's computed now; ``None`` where
         ``member`` computes its own (see :class:`PackedGroup`)."""
-        pending = getattr(self._local, "pending", None)
-        if pending is not None:
-            source, version, modes, outputs = pending
-            if source is x and version == _version(x) and modes == _modes(x):
-                out: Tensor | None = outputs.pop(id(member), None)
-                if out is not None:
-                    if not outputs:
-                        self._local.pending = None
-                    return out
-        if not self._computable(member, x):
+        local = self._local
+        index = member.__dict__.get("_layerswap_index", -1)
+        pending = getattr(local, "pending", None)
+        if pending is not None and pending[0] is x:
+            _, version, modes, handed = pending
+            out: Tensor | None = handed[index]
+            if out is not None and version == _version(x) and modes == _modes(x):
+                handed[index] = None
+                return out
+        if (
+            not getattr(local, "open", False)
+            or self.members[index] is not member  # a replica (DataParallel)
+            or _traced(x)
+        ):
             return None
-        if not self.packed():
-            reason = self.pack()
-            if reason is not None:
-                self._unpacked(reason)
+        for m in self.members:
+            # a projection whose weight is made when it is called (pruning's and other
+            # pre-hooks, a parametrization) computes its own, from what its hooks make
+            if m._forward_pre_hooks or "weight" not in m._parameters:
                 return None
-        weights = self._parts("weight")
-        tracked = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-        weight = _packed(weights, self.sizes, tracked)
+        if not self._still_packed():
+            return None
+        grad = torch.is_grad_enabled()
+        weights: list[Any] = [m._parameters["weight"] for m in self.members]
+        weight = _packed(weights, self.sizes, grad and any(w.requires_grad for w in weights))
         bias = None
         if self.bias:
-            biases = self._parts("bias")
-            tracked = torch.is_grad_enabled() and any(b.requires_grad for b in biases)
-            bias = _packed(biases, self.sizes, tracked)
+            biases: list[Any] = [m._parameters["bias"] for m in self.members]
+            bias = _packed(biases, self.sizes, grad and any(b.requires_grad for b in biases))
         product = F.linear(x, weight, bias)
-        # one view per projection (not split's views of one call: each may be changed in
-        # place, as the original's separate products may)
-        outputs = {
-            id(m): product.narrow(-1, start, size)
-            for m, start, size in zip(self.members, self._starts, self.sizes, strict=True)
-        }
-        mine: Tensor = outputs.pop(id(member))
-        self._local.pending = (x, _version(x), _modes(x), outputs)
+        outputs: list[Tensor | None]
+        if grad:
+            # one view per projection (not split's views of one call): each may be changed
+            # in place, as the original's separate products may
+            outputs = [
+                product.narrow(-1, a, n) for a, n in zip(self._starts, self.sizes, strict=True)
+            ]
+        else:
+            outputs = list(product.split_with_sizes(self._split, -1))
+        mine: Tensor | None = outputs[index]
+        outputs[index] = None
+        local.pending = (x, _version(x), _modes(x), outputs)
         return mine
 
 
@@ -348,8 +393,9 @@ class ProjectionsReplacement(ClassReplacement):
             if reason is not None:
                 group._unpacked(reason)
             changes.record(group.unpack)
-            for member in members:
+            for index, member in enumerate(members):
                 changes.set_attribute(member, "_layerswap_group", group)
+                changes.set_attribute(member, "_layerswap_index", index)
                 changes.set_class(member, PackedLinear)
             groups.append(group)
         changes.set_attribute(self, "_layerswap_groups", tuple(groups))
@@ -365,6 +411,7 @@ class ProjectionsReplacement(ClassReplacement):
                     restored: Any = member
                     restored.__class__ = nn.Linear
                 member.__dict__.pop("_layerswap_group", None)
+                member.__dict__.pop("_layerswap_index", None)
         self.__dict__.pop("_layerswap_groups", None)
 
     def extra_repr(self) -> str:
