@@ -40,7 +40,8 @@ class ProjectionSpec:
 
     #: per group, the names of its ``nn.Linear`` children in the order forward calls them
     groups: tuple[tuple[str, ...], ...]
-    #: whether the group's projections have biases (all of a group alike)
+    #: whether the group's projections have biases (all of a group alike: projections of
+    #: one input with and without a bias are two groups)
     biases: tuple[bool, ...]
     kind: str = "packed"
 
@@ -111,12 +112,18 @@ def classify(module: nn.Module) -> ProjectionSpec | str:
             continue
         if len({child.in_features for child in children}) != 1:
             continue
-        with_bias = {child.bias is not None for child in children}
-        if len(with_bias) != 1:
+        # one product per kind: with biases, and without (Whisper's k_proj has none)
+        found = False
+        for bias in (True, False):
+            alike = tuple(
+                n for n, c in zip(members, children, strict=True) if (c.bias is not None) is bias
+            )
+            if len(alike) >= 2:
+                groups.append(alike)
+                biases.append(bias)
+                found = True
+        if not found:
             reasons.append(f"of {'+'.join(members)} some have a bias and some none")
-            continue
-        groups.append(tuple(members))
-        biases.append(with_bias.pop())
     if groups:
         return ProjectionSpec(tuple(groups), tuple(biases))
     if reasons:

@@ -133,7 +133,13 @@ def test_the_popular_attentions_are_read_with_their_own_names() -> None:
 
 
 def test_what_the_slot_does_not_pack_is_said_with_the_reason() -> None:
-    assert "some have a bias and some none" in str(classify(_Attention(bias=(True, True, False))))
+    # with biases and without, one product each (Whisper's k_proj has none)
+    assert classify(_Attention(bias=(True, False, True))) == ProjectionSpec(
+        (("q_proj", "v_proj"),), (True,)
+    )
+    mixed = _Attention(bias=(True, False, False))
+    mixed.v_proj = nn.Sequential(nn.Linear(16, 8))  # no in_features: not a projection
+    assert "of q_proj+k_proj some have a bias and some none" in str(classify(mixed))
     wrapped = _Attention()
     wrapped.k_proj = nn.utils.parametrizations.weight_norm(nn.Linear(16, 8))
     assert "k_proj is a ParametrizedLinear, not an nn.Linear" in str(classify(wrapped))

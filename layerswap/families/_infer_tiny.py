@@ -47,6 +47,14 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1, 3]},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"] * 2},
     "bailing_hybrid": {"layer_group_size": 2, "num_expert_group": 1, "topk_group": 1},
+    # an encoder-decoder config whose decoder (the causal LM) reads its own head and layer
+    # counts: 8 heads of the tiny width, and as many layers as the cache is built for
+    "plbart": {
+        "encoder_attention_heads": 8,
+        "decoder_attention_heads": 8,
+        "encoder_layers": 4,
+        "decoder_layers": 4,
+    },
     # Mamba 2 heads: hidden_size * expand = num_heads * head_dim
     "mamba2": {"num_heads": 8, "head_dim": 32, "n_groups": 1},
     "zamba2": {"layers_block_type": ["mamba", "hybrid"] * 2, "n_mamba_heads": 8},
