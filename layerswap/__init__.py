@@ -23,7 +23,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from layerswap.versions import __version__ as __version__
 
 if TYPE_CHECKING:  # the public API for type checkers; _EXPORTS below for the runtime
     from layerswap import errors as errors

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from layerswap.versions import transformers_version
+from layerswap.versions import __version__, transformers_version
 
 __all__ = [
     "directory",
@@ -82,12 +82,10 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    import layerswap
-
     found = {
         "transformers": str(transformers.__version__),
         "torch": str(torch.__version__),
-        "layerswap": f"{layerswap.__version__}+{layerswap_digest()}",
+        "layerswap": f"{__version__}+{layerswap_digest()}",
     }
     # the kernels a backend's layers run, where installed: another release, other kernels
     found.update(_kernel_versions())

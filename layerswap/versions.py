@@ -16,12 +16,15 @@ Example::
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import sys
 from pathlib import Path
 
-__all__ = ["ships", "transformers_version"]
+__all__ = ["__version__", "ships", "transformers_version"]
+
+#: layerswap's own release (``layerswap.__version__``); kept here, below every module
+#: that names it, so that naming it imports nothing above
+__version__ = "0.1.0"
 
 
 def transformers_version() -> str:
@@ -30,6 +33,8 @@ def transformers_version() -> str:
     version = getattr(module, "__version__", None)
     if version:
         return str(version)
+    import importlib.metadata  # not at import: `import layerswap` names __version__ from here
+
     return importlib.metadata.version("transformers")
 
 
