@@ -35,17 +35,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
-from layerswap.verify.forward import ContextFactory
-from layerswap.verify.inputs import inputs_for, text_config
-from layerswap.verify.model_classes import ModelTask, task_of
-from layerswap.verify.placement import (
+from layerswap.comparison.forward import ContextFactory
+from layerswap.comparison.inputs import inputs_for, text_config
+from layerswap.comparison.model_classes import ModelTask, task_of
+from layerswap.comparison.placement import (
     DeviceLike,
     DTypeLike,
     dtype_name,
     target_placement,
     working_copy,
 )
+from layerswap.verify.candidate import SubstitutionLike, candidate_context, resolve_substitution
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution

@@ -304,7 +304,7 @@ def _language_model_type(model_type: str) -> str | None:
 def _wrapped() -> dict[str, tuple[Family, str]]:
     """The multimodal wrappers proven on image or audio prompts: each one's text decoder
     family, and which medium it takes."""
-    from layerswap.verify.multimodal import WRAPPERS
+    from layerswap.comparison.multimodal import WRAPPERS
 
     return {t: found for t in sorted(WRAPPERS) if (found := wrapper_family(t)) is not None}
 
@@ -320,7 +320,7 @@ def wrapper_family(model_type: str) -> tuple[Family, str] | None:
     """
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from layerswap.verify.multimodal import WRAPPERS
+    from layerswap.comparison.multimodal import WRAPPERS
 
     if model_type not in WRAPPERS:
         return None

@@ -33,8 +33,8 @@ from layerswap.families.infer import (
 from layerswap.registry import visible
 
 if TYPE_CHECKING:
+    from layerswap.comparison.report import VerificationReport
     from layerswap.family import Family
-    from layerswap.verify.report import VerificationReport
 
 __all__ = ["infer_family", "prove_inferred"]
 

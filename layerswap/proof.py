@@ -16,8 +16,8 @@ the same weights:
 5. a backward pass (the loss and the gradients of the embeddings and the head),
 
 each run and judged as :func:`layerswap.verify` runs and judges
-(:mod:`layerswap.verify.first_difference`), within
-:meth:`~layerswap.verify.tolerance.Tolerance.scaled` ``1e-4`` on a CPU, ``2e-3`` on a GPU.
+(:mod:`layerswap.comparison.first_difference`), within
+:meth:`~layerswap.comparison.tolerance.Tolerance.scaled` ``1e-4`` on a CPU, ``2e-3`` on a GPU.
 
 The verdict is stored (:mod:`layerswap.verdicts`), so the cost, well under a second per
 family on a laptop CPU, is paid once. A failed check raises
@@ -51,6 +51,8 @@ import torch
 from torch import nn
 
 from layerswap import sources, verdicts, zero3
+from layerswap.comparison.first_difference import CHECKS, first_difference
+from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import convert_layer, layer_index, normal_tensors
 from layerswap.model import decoder_layers, layer_config, locate
@@ -58,8 +60,6 @@ from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.substitution import Substitution
 from layerswap.tokens import avoid_tokens, media_tokens
-from layerswap.verify.first_difference import CHECKS, first_difference
-from layerswap.verify.tolerance import Tolerance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

@@ -25,12 +25,12 @@ from transformers.models.llama import modeling_llama
 
 import layerswap
 from layerswap import hf_internals, proof, verdicts
+from layerswap.comparison.first_difference import decoding_differs
+from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import UnsupportedFamilyError, UpstreamDriftError
 from layerswap.model import decoder_layers
 from layerswap.registry import get, get_family, unregister_family
 from layerswap.substitution import Substitution, check_call_contract
-from layerswap.verify.first_difference import decoding_differs
-from layerswap.verify.tolerance import Tolerance
 
 FUSED = "llama.decoder.fused"
 

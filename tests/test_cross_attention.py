@@ -16,10 +16,10 @@ from models import tiny_model
 from transformers.models.mllama.modeling_mllama import MllamaCrossAttentionDecoderLayer
 
 import layerswap
+from layerswap.comparison.inputs import prepare_inputs
 from layerswap.errors import UpstreamDriftError
 from layerswap.registry import get_family, register_family, unregister_family
 from layerswap.substitution import check_call_contract
-from layerswap.verify.inputs import prepare_inputs
 
 
 def _opened(seed: int = 0) -> torch.nn.Module:

@@ -26,11 +26,11 @@ from typer.testing import CliRunner
 import layerswap
 from layerswap.backends import head_liger, liger
 from layerswap.cli import app
+from layerswap.comparison.inputs import inputs_for
 from layerswap.errors import RequirementError
 from layerswap.model import decoder_layers, layer_config
 from layerswap.registry import families, substitutions
 from layerswap.verify import verify
-from layerswap.verify.inputs import inputs_for
 
 # the families whose decoder layer Liger's kernels express; the others are refused with
 # the reason (attention logit soft-capping, an activation without a gated kernel)

@@ -17,12 +17,12 @@ from models import tiny_config
 from torch import nn
 
 import layerswap
+from layerswap.comparison.model_classes import task_of
 from layerswap.errors import UnsupportedModelError
 from layerswap.registry import get
 from layerswap.substitution import Substitution
 from layerswap.use import use
 from layerswap.verify import default_inputs
-from layerswap.verify.model_classes import task_of
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 CLASSES = {

@@ -27,9 +27,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import layerswap
 from layerswap import proof, shrink, sources
+from layerswap.comparison.inputs import default_length, inputs_for
 from layerswap.errors import SwapWarning, UpstreamDriftError
 from layerswap.registry import get, get_family
-from layerswap.verify.inputs import default_length, inputs_for
 
 LLAMA = "transformers.models.llama.modeling_llama"
 
@@ -219,8 +219,8 @@ def test_the_proof_runs_the_model_without_a_mask() -> None:
     unpadded forward (a left-padded batch always carries a mask)."""
     import copy
 
-    from layerswap.verify.first_difference import first_difference
-    from layerswap.verify.tolerance import Tolerance
+    from layerswap.comparison.first_difference import first_difference
+    from layerswap.comparison.tolerance import Tolerance
 
     reference = tiny_llama()
     candidate = copy.deepcopy(reference)

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import layerswap
 from layerswap.backends import te
 from layerswap.backends.te_layout import TELayerSpec, te_converter
+from layerswap.comparison.inputs import inputs_for
 from layerswap.errors import ConversionError, RequirementError, SubstitutionError
 from layerswap.model import decoder_layers, layer_config
 from layerswap.registry import families
 from layerswap.verify import Tolerance, verify
-from layerswap.verify.inputs import inputs_for
 
 # the families whose structure TransformerEngine's layer expresses (the others are
 # refused with the reason: norms after attention or the MLP, q/k norms across heads)

@@ -464,7 +464,7 @@ def _generation(step_logits: list[list[float]]) -> tuple[torch.Tensor, torch.Ten
 
 
 def test_decoding_may_part_only_at_a_near_tie_when_judged_against_the_float32_floor() -> None:
-    from layerswap.verify.compare import compare_generation
+    from layerswap.comparison.compare import compare_generation
 
     tolerance = Tolerance.for_dtype("bfloat16")
     reference, ref_logits = _generation([[0, 5, 0, 0], [0, 0, 3.00, 2.99], [4, 0, 0, 0]])
@@ -490,7 +490,7 @@ def test_a_gradient_zero_at_working_precision_is_not_compared_by_its_direction()
     the two backward passes leave there is rounding in unrelated directions. Both under
     16 float32 epsilons of the model's largest gradient pass; a small but real gradient
     that differs does not."""
-    from layerswap.verify.compare import compare_gradients
+    from layerswap.comparison.compare import compare_gradients
 
     tolerance = Tolerance.for_dtype("float32")
     g = torch.Generator().manual_seed(0)
@@ -524,10 +524,10 @@ def test_where_the_originals_own_gradient_is_nan_the_candidate_is_held_to_the_sa
     same places reproduces the original (judged on the finite elements, with a warning
     naming the parameters); NaN anywhere else, or a finite value where the original has
     NaN, is an infinite error."""
+    from layerswap.comparison.compare import compare_gradients
+    from layerswap.comparison.distance import diff
+    from layerswap.comparison.tolerance import Tolerance
     from layerswap.errors import SwapWarning
-    from layerswap.verify.compare import compare_gradients
-    from layerswap.verify.distance import diff
-    from layerswap.verify.tolerance import Tolerance
 
     nan = float("nan")
     reference = torch.tensor([1.0, nan, 3.0])

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import layerswap
+from layerswap.comparison.compare import Comparison
+from layerswap.comparison.forward import Run
+from layerswap.comparison.fp8 import E4M3_MAX, FLOOR_FACTOR, ideal_fp8, round_e4m3
 from layerswap.errors import VerificationError
 from layerswap.registry import get_family
 from layerswap.substitution import Substitution
 from layerswap.swap import swap
 from layerswap.verify import Tolerance, assert_equivalent
-from layerswap.verify.compare import Comparison
-from layerswap.verify.forward import Run
-from layerswap.verify.fp8 import E4M3_MAX, FLOOR_FACTOR, ideal_fp8, round_e4m3
 
 
 def fp8_named_fused(family: str = "llama") -> Substitution:

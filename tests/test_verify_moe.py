@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from layerswap.comparison import routing
+from layerswap.comparison.excused import decoding_excused_from, excused_rows
+from layerswap.comparison.model_classes import ModelTask
+from layerswap.comparison.routing import Routing, moe_block, near_ties
 from layerswap.errors import VerificationError
 from layerswap.registry import get, get_family
 from layerswap.substitution import Substitution
-from layerswap.verify import assert_equivalent, checks, routing, verify
-from layerswap.verify.excused import decoding_excused_from, excused_rows
-from layerswap.verify.model_classes import ModelTask
-from layerswap.verify.routing import Routing, moe_block, near_ties
+from layerswap.verify import assert_equivalent, checks, verify
 
 TIED_LAYER = 3  # the tiny Qwen3-MoE's last layer: 4 experts, top 2
 

@@ -24,8 +24,8 @@ from transformers import (
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import layerswap
+from layerswap.comparison.multimodal import WRAPPERS, is_multimodal, multimodal_inputs
 from layerswap.model import family_of
-from layerswap.verify.multimodal import WRAPPERS, is_multimodal, multimodal_inputs
 
 # wrapper -> the family of its text decoder, and config fields its tiny form needs
 CASES: dict[str, tuple[str, dict[str, Any]]] = {

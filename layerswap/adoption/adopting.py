@@ -39,10 +39,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from layerswap.adoption.changes import Change
+    from layerswap.comparison.inputs import InputsLike
+    from layerswap.comparison.report import VerificationReport
+    from layerswap.comparison.tolerance import Tolerance
     from layerswap.family import Family
-    from layerswap.verify.inputs import InputsLike
-    from layerswap.verify.report import VerificationReport
-    from layerswap.verify.tolerance import Tolerance
 
 __all__ = ["Adoption", "adopt"]
 

@@ -11,8 +11,8 @@ without padding (no mask), 3. prefill and greedy decoding with a dynamic cache, 
 with a static cache, 5. a backward pass (the loss, the gradients of the embeddings and the
 head),
 
-run and judged by the verify core (:mod:`layerswap.verify.first_difference`) within
-:meth:`~layerswap.verify.tolerance.Tolerance.scaled` ``1e-4`` on a CPU (``2e-3`` on a GPU).
+run and judged by the verify core (:mod:`layerswap.comparison.first_difference`) within
+:meth:`~layerswap.comparison.tolerance.Tolerance.scaled` ``1e-4`` on a CPU (``2e-3`` on a GPU).
 The patch changes code both models run (a module's function, a class's method), so the
 original model runs with the patch taken back for the time of each call
 (:meth:`~layerswap.adoption.record.Recording.suspended`).
@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from layerswap.comparison.compare import diff
+from layerswap.comparison.first_difference import CHECKS, first_difference
+from layerswap.comparison.forward import ContextFactory, forward
+from layerswap.comparison.inputs import default_inputs, pad_token_id
+from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import PatchDivergenceError, RequirementError, UnknownSubstitutionError
 from layerswap.model import layer_config
 from layerswap.registry import get_family
 from layerswap.shrink import shrunk_config
-from layerswap.verify.compare import diff
-from layerswap.verify.first_difference import CHECKS, first_difference
-from layerswap.verify.forward import ContextFactory, forward
-from layerswap.verify.inputs import default_inputs, pad_token_id
-from layerswap.verify.tolerance import Tolerance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

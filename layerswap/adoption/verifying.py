@@ -3,7 +3,7 @@
 :func:`layerswap.verify` compares a model with its swap; an adopted patch changes code,
 not layers, so the same model runs twice on the same inputs: with the patch taken back
 for the time of the pass (:meth:`~layerswap.adoption.record.Recording.suspended`), then
-as patched. The two runs are judged as ``verify`` judges (:mod:`layerswap.verify.compare`),
+as patched. The two runs are judged as ``verify`` judges (:mod:`layerswap.comparison.compare`),
 so the report names the first divergent decoder layer.
 
 A module the model was *built* with from a class the patch put in place (Liger's
@@ -22,19 +22,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from layerswap.adoption.changes import ClassChange, Rebinding
+from layerswap.comparison.compare import Comparison
+from layerswap.comparison.forward import forward
+from layerswap.comparison.placement import model_placement
 from layerswap.errors import UnsupportedModelError
 from layerswap.verify.checks import decode_tokens
-from layerswap.verify.compare import Comparison
-from layerswap.verify.forward import forward
-from layerswap.verify.placement import model_placement
 
 if TYPE_CHECKING:
     from torch import nn
 
     from layerswap.adoption.record import Recording
-    from layerswap.verify.inputs import InputsLike
-    from layerswap.verify.report import VerificationReport
-    from layerswap.verify.tolerance import Tolerance
+    from layerswap.comparison.inputs import InputsLike
+    from layerswap.comparison.report import VerificationReport
+    from layerswap.comparison.tolerance import Tolerance
 
 __all__ = ["verify_adopted"]
 
@@ -49,7 +49,7 @@ def verify_adopted(
     tolerance: float | Tolerance | None = None,
 ) -> VerificationReport:
     """``model`` with ``recording``'s changes taken back against ``model`` as patched, on
-    the same inputs (default: :func:`~layerswap.verify.inputs.default_inputs`); the model
+    the same inputs (default: :func:`~layerswap.comparison.inputs.default_inputs`); the model
     is left as it was."""
     _refuse_built_with_patch(recording, model)
     device, dtype = model_placement(model)

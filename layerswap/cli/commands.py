@@ -300,8 +300,8 @@ def verify_command(
         return
     with exit_codes(), Progress(not json_output) as progress:
         setup = build(choice, progress)
+        from layerswap.comparison.inputs import inputs_for
         from layerswap.verify import verify as run_verification
-        from layerswap.verify.inputs import inputs_for
 
         progress.step("verifying against the original")
         try:

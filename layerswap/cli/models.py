@@ -43,7 +43,7 @@ class Setup:
 
     def describe(self) -> dict[str, Any]:
         """The model's family, source and shape, as the header and ``--json`` show it."""
-        from layerswap.verify.inputs import text_config
+        from layerswap.comparison.inputs import text_config
 
         config = text_config(self.model)
         return {
@@ -301,7 +301,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    from layerswap.verify.placement import resolve_device, resolve_dtype
+    from layerswap.comparison.placement import resolve_device, resolve_dtype
 
     try:
         resolved_dtype = resolve_dtype(dtype)

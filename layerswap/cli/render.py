@@ -40,7 +40,7 @@ def _table(*columns: str) -> Table:
 
 def render_header(console: Output, setup: Setup, what: str, swapped: str | None = None) -> None:
     """What ran: the substitution (and what it swapped), the model, the device."""
-    from layerswap.verify.placement import dtype_name
+    from layerswap.comparison.placement import dtype_name
 
     info = setup.describe()
     console.print(f"{what}: {setup.substitution.name}" + (f" ({swapped})" if swapped else ""))
@@ -294,7 +294,7 @@ def _swapped_word(patched: Patched) -> str:
 
 def render_patch(console: Output, patched: Patched) -> None:
     """``layerswap patch``'s report for a reader: what was swapped, verified, timed, saved."""
-    from layerswap.verify.placement import dtype_name
+    from layerswap.comparison.placement import dtype_name
 
     kinds = sorted({(old, new) for _, old, new in patched.swapped})
     render_header(

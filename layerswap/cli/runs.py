@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from layerswap.bench import BenchReport
     from layerswap.cli.saving import SaveTarget
-    from layerswap.verify.report import VerificationReport
+    from layerswap.comparison.report import VerificationReport
 
 __all__ = ["Patched", "patch_json", "patch_model", "run_bench"]
 
@@ -94,10 +94,10 @@ def patch_model(
         raise UsageProblem("--overwrite applies to --save: pass --save DIR")
     target = save_target(save, overwrite) if save is not None else None
     setup = build(choice, progress)
+    from layerswap.comparison.inputs import inputs_for
     from layerswap.proof import comparing
     from layerswap.swap import swap
     from layerswap.verify import verify as run_verification
-    from layerswap.verify.inputs import inputs_for
 
     report = None
     if verify:
@@ -126,7 +126,7 @@ def patch_model(
 
 def patch_json(patched: Patched) -> dict[str, Any]:
     """``layerswap patch --json``'s document."""
-    from layerswap.verify.placement import dtype_name
+    from layerswap.comparison.placement import dtype_name
 
     setup, report, bench_report = patched.setup, patched.report, patched.bench_report
     return {

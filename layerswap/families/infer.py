@@ -100,7 +100,7 @@ def _wrapper_reason(model_type: str, config_class: Any, prove: Prove | None) -> 
         return f"{model_type}: a multimodal wrapper whose language model is {exc}"
     return (
         f"{model_type}: a multimodal wrapper whose language model ({text_type}) fits the fused "
-        "layer, but the wrapper is not proven on its media inputs (layerswap.verify.multimodal)"
+        "layer, but the wrapper is not proven on its media inputs (layerswap.comparison.multimodal)"
     )
 
 

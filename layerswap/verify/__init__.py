@@ -26,20 +26,13 @@ The model passed in is never modified: its weights, gradients, hooks and trainin
 are as they were when :func:`verify` returns, whatever happened inside.
 
 One module per concern: ``checks`` (:func:`verify`, :func:`assert_equivalent`),
-``streaming``, ``forward`` (one model's pass: layer outputs, loss, gradients, generated
-tokens), ``model_classes`` (what each model class outputs and learns from: causal LM,
-sequence, token and question-answering classifiers, base model), ``compare`` (two passes
-into a report), ``distance`` (how far one tensor is from its reference), ``gradients``
-(a swapped model's gradients in the original layout), ``report``, ``tolerance``,
-``inputs``, ``routing`` and ``excused`` (a mixture-of-experts
-token the candidate routes elsewhere at a near-tie of the reference's router is left out,
-with what it reaches, and counted in the report), ``kept_loss`` (with ``backward=True``,
-both models learn again from the positions still compared, on one more working copy,
-only where a near-tie left some out), and
-``placement`` and ``candidate`` (device and dtype, the working copy, the substitution
-checked for this machine), which :mod:`layerswap.bench` shares, and ``first_difference``
-(two models run and judged the same way, the first difference named), which the proof
-(:mod:`layerswap.proof`) runs its checks with.
+``streaming``, ``gradients`` (a swapped model's gradients in the original layout),
+``kept_loss`` (with ``backward=True``, both models learn again from the positions still
+compared, on one more working copy, only where a near-tie left some out) and
+``candidate`` (the working copy, the substitution checked for this machine, which
+:mod:`layerswap.bench` shares). The passes and the judging are the comparison core's
+(:mod:`layerswap.comparison`), which the first-use proof (:mod:`layerswap.proof`) runs
+its checks with too.
 
 Example::
 
@@ -52,27 +45,22 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-from layerswap.verify.candidate import SubstitutionLike as SubstitutionLike
-from layerswap.verify.inputs import InputsLike as InputsLike
-from layerswap.verify.inputs import default_inputs
-from layerswap.verify.placement import DTYPE_CHOICES as DTYPE_CHOICES
-from layerswap.verify.placement import DeviceLike as DeviceLike
-from layerswap.verify.placement import DTypeLike as DTypeLike
-from layerswap.verify.placement import resolve_device, resolve_dtype
-from layerswap.verify.report import (
+from layerswap.comparison.inputs import InputsLike as InputsLike
+from layerswap.comparison.inputs import default_inputs
+from layerswap.comparison.placement import DTYPE_CHOICES as DTYPE_CHOICES
+from layerswap.comparison.placement import DeviceLike as DeviceLike
+from layerswap.comparison.placement import DTypeLike as DTypeLike
+from layerswap.comparison.placement import resolve_device, resolve_dtype
+from layerswap.comparison.report import (
     BackwardReport,
     GenerationReport,
     GradientReport,
     LayerReport,
     VerificationReport,
 )
-from layerswap.verify.tolerance import Tolerance
-
-if TYPE_CHECKING:
-    from layerswap.verify.checks import assert_equivalent, verify
+from layerswap.comparison.tolerance import Tolerance
+from layerswap.verify.candidate import SubstitutionLike as SubstitutionLike
+from layerswap.verify.checks import assert_equivalent, verify
 
 __all__ = [
     "BackwardReport",
@@ -87,17 +75,3 @@ __all__ = [
     "resolve_dtype",
     "verify",
 ]
-
-#: the checks swap a copy of the model, so they sit above :func:`layerswap.swap`, and the
-#: swap sits above the proof (:mod:`layerswap.proof`), which runs and judges its tiny models
-#: with this package's modules (``forward``, ``compare``, ``first_difference``): importing
-#: those must not import the checks, so they are imported on first use (PEP 562)
-_CHECKS = ("assert_equivalent", "verify")
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _CHECKS:
-        raise AttributeError(f"module 'layerswap.verify' has no attribute {name!r}")
-    value = getattr(importlib.import_module("layerswap.verify.checks"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value

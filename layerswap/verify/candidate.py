@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
+from layerswap.comparison.forward import ContextFactory
 from layerswap.errors import LayerswapError, RequirementError, UpstreamDriftError
-from layerswap.verify.forward import ContextFactory
 from layerswap.versions import transformers_version
 
 if TYPE_CHECKING:

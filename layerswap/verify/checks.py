@@ -10,27 +10,27 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from layerswap.errors import SwapWarning, VerificationError
-from layerswap.model import decoder_layers_if_known, unwrap
-from layerswap.proof import comparing
-from layerswap.swap import rebuild_originals, swap
-from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
-from layerswap.verify.compare import Comparison
-from layerswap.verify.forward import ContextFactory, Run, forward
-from layerswap.verify.fp8 import ideal_fp8
-from layerswap.verify.inputs import InputsLike, prepare_inputs, unreached_thresholds
-from layerswap.verify.kept_loss import left_out_positions, relearnt, run_candidate
-from layerswap.verify.model_classes import task_of
-from layerswap.verify.placement import (
+from layerswap.comparison.compare import Comparison
+from layerswap.comparison.forward import ContextFactory, Run, forward
+from layerswap.comparison.fp8 import ideal_fp8
+from layerswap.comparison.inputs import InputsLike, prepare_inputs, unreached_thresholds
+from layerswap.comparison.model_classes import task_of
+from layerswap.comparison.placement import (
     DeviceLike,
     DTypeLike,
     model_placement,
     target_placement,
     working_copy,
 )
-from layerswap.verify.report import VerificationReport
+from layerswap.comparison.report import VerificationReport
+from layerswap.comparison.tolerance import Tolerance, precision
+from layerswap.errors import SwapWarning, VerificationError
+from layerswap.model import decoder_layers_if_known, unwrap
+from layerswap.proof import comparing
+from layerswap.swap import rebuild_originals, swap
+from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
+from layerswap.verify.kept_loss import left_out_positions, relearnt, run_candidate
 from layerswap.verify.streaming import verify_streaming
-from layerswap.verify.tolerance import Tolerance, precision
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from layerswap.comparison.inputs import text_config
 from layerswap.model import decoder_layers
-from layerswap.verify.inputs import text_config
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution

@@ -1,5 +1,5 @@
 """The loss and gradients again, over the positions a comparison keeps, where a
-mixture-of-experts near-tie left some out (:mod:`layerswap.verify.excused`).
+mixture-of-experts near-tie left some out (:mod:`layerswap.comparison.excused`).
 
 A token the candidate routes to other experts at a near-tie of the reference is judged as
 bfloat16 is judged against float32: its rows are left out, everything else is compared.
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from layerswap.comparison.excused import Excused
+from layerswap.comparison.forward import Run, forward
+from layerswap.comparison.model_classes import task_of
 from layerswap.verify.candidate import candidate_context
-from layerswap.verify.excused import Excused
-from layerswap.verify.forward import Run, forward
 from layerswap.verify.gradients import gradients_to_original
-from layerswap.verify.model_classes import task_of
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution

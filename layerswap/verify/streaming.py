@@ -16,21 +16,21 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from layerswap.layers import convert_layer, layer_index
-from layerswap.model import decoder_layers
-from layerswap.verify.candidate import candidate_context
-from layerswap.verify.compare import Comparison
-from layerswap.verify.forward import (
+from layerswap.comparison.compare import Comparison
+from layerswap.comparison.forward import (
     ContextFactory,
     evaluation,
     forward,
     layer_hooks,
     layer_output,
 )
+from layerswap.comparison.inputs import text_config
+from layerswap.comparison.placement import model_placement, working_copy
+from layerswap.comparison.report import VerificationReport
+from layerswap.layers import convert_layer, layer_index
+from layerswap.model import decoder_layers
+from layerswap.verify.candidate import candidate_context
 from layerswap.verify.gradients import layer_gradients_to_original
-from layerswap.verify.inputs import text_config
-from layerswap.verify.placement import model_placement, working_copy
-from layerswap.verify.report import VerificationReport
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution

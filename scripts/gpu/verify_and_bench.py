@@ -4,7 +4,7 @@
    every layer's output on left-padded inputs, gradients (unpadded inputs), 8 greedily
    generated tokens with the KV cache -- ``fused`` in float32 and BF16, ``te`` in BF16;
    FP8 (te, "current" recipe) on unpadded inputs, held to twice the error of ideal FP8
-   rounding at each layer (``layerswap.verify.fp8``). Then the
+   rounding at each layer (``layerswap.comparison.fp8``). Then the
    benchmark model in BF16.
 2. Benchmark, a Llama-shaped model of about a billion parameters (hidden 2048, 16 layers,
    32 heads, 8 key/value heads, intermediate 5632, vocabulary 32000), batch 8 x 512 tokens:
@@ -49,11 +49,11 @@ import transformers
 
 import layerswap
 from layerswap.backends import te
+from layerswap.comparison.inputs import inputs_for
 from layerswap.errors import RequirementError
 from layerswap.registry import families, get, get_backend
 from layerswap.swap import swap
 from layerswap.verify import default_inputs, verify
-from layerswap.verify.inputs import inputs_for
 
 GIB = 1024**3
 # --device cpu runs the whole flow on tiny shapes (a smoke test of this script); real runs

@@ -3,10 +3,10 @@
 The proof (:mod:`layerswap.proof`) asks of its tiny models no report, only where they
 first differ and how (``"new token 2: max abs difference 2.23"``). Each check here runs
 both models through the passes :func:`~layerswap.verify.verify` runs
-(:func:`~layerswap.verify.forward.forward`,
-:func:`~layerswap.verify.forward.generate_tokens`) and judges them with its comparisons
-(:func:`~layerswap.verify.distance.diff`,
-:func:`~layerswap.verify.compare.compare_gradients`) under a :class:`Tolerance`; each
+(:func:`~layerswap.comparison.forward.forward`,
+:func:`~layerswap.comparison.forward.generate_tokens`) and judges them with its comparisons
+(:func:`~layerswap.comparison.distance.diff`,
+:func:`~layerswap.comparison.compare.compare_gradients`) under a :class:`Tolerance`; each
 returns ``None`` where the two agree.
 
 ``reference_context`` runs the reference's passes in a context: an adopted patch function
@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from layerswap.verify.compare import compare_gradients
-from layerswap.verify.distance import Diff, diff
-from layerswap.verify.forward import ContextFactory, forward, generate_tokens
-from layerswap.verify.tolerance import Tolerance
+from layerswap.comparison.compare import compare_gradients
+from layerswap.comparison.distance import Diff, diff
+from layerswap.comparison.forward import ContextFactory, forward, generate_tokens
+from layerswap.comparison.tolerance import Tolerance
 
 __all__ = [
     "CHECKS",

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from layerswap.verify.fp8 import FLOOR_FACTOR as _FLOOR_FACTOR
-from layerswap.verify.tolerance import Tolerance
+from layerswap.comparison.fp8 import FLOOR_FACTOR as _FLOOR_FACTOR
+from layerswap.comparison.tolerance import Tolerance
 
 __all__ = [
     "BackwardReport",
@@ -37,14 +37,14 @@ class LayerReport:
 
     ``min_cosine`` and ``rtol`` are what this layer was held to: the report's tolerance,
     or, for FP8, that tolerance calibrated to the ideal-FP8 noise floor measured at this
-    layer, whose cosine is ``floor_cosine`` (see :mod:`layerswap.verify.fp8`); in
+    layer, whose cosine is ``floor_cosine`` (see :mod:`layerswap.comparison.fp8`); in
     bfloat16/float16 over the fixed tolerance, that tolerance widened to the original's
     own error against float32 at this layer (``floor_cosine``: the original's cosine).
 
     ``near_ties`` counts the tokens the candidate routed to other experts at this layer
     where the reference's routing was a near-tie; ``excused_rows`` the tokens left out of
     this layer's comparison: those, and what earlier near-ties reach (see
-    :mod:`layerswap.verify.excused`).
+    :mod:`layerswap.comparison.excused`).
     """
 
     index: int
@@ -104,7 +104,7 @@ class GenerationReport:
     ``max_abs_error`` is that of the logits each token was chosen from, up to the first
     mismatch; ``logits_passed`` whether those are within tolerance. ``excused_sequences``
     sequences were left out: a token of theirs was routed to other experts at a near-tie
-    of the reference's (see :mod:`layerswap.verify.excused`), in the prompt (the whole
+    of the reference's (see :mod:`layerswap.comparison.excused`), in the prompt (the whole
     sequence) or while decoding (from that step on). ``excused_steps`` is, for the latter,
     each such sequence (its index in the batch) and its decoding step (0: the prompt as
     decoding ran it; ``t``: the token generated at step ``t - 1``).
@@ -185,7 +185,7 @@ class VerificationReport:
     def near_ties(self) -> int:
         """Tokens the candidate routed to other experts where the reference's routing was a
         near-tie: left out of the comparison, with what they reach after (see
-        :mod:`layerswap.verify.excused`)."""
+        :mod:`layerswap.comparison.excused`)."""
         return sum(layer.near_ties for layer in self.layers)
 
     @property

@@ -2,7 +2,7 @@
 reference's own routing was a near-tie, and what those tokens reach after.
 
 A mixture-of-experts router whose k-th and (k+1)-th experts score within rounding of each
-other (:func:`~layerswap.verify.routing.near_ties`) is decided by rounding: the original in
+other (:func:`~layerswap.comparison.routing.near_ties`) is decided by rounding: the original in
 bfloat16 routes such tokens differently from itself in float32, and a correct swap, which
 only rounds differently, may too. The token's hidden state then differs by a whole expert's
 output, which no tolerance should absorb, and which says nothing about the swap. So:
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layerswap.verify.routing import Routing
+from layerswap.comparison.routing import Routing
 
 __all__ = ["Excused", "decoding_excused_from", "excused_rows"]
 
@@ -126,7 +126,7 @@ def decoding_excused_from(
     """``[batch]``: per sequence, the first step of cached decoding left out (the number of
     steps where none is), or ``None`` where nothing is.
 
-    Step ``t`` (:attr:`~layerswap.verify.forward.Run.decode_routing`; step 0 routes the
+    Step ``t`` (:attr:`~layerswap.comparison.forward.Run.decode_routing`; step 0 routes the
     prompt's valid positions, ``prompt`` ``[batch, seq]``, step ``t > 0`` the token each
     sequence generated at step ``t - 1``) is left out of a sequence where, at any layer,
     the candidate routes one of that step's tokens of the sequence to other experts at a

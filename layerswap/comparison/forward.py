@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from layerswap.comparison.inputs import pad_token_id, text_config
+from layerswap.comparison.model_classes import task_of
+from layerswap.comparison.routing import Routing, capture_decode_routing, capture_routing
 from layerswap.errors import UnsupportedModelError
 from layerswap.model import decoder_layers_if_known
-from layerswap.verify.inputs import pad_token_id, text_config
-from layerswap.verify.model_classes import task_of
-from layerswap.verify.routing import Routing, capture_decode_routing, capture_routing
 
 __all__ = [
     "ContextFactory",
@@ -55,7 +55,7 @@ class Run:
     routing: list[Routing | None] | None = None
     #: per step of cached decoding (step 0: the prompt; step ``t``: the token generated at
     #: step ``t - 1``), per decoder layer, its mixture-of-experts routing
-    #: (:func:`~layerswap.verify.routing.capture_decode_routing`); ``None``: not recorded
+    #: (:func:`~layerswap.comparison.routing.capture_decode_routing`); ``None``: not recorded
     decode_routing: list[list[Routing | None]] | None = None
     #: ``[batch, seq]``: the positions whose loss terms the loss and gradients left out
     #: (``forward(left_out=...)``); ``None``: it learnt from every position
@@ -139,14 +139,14 @@ def forward(
 ) -> Run:
     """One forward pass, capturing every decoder layer's output, in ``context``.
 
-    ``loss`` records the loss of the model's head (:mod:`layerswap.verify.model_classes`: the
+    ``loss`` records the loss of the model's head (:mod:`layerswap.comparison.model_classes`: the
     language-modelling loss of a causal LM, the classification loss of a classifier...);
     ``backward`` also takes its gradient for every trainable parameter, by
     ``torch.autograd.grad`` rather than ``loss.backward()``, which leaves every ``.grad``
     as it was. ``generate`` then greedily generates that many tokens. ``routing`` records
-    each mixture-of-experts block's routing (:mod:`layerswap.verify.routing`; nothing is
+    each mixture-of-experts block's routing (:mod:`layerswap.comparison.routing`; nothing is
     hooked in a model without one). ``left_out`` (``[batch, seq]``) masks those
-    positions' terms out of the loss (:meth:`~layerswap.verify.model_classes.ModelTask.labels`).
+    positions' terms out of the loss (:meth:`~layerswap.comparison.model_classes.ModelTask.labels`).
     ``layer_outputs=False`` captures no layer's output (``Run.layers`` is empty): a check of
     the model's outputs alone does not pay for a copy of every layer's.
     """
@@ -266,7 +266,7 @@ def _generate(
     decode_layers: list[list[tuple[str, torch.Tensor]]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[Routing | None]] | None]:
     """:func:`generate_tokens`, and with ``routing`` each decoding step's mixture-of-experts
-    routing (:func:`~layerswap.verify.routing.capture_decode_routing`); ``decode_layers``
+    routing (:func:`~layerswap.comparison.routing.capture_decode_routing`); ``decode_layers``
     (a list) gets every decoding step's layer outputs (:attr:`Run.decode_layers`)."""
     # disable_compile: on a GPU, generate() with a static cache compiles the forward
     # (transformers' auto-compile); what is compared is what the layers compute, eagerly,

@@ -12,21 +12,21 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 from torch import nn
 
-from layerswap.errors import SwapWarning, VerificationError
-from layerswap.verify.distance import Diff, _as_float, diff
-from layerswap.verify.excused import Excused, decoding_excused_from, excused_rows
-from layerswap.verify.forward import Run
-from layerswap.verify.fp8 import FLOOR_FACTOR, FLOOR_SLACK
-from layerswap.verify.inputs import InputsLike, prepare_inputs
-from layerswap.verify.placement import dtype_name
-from layerswap.verify.report import (
+from layerswap.comparison.distance import Diff, _as_float, diff
+from layerswap.comparison.excused import Excused, decoding_excused_from, excused_rows
+from layerswap.comparison.forward import Run
+from layerswap.comparison.fp8 import FLOOR_FACTOR, FLOOR_SLACK
+from layerswap.comparison.inputs import InputsLike, prepare_inputs
+from layerswap.comparison.placement import dtype_name
+from layerswap.comparison.report import (
     BackwardReport,
     GenerationReport,
     GradientReport,
     LayerReport,
     VerificationReport,
 )
-from layerswap.verify.tolerance import Tolerance, precision
+from layerswap.comparison.tolerance import Tolerance, precision
+from layerswap.errors import SwapWarning, VerificationError
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution
@@ -111,7 +111,7 @@ def compare_generation(
     ``floor`` is the tokens and logits the original generated in float32 (or under ideal
     FP8 rounding, for an FP8 candidate): the agreement required is then at most the
     reference's own with that run, and the logits are held to
-    :data:`~layerswap.verify.fp8.FLOOR_FACTOR` times its errors there. A
+    :data:`~layerswap.comparison.fp8.FLOOR_FACTOR` times its errors there. A
     generation that parts from the reference passes too where it parts at a near-tie:
     at the first differing step (same prefix on both sides) the reference's logit of
     its own token exceeds that of the candidate's by no more than twice the largest
@@ -120,7 +120,7 @@ def compare_generation(
 
     ``kept`` (``[batch, new_tokens]``) is the steps compared, tokens and logits (``None``:
     all of them): a sequence's steps from a mixture-of-experts near-tie in decoding on are
-    left out (:func:`~layerswap.verify.excused.decoding_excused_from`).
+    left out (:func:`~layerswap.comparison.excused.decoding_excused_from`).
     """
     width = min(reference.shape[1], candidate.shape[1])
     if kept is not None:
@@ -188,7 +188,7 @@ def compare_gradients(
     """Loss and every gradient of ``reference``, keyed as in the original model.
 
     ``floor`` is the original's gradients computed in float32: each gradient is then held
-    to :data:`~layerswap.verify.fp8.FLOOR_FACTOR` times the reference's error there, where
+    to :data:`~layerswap.comparison.fp8.FLOOR_FACTOR` times the reference's error there, where
     that is looser than ``tolerance``.
     """
     missing = [name for name in reference if name not in candidate]
@@ -385,7 +385,7 @@ def _compare_decoding(
 ) -> GenerationReport | None:
     """Cached decoding compared, of the sequences kept (``None``: all of them), each up to
     the step a mixture-of-experts near-tie in decoding leaves out
-    (:func:`~layerswap.verify.excused.decoding_excused_from`; ``prompt`` is the prompt's
+    (:func:`~layerswap.comparison.excused.decoding_excused_from`; ``prompt`` is the prompt's
     valid positions)."""
     if reference.tokens is None or candidate.tokens is None:
         return None
@@ -519,7 +519,7 @@ class Comparison:
         return cls(name, device, dtype, tol, batch)
 
     def excused(self, reference: Run, candidate: Run) -> Excused | None:
-        """The rows the comparison of the two runs leaves out (:mod:`layerswap.verify.excused`)."""
+        """The rows the comparison of the two runs leaves out (:mod:`layerswap.comparison.excused`)."""
         if reference.routing is None or candidate.routing is None:
             return None
         return excused_rows(reference.routing, candidate.routing, self.valid_tokens())
@@ -545,7 +545,7 @@ class Comparison:
 
         Gradients and generated tokens are compared when both runs have them;
         ``local_gradients`` says the gradients are per layer (streaming mode). ``floor``
-        is the reference run under :func:`~layerswap.verify.fp8.ideal_fp8` (``floor_kind``
+        is the reference run under :func:`~layerswap.comparison.fp8.ideal_fp8` (``floor_kind``
         ``"ideal FP8"``): each layer and the logits are then held to :data:`FLOOR_FACTOR`
         times its errors there, and decoding to the agreement ideal FP8's own decoding
         reaches. With ``floor_kind="float32"`` it is the original run in float32: every

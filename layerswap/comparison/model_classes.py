@@ -24,8 +24,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from layerswap.comparison.inputs import text_config
 from layerswap.errors import UnsupportedModelError
-from layerswap.verify.inputs import text_config
 
 __all__ = ["ModelTask", "TaskKind", "task_of"]
 

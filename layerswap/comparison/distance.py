@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import VerificationError
-from layerswap.verify.tolerance import Tolerance
 
 __all__ = ["Diff", "diff"]
 

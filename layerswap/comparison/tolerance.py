@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from layerswap.verify.placement import DTypeLike, dtype_name, resolve_dtype
+from layerswap.comparison.placement import DTypeLike, dtype_name, resolve_dtype
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution
@@ -55,7 +55,7 @@ class Tolerance:
         The relative error allowed is ``factor`` times the floor's, the cosine deficit
         (``1 - cosine``) ``factor`` times the floor's plus ``slack``; ``atol`` and the
         gradient and token thresholds stay. Used for FP8, whose rounding errors depend
-        on the model's width and depth (see :mod:`layerswap.verify.fp8`).
+        on the model's width and depth (see :mod:`layerswap.comparison.fp8`).
 
         Example::
 

@@ -8,10 +8,10 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
+from layerswap.comparison.multimodal import cross_attention_inputs, is_multimodal, multimodal_inputs
+from layerswap.comparison.placement import DeviceLike, resolve_device
 from layerswap.model import layer_config
 from layerswap.tokens import avoid_tokens, media_tokens
-from layerswap.verify.multimodal import cross_attention_inputs, is_multimodal, multimodal_inputs
-from layerswap.verify.placement import DeviceLike, resolve_device
 
 __all__ = [
     "InputsLike",
