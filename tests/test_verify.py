@@ -464,7 +464,7 @@ def _generation(step_logits: list[list[float]]) -> tuple[torch.Tensor, torch.Ten
 
 
 def test_decoding_may_part_only_at_a_near_tie_when_judged_against_the_float32_floor() -> None:
-    from layerswap.comparison.compare import compare_generation
+    from layerswap.comparison.generation import compare_generation
 
     tolerance = Tolerance.for_dtype("bfloat16")
     reference, ref_logits = _generation([[0, 5, 0, 0], [0, 0, 3.00, 2.99], [4, 0, 0, 0]])
