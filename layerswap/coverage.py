@@ -20,12 +20,8 @@ import dataclasses
 import functools
 import importlib
 import json
-import multiprocessing
-import os
-import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +34,7 @@ from layerswap import verdicts
 from layerswap.errors import CheckpointError, UnknownSubstitutionError, UnsupportedFamilyError
 from layerswap.families.infer import decoder_model_types
 from layerswap.family import Family
+from layerswap.forking import fork_jobs, forked_pool
 from layerswap.inference import infer_family
 from layerswap.model_parts import model_parts
 from layerswap.registry import backends, families, get, get_family
@@ -390,21 +387,17 @@ def inferring(
     this process. A process that fails leaves its model types unanswered: they are inferred
     here after, one by one.
     """
-    if jobs is None:
-        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    jobs = min(jobs, len(model_types) // _AT_LEAST)
-    if not _can_fork(jobs):
+    jobs = fork_jobs(jobs, len(model_types))
+    if not jobs:
         yield
         return
     # what every modeling module imports (transformers' modeling, generation and
     # integrations, seconds): imported once here, before forking, not in each process
     importlib.import_module("transformers.modeling_utils")
-    context = multiprocessing.get_context("fork")
-    pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
     # each slot's answers, kept together at the end (one write of its table)
     answers: dict[str, dict[str, tuple[str | None, str | None]]] = {}
-    try:
-        # with fork, every process is started at the first submit, before the pool's threads
+    # on an error (or an interrupt) here, the model types not started are dropped
+    with forked_pool(jobs) as pool:
         futures = {pool.submit(_answers_of, t): t for t in model_types}
         yield
         for done, future in enumerate(as_completed(futures)):
@@ -422,27 +415,6 @@ def inferring(
                 break  # what was not answered is inferred in this process
         for kind, entries in answers.items():
             verdicts.remember_all(kind, entries)
-    finally:
-        # an error (or an interrupt) here: the model types not started are dropped
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _can_fork(jobs: int) -> bool:
-    return (
-        jobs >= 2
-        and sys.platform.startswith("linux")
-        and threading.active_count() == 1
-        and not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    )
-
-
-#: model types per process below which forking costs more than it saves
-_AT_LEAST = 8
-
-
-def _one_thread() -> None:
-    # the processes share the CPUs: one torch thread each (and no OpenMP pool forked)
-    torch.set_num_threads(1)
 
 
 def _answers_of(model_type: str) -> tuple[str, dict[tuple[str, str], str | None]]:
