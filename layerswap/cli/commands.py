@@ -14,7 +14,16 @@ import typer
 from layerswap.cli.adopting import verify_adopted
 from layerswap.cli.doctor import backend_problems, environment
 from layerswap.cli.models import build, coverage_target, find_family
-from layerswap.cli.options import JsonOption, ModelChoice, model_options
+from layerswap.cli.options import (
+    AdoptOption,
+    BackwardOption,
+    GenerateOption,
+    JsonOption,
+    ModelChoice,
+    StreamingOption,
+    ToleranceOption,
+    model_options,
+)
 from layerswap.cli.output import Chatter, Output, Progress, print_json, quiet_import_chatter
 from layerswap.cli.problems import UsageProblem, exit_codes, one_line
 from layerswap.cli.render import (
@@ -243,44 +252,11 @@ def patch(
 @model_options
 def verify_command(
     choice: ModelChoice,
-    backward: Annotated[
-        bool, typer.Option("--backward", help="Also compare the loss and every gradient.")
-    ] = False,
-    generate: Annotated[
-        int | None,
-        typer.Option(
-            "--generate",
-            metavar="N",
-            help="Greedy tokens decoded with the KV cache and compared (default: 4 for a "
-            "causal LM; 0 skips).",
-            min=0,
-            show_default=False,
-        ),
-    ] = None,
-    streaming: Annotated[
-        bool,
-        typer.Option("--streaming", help="Layer by layer: memory near one model plus a layer."),
-    ] = False,
-    tolerance: Annotated[
-        float | None,
-        typer.Option(
-            "--tolerance",
-            metavar="TOL",
-            help="atol and rtol (default: by dtype).",
-            min=0,
-            show_default=False,
-        ),
-    ] = None,
-    adopt: Annotated[
-        str | None,
-        typer.Option(
-            "--adopt",
-            metavar="MODULE:FUNCTION",
-            help="Prove a patch function (Liger's apply_liger_kernel_to_*, your own) on a "
-            "tiny model of --model, then undo it; the substitution options are not used.",
-            show_default=False,
-        ),
-    ] = None,
+    backward: BackwardOption = False,
+    generate: GenerateOption = None,
+    streaming: StreamingOption = False,
+    tolerance: ToleranceOption = None,
+    adopt: AdoptOption = None,
     json_output: JsonOption = False,
 ) -> None:
     """Verify a substitution against the original model, layer by layer."""

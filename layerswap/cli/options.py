@@ -1,4 +1,4 @@
-"""The options ``patch``, ``verify`` and ``bench`` share, declared once.
+"""The options of ``patch``, ``verify`` and ``bench``, declared once.
 
 Typer reads a command's options from its signature. :class:`ModelChoice` declares the
 nine options that choose, build and place the model; :func:`model_options` gives them
@@ -17,7 +17,16 @@ from typing import Annotated, Any
 
 import typer
 
-__all__ = ["JsonOption", "ModelChoice", "model_options"]
+__all__ = [
+    "AdoptOption",
+    "BackwardOption",
+    "GenerateOption",
+    "JsonOption",
+    "ModelChoice",
+    "StreamingOption",
+    "ToleranceOption",
+    "model_options",
+]
 
 ModelOption = Annotated[
     str | None,
@@ -65,6 +74,45 @@ DtypeOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
 SeedOption = Annotated[
     int, typer.Option("--seed", metavar="INT", help="Seed for random weights and inputs.")
+]
+# verify's own
+BackwardOption = Annotated[
+    bool, typer.Option("--backward", help="Also compare the loss and every gradient.")
+]
+GenerateOption = Annotated[
+    int | None,
+    typer.Option(
+        "--generate",
+        metavar="N",
+        help="Greedy tokens decoded with the KV cache and compared (default: 4 for a "
+        "causal LM; 0 skips).",
+        min=0,
+        show_default=False,
+    ),
+]
+StreamingOption = Annotated[
+    bool,
+    typer.Option("--streaming", help="Layer by layer: memory near one model plus a layer."),
+]
+ToleranceOption = Annotated[
+    float | None,
+    typer.Option(
+        "--tolerance",
+        metavar="TOL",
+        help="atol and rtol (default: by dtype).",
+        min=0,
+        show_default=False,
+    ),
+]
+AdoptOption = Annotated[
+    str | None,
+    typer.Option(
+        "--adopt",
+        metavar="MODULE:FUNCTION",
+        help="Prove a patch function (Liger's apply_liger_kernel_to_*, your own) on a "
+        "tiny model of --model, then undo it; the substitution options are not used.",
+        show_default=False,
+    ),
 ]
 Fp8Option = Annotated[
     bool,
