@@ -164,6 +164,31 @@ def test_a_swapped_wrapper_equals_the_original_on_image_or_audio_prompts(model_t
     assert_same_logits_and_generation(original, swapped, batch)
 
 
+@pytest.mark.parametrize("slot", ["norm", "mlp", "qkv"])
+def test_a_slot_below_the_layer_keeps_the_wrappers_other_parts_which_its_proof_never_runs(slot):
+    """``mistral.<slot>.fused`` on a Mistral3 wrapper: its first-use proof builds a tiny
+    MistralForCausalLM, so the Pixtral vision tower's norms, MLPs and attentions (and the
+    projector's norm), classes of other modeling modules, stay the original's and the report
+    says why; the language model's are swapped, and image prompts give the original's
+    logits and tokens."""
+    original = tiny_wrapper("mistral3")
+    batch = multimodal_inputs(original)
+    swapped = copy.deepcopy(original)
+    with layerswap.swap(swapped, f"mistral.{slot}.fused") as handle:
+        taken = {original.__name__ for _, original, _ in handle.swapped}
+        assert taken == {
+            {"norm": "MistralRMSNorm", "mlp": "MistralMLP"}.get(slot, "MistralAttention")
+        }
+        kept = handle.kept
+        assert {"PixtralRMSNorm", "PixtralMLP", "PixtralAttention"} & set(kept)
+        assert set(kept) <= {"PixtralRMSNorm", "PixtralMLP", "PixtralAttention", "Mistral3RMSNorm"}
+        assert all("first-use proof builds" in reason for _, reason in kept.values())
+        assert "MistralForCausalLM the first-use proof builds" in handle.report()
+        assert_same_logits_and_generation(original, swapped, batch)
+    for name, module in swapped.named_modules():
+        assert type(module) is type(original.get_submodule(name))
+
+
 def test_ministral_3_is_swapped_inside_its_mistral3_wrapper():
     """Ministral 3 ships as ``Mistral3ForConditionalGeneration`` around a ``ministral3``
     text decoder, whose queries are scaled by position: found through the wrapper, swapped,

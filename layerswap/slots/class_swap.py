@@ -104,6 +104,24 @@ def _tiny_on_meta(family: Family) -> Any:
     return built
 
 
+def _proof_roots(model: nn.Module, family: Family) -> list[str]:
+    """The names of ``model``'s transformers models of ``family``'s modeling module (``""``
+    for ``model`` itself): what the first-use proof builds, from the same config, and runs.
+    A module below none of them (a wrapper's vision tower or projector) it never runs."""
+    from transformers import PreTrainedModel
+
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, PreTrainedModel)
+        and getattr(type(module), "_layerswap_original", type(module)).__module__ == family.module
+    ]
+
+
+def _outside(name: str, roots: list[str]) -> bool:
+    return not any(root == "" or name == root or name.startswith(root + ".") for root in roots)
+
+
 @dataclass
 class ClassPlan:
     """What a swap of ``sub`` does to one model: the modules it swaps, and those it keeps."""
@@ -289,14 +307,24 @@ class ClassSwapSlot(Slot):
     def plan(self, model: nn.Module, sub: Substitution) -> ClassPlan:
         """Which of ``model``'s modules ``sub`` swaps (and into which class), and which stay."""
         replacement: Any = sub.replacement_class()
+        family = sub.parts.family
         plan = ClassPlan([], {}, [])
-        for cls, names in self.candidates(model, sub.parts.family.module).items():
+        roots: list[str] | None = None
+        for cls, names in self.candidates(model, family.module).items():
             for name in names:
                 module = model.get_submodule(name)
                 if isinstance(module, self.replacement_base):
                     plan.taken.append((name, module._layerswap_swapped_by))
                     continue
                 reason = instance_forward(module)
+                if cls.__module__ != family.module:
+                    # another model's class: swapped only where the proof's model holds it
+                    roots = _proof_roots(model, family) if roots is None else roots
+                    if _outside(name, roots):
+                        reason = (
+                            f"not in the {family.causal_lm} the first-use proof builds and "
+                            "runs, so not proven here"
+                        )
                 if reason is None:
                     spec = self.spec_of(module)
                     reason = spec if isinstance(spec, str) else replacement.refusal(spec)
