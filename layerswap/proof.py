@@ -156,10 +156,13 @@ def original_module(sub: Substitution) -> str:
     return sub.original.partition(":")[0]
 
 
-def proof_key(sub: Substitution, config: PreTrainedConfig | None) -> str:
+def proof_key(
+    sub: Substitution, config: PreTrainedConfig | None, device: torch.device | None = None
+) -> str:
     """The verdict's key: versions, the transformers source the original runs, the
     substitution, its replacement class and (outside layerswap) its code, the device the
-    proof runs on, the config's kind (its attention implementation included)."""
+    proof runs on (``device``, else the one it would run on), the config's kind (its
+    attention implementation included)."""
     replacement = sub.replacement
     named = replacement if isinstance(replacement, str) else replacement.__qualname__
     module = (
@@ -173,7 +176,7 @@ def proof_key(sub: Substitution, config: PreTrainedConfig | None) -> str:
         # a plugin's or the user's own layer: its code, as transformers' is
         "replacement_source": sources.code_digest(module),
         # another device runs other kernels (SDPA's, a backend's)
-        "device": _device(sub).type,
+        "device": (device or _device(sub)).type,
         "config": "family" if config is None else config_kind(layer_config(config)),
     }
     encoded = json.dumps(parts, sort_keys=True).encode()
@@ -282,9 +285,9 @@ def _tolerance(device: torch.device) -> Tolerance:
 
 
 @normal_tensors
-def _prove(sub: Substitution, family: Family, config: PreTrainedConfig | None) -> Verdict:
+def _prove(sub: Substitution, config: PreTrainedConfig | None, device: torch.device) -> Verdict:
     started = time.perf_counter()
-    device = _device(sub)
+    family = sub.parts.family
     kind = "shrunk"
     proven: PreTrainedConfig | None = None
     if config is not None:
@@ -360,7 +363,8 @@ def prove(
 
 
 def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool) -> Verdict:
-    key = proof_key(sub, config)
+    device = _device(sub)  # the key names it, and the proof runs on it
+    key = proof_key(sub, config, device)
     with _LOCK:
         if not force:
             known = _MEMO.get(key)
@@ -371,7 +375,7 @@ def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool)
                 _MEMO[key] = known
                 return known
         with zero3.outside_partitioning():  # tiny models stay whole inside zero.Init
-            verdict = _prove(sub, sub.parts.family, config)
+            verdict = _prove(sub, config, device)
         _MEMO[key] = verdict
         if verdict.config == "family" and config is not None:
             warnings.warn(
@@ -383,7 +387,7 @@ def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool)
             )
             # stored for what it checked, the family's tiny config: never as this config's
             # verdict, which another process would then take for a proof of it
-            verdicts.write(proof_key(sub, None), verdict.to_dict())
+            verdicts.write(proof_key(sub, None, device), verdict.to_dict())
             return verdict
         verdicts.write(key, verdict.to_dict())
         return verdict
