@@ -561,7 +561,7 @@ class Registry:
             return None
         found = self._derivable(name)
         if found is None:
-            return None
+            return self._through_another(name)
         family, backend, slot, _ = found
         absence = family.absence()
         if absence is not None:
@@ -570,6 +570,17 @@ class Registry:
         if reason is None:
             return None
         return f"the {backend.name} backend does not express {family.name}'s {slot}: {reason}"
+
+    def _through_another(self, name: str) -> str | None:
+        """Why ``<model type>.<slot>.<backend>`` names nothing where its model type has no
+        causal LM, for a slot that takes any model type (``None``: not such a name)."""
+        model_type, _, rest = name.partition(".")
+        slot, _, backend = rest.partition(".")
+        if self.family(model_type) is not None or not takes_any_model_type(slot):
+            return None
+        from layerswap.model_types import no_causal_lm
+
+        return no_causal_lm(model_type, f"{slot}.{backend}", self._existing)
 
     def substitutions(
         self, family: str | None = None, backend: str | None = None, slot: str | None = None

@@ -16,12 +16,21 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from layerswap.errors import UnsupportedFamilyError
 from layerswap.family import Family
 
-__all__ = ["NOT_STANDALONE", "SWITCHED_ON", "bare_family", "norm_class_name"]
+__all__ = [
+    "NOT_STANDALONE",
+    "SWITCHED_ON",
+    "bare_family",
+    "language_model_of",
+    "no_causal_lm",
+    "norm_class_name",
+    "ships_model_type",
+]
 
 #: model types whose causal LM does not run on token ids alone, so no tiny model of theirs
 #: can be proven, and why
@@ -71,6 +80,69 @@ SWITCHED_ON: dict[str, dict[str, Any]] = {
     # run until one is chosen
     "xmod": {"default_language": "en_XX"},
 }
+
+
+def ships_model_type(model_type: str) -> bool:
+    """Whether the installed transformers knows ``model_type`` (has a config class for it)."""
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
+def language_model_of(model_type: str) -> tuple[str, str] | None:
+    """For a model type transformers has no causal LM for, the model type whose
+    substitutions reach its decoder's modules, and how the two relate; ``None`` where there
+    is none.
+
+    A multimodal wrapper (LLaVA, InternVL, PaliGemma) runs a language model of another
+    model type: that one's substitutions swap its modules inside the wrapper. A wrapper's
+    text model (``qwen2_vl_text``, ``mllama_text_model``) is the wrapper's: the wrapper's
+    substitutions swap it. Reads config classes only; imports no modeling module.
+
+    Example::
+
+        language_model_of("llava")            # ("llama", "it wraps a llama language model")
+        language_model_of("qwen2_vl_text")    # ("qwen2_vl", "it is qwen2_vl's language model")
+    """
+    from transformers import CONFIG_MAPPING
+
+    if not ships_model_type(model_type):
+        return None
+    try:
+        text = getattr(CONFIG_MAPPING[model_type](), "text_config", None)
+    except Exception:  # a config class that needs arguments: no wrapper of a default
+        text = None
+    inner = getattr(text, "model_type", None)
+    if isinstance(inner, str) and inner and inner != model_type:
+        return inner, f"it wraps a {inner} language model"
+    for owner, config_class in CONFIG_MAPPING.items():
+        sub_configs = getattr(config_class, "sub_configs", None) or {}
+        part = sub_configs.get("text_config")
+        if owner != model_type and getattr(part, "model_type", None) == model_type:
+            return owner, f"it is {owner}'s language model"
+    return None
+
+
+def no_causal_lm(model_type: str, rest: str, offered: Callable[[str], object]) -> str | None:
+    """Why ``<model_type>.<rest>`` (``rest``: ``"norm.liger"``) names no substitution where
+    transformers has no causal LM for ``model_type``: the substitution that swaps its
+    modules (:func:`language_model_of`; ``offered(name)`` is ``None`` for one not offered),
+    or that no slot takes it; ``None`` for a model type transformers does not ship."""
+    found = language_model_of(model_type)
+    if found is not None:
+        other, how = found
+        instead = f"{other}.{rest}"
+        if offered(instead) is not None:
+            return (
+                f"transformers has no causal LM for {model_type}; {how}, whose modules "
+                f"{instead} swaps inside a {model_type} model too: swap(model, {instead!r})"
+            )
+    if not ships_model_type(model_type):
+        return None
+    return (
+        f"transformers has no causal LM for {model_type}, nor for a language model it "
+        "wraps, and the first-use proof builds and runs a tiny causal LM: no slot takes it"
+    )
 
 
 def bare_family(model_type: str) -> Family:

@@ -111,6 +111,123 @@ def test_every_family_liger_expresses_has_a_decoder_substitution_and_a_head() ->
         )
 
 
+#: the model types Liger-Kernel 0.8.5's ``MODEL_TYPE_TO_APPLY_LIGER_FN`` patches
+LIGER_0_8_5_KEYS = (
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v4",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "gemma4_text",
+    "gemma4",
+    "glm4",
+    "glm4v",
+    "glm4v_moe",
+    "gpt_oss",
+    "internvl",
+    "llama",
+    "llama4_text",
+    "llama4",
+    "llava",
+    "granite",
+    "mllama",
+    "mllama_text_model",
+    "ministral",
+    "mistral",
+    "mixtral",
+    "muse_glimmer",
+    "nemotron",
+    "olmo2",
+    "pixtral",
+    "olmo3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_vl",
+    "qwen2_vl_text",
+    "qwen2_5_vl",
+    "qwen2_5_vl_text",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_vl",
+    "qwen3_vl_text",
+    "qwen3_vl_moe",
+    "qwen3_vl_moe_text",
+    "smollm3",
+    "phi3",
+    "paligemma",
+    "falcon_h1",
+    "smolvlm",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "exaone4",
+)
+#: of those, the ones no slot can take: no causal LM in transformers, nor one for a
+#: language model they wrap (Pixtral's vision encoder, MuseGlimmer's text model)
+NO_CAUSAL_LM = ("muse_glimmer", "pixtral")
+_SLOTS = ("decoder", "head", "norm", "mlp", "experts", "qkv")
+
+
+def _liger_names(model_type: str) -> list[str]:
+    found = []
+    for slot in _SLOTS:
+        try:
+            found.append(layerswap.get(f"{model_type}.{slot}.liger").name)
+        except layerswap.errors.UnknownSubstitutionError:
+            pass
+    return found
+
+
+def test_every_model_type_liger_patches_has_liger_kernels_through_layerswap_or_a_reason() -> None:
+    """Each key of Liger 0.8.5's table: a ``<key>.<slot>.liger`` substitution (Liger's norm,
+    SwiGLU, experts and loss kernels, proven at first use and undone), or, for a wrapper or
+    a wrapper's text model, an error naming the substitution that swaps its modules, or why
+    no slot takes it. The installed Liger's table, where there is one, is this one."""
+    if liger_installed:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+        assert set(LIGER_0_8_5_KEYS) <= set(MODEL_TYPE_TO_APPLY_LIGER_FN)
+    direct = {key: _liger_names(key) for key in LIGER_0_8_5_KEYS}
+    assert sum(bool(names) for names in direct.values()) >= 42
+    for key in ("qwen3_next", "deepseek_v3", "llama4", "gemma4", "falcon_h1", "qwen3_5_moe"):
+        assert f"{key}.norm.liger" in direct[key] and f"{key}.head.liger" in direct[key]
+    for key in (k for k, names in direct.items() if not names):
+        with pytest.raises(layerswap.errors.UnknownSubstitutionError) as refused:
+            layerswap.get(f"{key}.norm.liger")
+        message = str(refused.value)
+        if key in NO_CAUSAL_LM:
+            assert "no slot takes it" in message
+            continue
+        instead = message.rpartition("swap(model, '")[2].rstrip("')")
+        assert instead.endswith(".norm.liger") and f"no causal LM for {key}" in message
+        assert layerswap.get(instead).slot == "norm"
+
+
+def test_a_wrappers_text_model_is_swapped_by_the_wrappers_substitution() -> None:
+    """``qwen2_vl_text`` has no causal LM: the error for ``qwen2_vl_text.norm.fused`` names
+    ``qwen2_vl.norm.fused``, which swaps a ``Qwen2VLTextModel``'s norms to the same
+    outputs; for a LLaVA model, the error names its language model's, which swaps it."""
+    from transformers import Qwen2VLTextConfig, Qwen2VLTextModel
+
+    with pytest.raises(layerswap.errors.UnknownSubstitutionError, match=r"qwen2_vl\.norm\.fused"):
+        layerswap.get("qwen2_vl_text.norm.fused")
+    with pytest.raises(layerswap.errors.UnknownSubstitutionError, match=r"'llama\.norm\.fused'"):
+        layerswap.get("llava.norm.fused")
+    text = layerswap.get_family("qwen2_vl").tiny_config().text_config.to_dict()
+    torch.manual_seed(0)
+    model = Qwen2VLTextModel(Qwen2VLTextConfig(**text)).eval()
+    ids = torch.randint(0, 100, (1, 6))
+    before = model(input_ids=ids).last_hidden_state
+    with layerswap.swap(model, "qwen2_vl.norm.fused") as handle:
+        assert len(handle) == 2 * model.config.num_hidden_layers + 1
+        torch.testing.assert_close(model(input_ids=ids).last_hidden_state, before)
+
+
 def test_refused_families_get_no_decoder_substitution_and_a_reason() -> None:
     for name in REFUSED:
         reason = liger.unsupported(families()[name])
