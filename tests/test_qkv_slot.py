@@ -358,9 +358,18 @@ def test_weights_made_when_called_are_made_before_the_product() -> None:
             optimizer.step()
 
 
-def test_a_weight_changed_in_place_before_the_backward_pass_is_refused_as_by_the_original() -> None:
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_a_weight_changed_in_place_before_the_backward_pass_is_refused_as_by_the_original(
+    frozen: bool,
+) -> None:
+    """Trained or frozen (a LoRA fine-tune's base weights), a projection's weight changed in
+    place between forward and backward makes the backward pass fail, as the original's
+    does: its input's gradient would be computed from the changed weight."""
     for swapped in (False, True):
         model = layerswap.get_family("llama").build(seed=0)
+        if frozen:
+            model.requires_grad_(False)
+            model.get_input_embeddings().weight.requires_grad_(True)
         if swapped:
             layerswap.swap(model, "llama.qkv.fused")
         ids = _ids(model)

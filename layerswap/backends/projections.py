@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -79,6 +80,24 @@ def _packed(parts: list[Tensor], sizes: tuple[int, ...], tracked: bool) -> Tenso
         return _whole(parts, sizes)
     whole: Tensor = _Sliced.apply(sizes, *parts)  # type: ignore[no-untyped-call]
     return whole
+
+
+def _unchanged(names: tuple[str, ...], weights: list[Tensor]) -> Callable[[Tensor], None]:
+    """A gradient hook raising, as autograd does for a tensor it saved, where one of the
+    frozen ``weights`` a product was computed from has changed in place since."""
+    versions = [weight._version for weight in weights]
+
+    def check(_: Tensor) -> None:
+        for name, weight, version in zip(names, weights, versions, strict=True):
+            if weight._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: the weight of {name} is at version "
+                    f"{weight._version}; expected version {version} instead (it was changed "
+                    "in place after the forward pass that used it)"
+                )
+
+    return check
 
 
 def _is_slice_chain(parts: list[Tensor]) -> bool:
@@ -324,12 +343,17 @@ class PackedGroup:
             return None
         grad = torch.is_grad_enabled()
         weights: list[Any] = [m._parameters["weight"] for m in self.members]
-        weight = _packed(weights, self.sizes, grad and any(w.requires_grad for w in weights))
+        tracked = grad and any(w.requires_grad for w in weights)
+        weight = _packed(weights, self.sizes, tracked)
         bias = None
         if self.bias:
             biases: list[Any] = [m._parameters["bias"] for m in self.members]
             bias = _packed(biases, self.sizes, grad and any(b.requires_grad for b in biases))
         product = F.linear(x, weight, bias)
+        if grad and not tracked and x.requires_grad:
+            # frozen weights: x's gradient is computed from them, so one changed in place
+            # before the backward pass is refused, as the original's products refuse it
+            product.register_hook(_unchanged(self.names, weights))  # type: ignore[no-untyped-call]
         outputs: list[Tensor | None]
         if grad:
             # one view per projection (not split's views of one call): each may be changed
