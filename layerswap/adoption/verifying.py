@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 from layerswap.adoption.changes import ClassChange, Rebinding
 from layerswap.comparison.compare import Comparison
 from layerswap.comparison.forward import forward
+from layerswap.comparison.generation import decode_tokens
 from layerswap.comparison.placement import model_placement
 from layerswap.errors import UnsupportedModelError
-from layerswap.verify.checks import decode_tokens
 
 if TYPE_CHECKING:
     from torch import nn

@@ -14,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 from layerswap.comparison.distance import Diff, diff
 from layerswap.comparison.fp8 import FLOOR_FACTOR, FLOOR_SLACK
+from layerswap.comparison.model_classes import task_of
 from layerswap.comparison.report import GenerationReport
 from layerswap.comparison.tolerance import Tolerance
+from layerswap.model import unwrap
 
-__all__ = ["compare_generation"]
+__all__ = ["DEFAULT_DECODE_TOKENS", "compare_generation", "decode_tokens"]
 
 
 def _agreement(
@@ -147,3 +150,17 @@ def compare_generation(
         reference_tokens=tuple(tuple(int(t) for t in row) for row in reference),
         candidate_tokens=tuple(tuple(int(t) for t in row) for row in candidate),
     )
+
+
+#: greedy tokens decoded with the KV cache and compared when ``generate`` is not given
+DEFAULT_DECODE_TOKENS = 4
+
+
+def decode_tokens(model: nn.Module, generate: int | None, *, streaming: bool = False) -> int:
+    """How many tokens to decode: ``generate`` when given, else the default for ``model``
+    (:data:`DEFAULT_DECODE_TOKENS` for a model that generates, none in streaming mode)."""
+    if generate is not None:
+        return generate
+    if streaming or not task_of(unwrap(model)).can_generate:
+        return 0
+    return DEFAULT_DECODE_TOKENS

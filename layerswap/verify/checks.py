@@ -13,8 +13,8 @@ from torch import nn
 from layerswap.comparison.compare import Comparison
 from layerswap.comparison.forward import ContextFactory, Run, forward
 from layerswap.comparison.fp8 import ideal_fp8
+from layerswap.comparison.generation import decode_tokens
 from layerswap.comparison.inputs import InputsLike, prepare_inputs, unreached_thresholds
-from layerswap.comparison.model_classes import task_of
 from layerswap.comparison.placement import (
     DeviceLike,
     DTypeLike,
@@ -25,7 +25,7 @@ from layerswap.comparison.placement import (
 from layerswap.comparison.report import VerificationReport
 from layerswap.comparison.tolerance import Tolerance, precision
 from layerswap.errors import SwapWarning, VerificationError
-from layerswap.model import decoder_layers_if_known, unwrap
+from layerswap.model import decoder_layers_if_known
 from layerswap.proof import comparing
 from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
@@ -35,7 +35,7 @@ from layerswap.verify.streaming import verify_streaming
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution
 
-__all__ = ["DEFAULT_DECODE_TOKENS", "assert_equivalent", "decode_tokens", "verify"]
+__all__ = ["assert_equivalent", "verify"]
 
 
 def _fp8_floor(model: nn.Module, batch: dict[str, torch.Tensor], generate: int) -> Run:
@@ -87,20 +87,6 @@ def _float32_floor(
     )
 
 
-#: greedy tokens decoded with the KV cache and compared when ``generate`` is not given
-DEFAULT_DECODE_TOKENS = 4
-
-
-def decode_tokens(model: nn.Module, generate: int | None, *, streaming: bool = False) -> int:
-    """How many tokens to decode: ``generate`` when given, else the default for ``model``
-    (:data:`DEFAULT_DECODE_TOKENS` for a model that generates, none in streaming mode)."""
-    if generate is not None:
-        return generate
-    if streaming or not task_of(unwrap(model)).can_generate:
-        return 0
-    return DEFAULT_DECODE_TOKENS
-
-
 def verify(
     model: nn.Module,
     substitution: SubstitutionLike,
@@ -123,8 +109,9 @@ def verify(
     keeps the model's. ``tolerance`` is a number (atol and rtol) or a :class:`Tolerance`;
     the default depends on the dtype. ``generate`` is how many tokens to decode greedily
     with the KV cache and compare (tokens and their logits); by default
-    :data:`DEFAULT_DECODE_TOKENS` for a model that generates (a causal LM), so a layer that
-    mishandles the cache fails the default check; ``0`` skips it. ``streaming=True``
+    :data:`~layerswap.comparison.generation.DEFAULT_DECODE_TOKENS` for a model that
+    generates (a causal LM), so a layer that mishandles the cache fails the default check;
+    ``0`` skips it. ``streaming=True``
     keeps memory near one model plus one layer (see :mod:`layerswap.verify`); it
     compares no decoding.
     A model built inside :func:`layerswap.use` (its layers already swapped) is compared
