@@ -1,8 +1,8 @@
 """Converting one decoder layer to its replacement and back: the one place it is done.
 
 :func:`convert_layer` builds the replacement of one original layer, holding its weights:
-:func:`layerswap.swap` calls it for every layer of a model, :func:`build_replacement_layer`
-for a side-by-side copy, streaming verification for one layer at a time. Its keyword
+:func:`layerswap.swap` calls it for every layer of a model,
+:func:`layerswap.swap.build_replacement_layer` for a side-by-side copy, streaming verification for one layer at a time. Its keyword
 arguments are what those callers differ in (grad mode, detaching, device, how errors
 read). :func:`convert_back` is the reverse: into the original's own ``Parameter``
 objects (undo), or into a new original layer. :func:`adopt_layer` is what every
@@ -26,7 +26,6 @@ from layerswap.errors import ConversionError, LayerswapError
 from layerswap.model import layer_config, locate, mark_substitution
 from layerswap.packed_optim import track_packed_layer
 from layerswap.packed_state import install_packed_state_hooks
-from layerswap.registry import get
 from layerswap.state import install_load_hook
 from layerswap.substitution import Substitution
 from layerswap.weights import is_extra_state
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "adopt_layer",
-    "build_replacement_layer",
     "convert_back",
     "convert_layer",
     "layer_index",
@@ -280,26 +278,3 @@ def convert_back(
         if value is not tensor:
             tensor.data = value.detach()
     return into
-
-
-def build_replacement_layer(
-    substitution: str | Substitution,
-    layer: nn.Module,
-    *,
-    config: PreTrainedConfig,
-    layer_idx: int | None = None,
-) -> nn.Module:
-    """A replacement for ``layer`` carrying its weights, leaving ``layer`` untouched.
-
-    Tensors that only change name share storage with ``layer`` (no copy) but are new
-    ``Parameter`` objects with the same ``requires_grad``; concatenated ones are new
-    tensors. For side-by-side comparisons (``layerswap.verify``); to swap a model,
-    use :func:`layerswap.swap`.
-
-    Example::
-
-        fused = build_replacement_layer("llama.decoder.fused", model.model.layers[0],
-                                        config=model.config)
-    """
-    index = layer_index(layer, 0) if layer_idx is None else layer_idx
-    return convert_layer(layer, get(substitution), config, layer_idx=index, detach=True)

@@ -19,17 +19,21 @@ Example::
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from layerswap.errors import SubstitutionError, SwapWarning, UnknownSubstitutionError
 from layerswap.family import Family
 from layerswap.handle import SwapHandle
-from layerswap.layers import build_replacement_layer
+from layerswap.layers import convert_layer, layer_index
 from layerswap.model import decoder_layers, family_of, substitution_of, unwrap
 from layerswap.registry import get
 from layerswap.slots.decoder import LayerSwapHandle
 from layerswap.substitution import Substitution
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 __all__ = [
     "LayerSwapHandle",
@@ -126,3 +130,26 @@ def swap(
             "or swap(model, backend=...)"
         )
     return sub.parts.slot.swap(target, sub)
+
+
+def build_replacement_layer(
+    substitution: str | Substitution,
+    layer: nn.Module,
+    *,
+    config: PreTrainedConfig,
+    layer_idx: int | None = None,
+) -> nn.Module:
+    """A replacement for ``layer`` carrying its weights, leaving ``layer`` untouched.
+
+    Tensors that only change name share storage with ``layer`` (no copy) but are new
+    ``Parameter`` objects with the same ``requires_grad``; concatenated ones are new
+    tensors. For side-by-side comparisons (``layerswap.verify``); to swap a model,
+    use :func:`layerswap.swap`.
+
+    Example::
+
+        fused = build_replacement_layer("llama.decoder.fused", model.model.layers[0],
+                                        config=model.config)
+    """
+    index = layer_index(layer, 0) if layer_idx is None else layer_idx
+    return convert_layer(layer, get(substitution), config, layer_idx=index, detach=True)
