@@ -52,6 +52,8 @@ from layerswap.weights import Concat
 if TYPE_CHECKING:
     from peft import PeftModel
 
+    from layerswap.substitution import Substitution
+
 __all__ = [
     "AdapterLayout",
     "FusedGroup",
@@ -454,18 +456,17 @@ class AdapterLayout:
         return self.fused
 
 
-def adapter_layout(directory: str | Path, family: str) -> AdapterLayout:
-    """The layout of the adapter at ``directory`` for ``family``'s fused substitution.
+def adapter_layout(directory: str | Path, substitution: Substitution) -> AdapterLayout:
+    """The layout of the adapter at ``directory`` for a family's fused ``substitution``
+    (the modules it fuses say which names are whose).
 
     Example::
 
-        adapter_layout("my-adapter", "llama").layout        # "original"
+        adapter_layout("my-adapter", layerswap.get("llama.decoder.fused")).layout  # "original"
     """
-    from layerswap.registry import get
-
     rules = [
         rule
-        for rule in getattr(get(f"{family}.decoder.fused").converter, "rules", ())
+        for rule in getattr(substitution.converter, "rules", ())
         if isinstance(rule, Concat) and rule.target.endswith(".weight") and rule.dim == 0
     ]
     fused_leaves = {rule.target.removesuffix(".weight").rpartition(".")[2] for rule in rules}

@@ -428,11 +428,12 @@ def adapter_command(
     with exit_codes():
         from layerswap.adapters import adapter_layout
         from layerswap.cli.models import family_of_adapter
+        from layerswap.registry import get
 
         if not (directory / "adapter_config.json").is_file():
             raise UsageProblem(f"{directory}: no adapter_config.json (not a PEFT adapter)")
         family = find_family(model).name if model is not None else family_of_adapter(directory)
-        found = adapter_layout(directory, family)
+        found = adapter_layout(directory, get(f"{family}.decoder.fused"))
     if json_output:
         print_json({"adapter": str(directory), "family": family, **dataclasses.asdict(found)})
     else:
