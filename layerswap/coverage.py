@@ -315,9 +315,8 @@ def wrapper_family(model_type: str) -> tuple[Family, str] | None:
 
         family, media = wrapper_family("llava")    # (Family(name="llama", ...), "image")
     """
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     from layerswap.comparison.multimodal import WRAPPERS
+    from layerswap.model_types import wrapped_model_type
 
     if model_type not in WRAPPERS:
         return None
@@ -325,10 +324,7 @@ def wrapper_family(model_type: str) -> tuple[Family, str] | None:
     by_type = {family.model_type: family for family in families().values()}
     if model_type in by_type:  # a family of its own: the wrapper is its model (Qwen2-VL)
         return by_type[model_type], media
-    try:
-        text_type = CONFIG_MAPPING[model_type]().text_config.model_type
-    except Exception:  # not in this transformers
-        return None
+    text_type = wrapped_model_type(model_type)
     return (by_type[text_type], media) if text_type in by_type else None
 
 

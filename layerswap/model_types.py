@@ -30,6 +30,7 @@ __all__ = [
     "no_causal_lm",
     "norm_class_name",
     "ships_model_type",
+    "wrapped_model_type",
 ]
 
 #: model types whose causal LM does not run on token ids alone, so no tiny model of theirs
@@ -89,6 +90,22 @@ def ships_model_type(model_type: str) -> bool:
     return model_type in CONFIG_MAPPING
 
 
+def wrapped_model_type(model_type: str) -> str | None:
+    """The model type of the language model a wrapper's default config holds (LLaVA's:
+    ``"llama"``); ``None`` for a model type without another's text config, or that the
+    installed transformers does not ship. Builds the config class's default only."""
+    from transformers import CONFIG_MAPPING
+
+    if not ships_model_type(model_type):
+        return None
+    try:
+        text = getattr(CONFIG_MAPPING[model_type](), "text_config", None)
+    except Exception:  # a config class that needs arguments: no wrapper of a default
+        return None
+    inner = getattr(text, "model_type", None)
+    return inner if isinstance(inner, str) and inner and inner != model_type else None
+
+
 def language_model_of(model_type: str) -> tuple[str, str] | None:
     """For a model type transformers has no causal LM for, the model type whose
     substitutions reach its decoder's modules, and how the two relate; ``None`` where there
@@ -106,15 +123,11 @@ def language_model_of(model_type: str) -> tuple[str, str] | None:
     """
     from transformers import CONFIG_MAPPING
 
+    inner = wrapped_model_type(model_type)
+    if inner is not None:
+        return inner, f"it wraps a {inner} language model"
     if not ships_model_type(model_type):
         return None
-    try:
-        text = getattr(CONFIG_MAPPING[model_type](), "text_config", None)
-    except Exception:  # a config class that needs arguments: no wrapper of a default
-        text = None
-    inner = getattr(text, "model_type", None)
-    if isinstance(inner, str) and inner and inner != model_type:
-        return inner, f"it wraps a {inner} language model"
     for owner, config_class in CONFIG_MAPPING.items():
         sub_configs = getattr(config_class, "sub_configs", None) or {}
         part = sub_configs.get("text_config")
