@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import contextvars
-import copy
 import dataclasses
 import hashlib
 import json
@@ -54,8 +53,8 @@ from layerswap import sources, verdicts, zero3
 from layerswap.comparison.first_difference import CHECKS, first_difference
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
-from layerswap.layers import convert_layer, layer_index, normal_tensors
-from layerswap.model import decoder_layers, layer_config, locate
+from layerswap.layers import normal_tensors
+from layerswap.model import layer_config
 from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.substitution import Substitution
@@ -239,31 +238,10 @@ def _original_model(
 ) -> nn.Module:
     """A causal LM of ``config`` with the originals in ``sub``'s slot, random from the seed."""
     model = family.causal_lm_class()(config)
-    if not sub.parts.slot.replaces_layers:  # built inside use(): the slot puts them back
-        sub.parts.slot.rebuild_originals(model, sub)
-    else:
-        original = sub.original_class()
-        for position, (name, layer) in enumerate(decoder_layers(model)):
-            if type(layer) is not original:  # built inside use(): put an original there
-                parent, key = locate(model, name)
-                parent._modules[key] = original(layer_config(config), layer_index(layer, position))
+    sub.parts.slot.proof_reference(model, sub, config)  # built inside a use(): originals back
     _randomize(model)
     placed: nn.Module = model.to(device=device, dtype=torch.float32)
     return placed.eval()
-
-
-def _swapped_copy(model: nn.Module, sub: Substitution, config: PreTrainedConfig) -> nn.Module:
-    candidate = copy.deepcopy(model)
-    if not sub.parts.slot.replaces_layers:  # a slot whose swap converts no weights
-        sub.parts.slot.swap(candidate, sub)
-        return candidate
-    for position, (name, layer) in enumerate(decoder_layers(candidate)):
-        replacement = convert_layer(
-            layer, sub, config, layer_idx=layer_index(layer, position), detach=True
-        )
-        parent, key = locate(candidate, name)
-        parent._modules[key] = replacement
-    return candidate
 
 
 def _batch(config: PreTrainedConfig, device: torch.device) -> dict[str, torch.Tensor]:
@@ -319,7 +297,7 @@ def _prove(sub: Substitution, config: PreTrainedConfig | None, device: torch.dev
         except Exception as exc:  # nothing can be proven here: refused, with the reason
             check, detail = "building the tiny original model", f"{type(exc).__name__}: {exc}"
         else:
-            candidate = _swapped_copy(reference, sub, proven)
+            candidate = sub.parts.slot.proof_candidate(reference, sub, proven)
             batch = _batch(proven, device)
             check, detail = first_difference(
                 reference,

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import warnings
@@ -273,6 +274,19 @@ class Slot:
     def proof_context(self, sub: Substitution) -> Callable[[], AbstractContextManager[Any]]:
         """What the proof's swapped copy computes its loss in (the head: its fused loss)."""
         return contextlib.nullcontext
+
+    def proof_reference(self, model: Any, sub: Substitution, config: PreTrainedConfig) -> None:
+        """Make ``model``, a causal LM of ``config`` the first-use proof just built, hold
+        the originals in this slot's place: built inside a :func:`layerswap.use`, it holds
+        replacements there (default: :meth:`rebuild_originals`)."""
+        self.rebuild_originals(model, sub)
+
+    def proof_candidate(self, reference: Any, sub: Substitution, config: PreTrainedConfig) -> Any:
+        """A copy of the proof's ``reference`` (a causal LM of ``config``) with ``sub`` in
+        place, holding the reference's weights (default: :meth:`swap` of a deep copy)."""
+        candidate = copy.deepcopy(reference)
+        self.swap(candidate, sub)
+        return candidate
 
     def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
         """Raise :class:`~layerswap.errors.UpstreamDriftError` when transformers calls the
