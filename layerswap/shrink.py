@@ -72,11 +72,16 @@ SIZE_FIELDS = frozenset(
     }
 )
 #: config fields (top level, or in ``rope_parameters``, per layer type too) that name a
-#: position past which a layer computes differently: a window, a chunk, the span after
-#: which Llama 4's attention temperature or Ministral 3's query scaling starts to grow
+#: position past which a layer computes differently: a window, a chunk of attention or of
+#: a state-space scan (Mamba 2's chunked scan carries its state from chunk to chunk past
+#: it: Falcon-H1, Bamba, Granite 4 hybrid, Nemotron-H, Zamba 2; xLSTM's chunkwise mLSTM),
+#: the span after which Llama 4's attention temperature or Ministral 3's query scaling
+#: starts to grow
 POSITION_FIELDS = (
     "sliding_window",
     "attention_chunk_size",
+    "chunk_size",
+    "mamba_chunk_size",
     "floor_scale",
     "original_max_position_embeddings",
 )

@@ -367,6 +367,22 @@ def test_the_proof_runs_past_every_position_threshold() -> None:
     assert proof.prove(get("ministral3.decoder.fused"), config).passed
 
 
+def test_the_proof_runs_a_chunked_scan_past_its_first_chunk() -> None:
+    # Falcon-H1's Mamba 2 mixers scan in chunks of 256 positions: a proof on an 8-token
+    # prompt never carried the scan's state from one chunk to the next
+    from transformers import FalconH1Config
+
+    sub = get("falcon_h1.qkv.fused")
+    config = FalconH1Config(mamba_chunk_size=256)
+    assert shrink.position_thresholds(config) == {"mamba_chunk_size": 256}
+    shrunk = shrink.shrunk_config(sub.parts.family, config)
+    assert shrink.position_thresholds(shrunk) == {"mamba_chunk_size": shrink.PROOF_WINDOW}
+    # the family's own tiny config (what `check` and the sweeps prove) spans two chunks too
+    assert sub.parts.family.tiny_config().mamba_chunk_size == shrink.PROOF_WINDOW
+    assert get("nemotron_h.qkv.fused").parts.family.tiny_config().chunk_size == shrink.PROOF_WINDOW
+    assert proof.prove(sub, config).passed
+
+
 def test_verify_runs_past_a_window_it_can_reach_and_says_which_it_cannot() -> None:
     near = tiny_llama()
     near.config.sliding_window = 40  # read by position_thresholds alone

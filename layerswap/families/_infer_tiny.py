@@ -37,6 +37,13 @@ _TINY_MLA: dict[str, Any] = {
 }
 
 
+#: the chunk of a chunked state-space scan (Mamba 2's, xLSTM's), given to a config that has
+#: the field: the tiny prompt (8 tokens) spans two chunks, so the state carried from one
+#: chunk to the next is computed and compared (at the default 256, a tiny prompt is one
+#: chunk padded to 256 positions, and a proof of Falcon-H1 takes 27 s instead of 1 s)
+_TINY_SCAN: dict[str, Any] = {"chunk_size": 4, "mamba_chunk_size": 4}
+
+
 #: fields a model type's config leaves unset by default although its model cannot be built
 #: without them (transformers' own default config does not build either): the tiny
 #: values that let inference read the layers and give its real reason
@@ -163,13 +170,14 @@ def tiny_config_for(config_class: type, **overrides: Any) -> Any:
     (given per layer type where the config would keep it flat but its layers read it per
     layer type). A mixture-of-experts config gets four
     small experts, two per token (:data:`_TINY_MOE`, those of its fields its constructor
-    names); a config whose defaults cannot build its model gets :data:`_TINY_FIXES`.
+    names), a chunked scan chunks of 4 positions (:data:`_TINY_SCAN`); a config whose defaults cannot build its model gets :data:`_TINY_FIXES`.
     """
     sizes = {**TINY, "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
     # a size the config computes (Falcon's head_dim: a property without a setter) is not given
     sizes = {key: value for key, value in sizes.items() if not _read_only(config_class, key)}
     fields = inspect.signature(config_class).parameters
     sizes.update({key: value for key, value in _TINY_MOE.items() if key in fields})
+    sizes.update({key: value for key, value in _TINY_SCAN.items() if key in fields})
     if "kv_lora_rank" in fields:
         sizes.update({key: value for key, value in _TINY_MLA.items() if key in fields})
         sizes["head_dim"] = _TINY_MLA["head_dim"]  # a field some configs derive, not take
@@ -230,6 +238,7 @@ def tiny_of(config_class: type, scaled_rope: Any = None) -> dict[str, Any]:
 _TINY_KEYS = {
     *TINY,
     *_TINY_MOE,
+    *_TINY_SCAN,
     "head_dim",
     "pad_token_id",
     "bos_token_id",
