@@ -256,6 +256,13 @@ class Slot:
         """The patches :func:`layerswap.use` starts so that models are built with ``sub``."""
         raise NotImplementedError
 
+    def held(self, model: Any) -> list[tuple[str, str]]:
+        """(qualified name, substitution name) of each of ``model``'s modules that a live
+        swap of this slot holds in an original's place: undoing that swap puts the original
+        back, and what another swap changed inside the held module goes with it (default:
+        none; the decoder slot's replacement layers)."""
+        return []
+
     def swapped_by(self, model: Any) -> str | None:
         """The name of the substitution of this slot ``model`` runs, ``None`` for the original."""
         raise NotImplementedError

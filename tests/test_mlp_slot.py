@@ -433,6 +433,47 @@ def test_a_decoder_swap_that_rebuilds_moe_blocks_refuses_a_swapped_shared_expert
         assert torch.equal(model(ids).logits, expected)
 
 
+def test_an_mlp_inside_a_layer_a_live_decoder_swap_rebuilt_is_refused() -> None:
+    """Qwen2-MoE's fused layer builds its MoE block anew: its shared expert's MLP swapped
+    after the decoder swap would leave the model with the decoder's undo (the original
+    layers come back), the mlp handle still saying "active" over nothing. Refused, naming
+    the decoder swap, and nothing changes; after its undo the mlp slot swaps alone."""
+    model = layerswap.get_family("qwen2_moe").build(seed=0)
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    with layerswap.swap(model, "qwen2_moe.decoder.fused"):
+        classes = [type(m) for m in model.modules()]
+        with pytest.raises(
+            SubstitutionError,
+            match=r"shared_expert is inside model\.layers\.0, which qwen2_moe\.decoder\.fused "
+            r"swapped: .*undo qwen2_moe\.decoder\.fused first",
+        ):
+            layerswap.swap(model, "qwen2_moe.mlp.fused")
+        assert [type(m) for m in model.modules()] == classes
+    with layerswap.swap(model, "qwen2_moe.mlp.fused") as handle:
+        assert _mlps(model) and handle.active
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_built_inside_use_of_a_decoder_swap_takes_the_mlp_slot() -> None:
+    """A model built inside ``use()`` of the decoder slot has no swap to undo: its rebuilt
+    MoE blocks are the model's own, and their MLPs swap and undo as anywhere else."""
+    reference = layerswap.get_family("qwen2_moe").build(seed=0)
+    ids = _ids(reference)
+    with torch.no_grad():
+        expected = reference(ids).logits
+    with layerswap.use("qwen2_moe.decoder.fused"):
+        model = layerswap.get_family("qwen2_moe").build(seed=0)
+    model.load_state_dict(reference.state_dict())  # the original layout, converted on load
+    with layerswap.swap(model, "qwen2_moe.mlp.fused") as handle:
+        assert _mlps(model) and all("shared_expert" in name for name, _, _ in handle.swapped)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    assert not _mlps(model)
+
+
 def test_a_slot_first_asked_inside_a_use_of_its_family_is_not_read_off_that_use(
     tmp_path: Path,
 ) -> None:

@@ -32,7 +32,7 @@ from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
 from layerswap.handle import SwapHandle
 from layerswap.patching.undo import UndoLog
 from layerswap.proof import ensure_proven
-from layerswap.slots import ModelParts, Slot
+from layerswap.slots import ModelParts, Slot, get_slot, slot_names
 from layerswap.trials import not_built
 from layerswap.versions import transformers_version
 
@@ -241,11 +241,29 @@ def _apply(plan: ClassPlan, changes: UndoLog) -> None:
         swapped._layerswap_attach(changes)
 
 
+def _lost_on_undo(model: nn.Module, slot: ClassSwapSlot, plan: ClassPlan) -> str | None:
+    """Why ``plan`` would swap a module inside one that another slot's live swap holds
+    (a decoder swap's replacement layer, whose mixture-of-experts block it built anew from
+    the original's classes), else ``None``: that swap's undo would take the module out of
+    the model, leaving this swap's handle active over nothing."""
+    held = [
+        place for name in slot_names() if name != slot.name for place in get_slot(name).held(model)
+    ]
+    for name, _, _ in plan.swapped:
+        for place, owner in held:
+            if name.startswith(f"{place}."):
+                return (
+                    f"{name} is inside {place}, which {owner} swapped: its undo gives the "
+                    f"original layers back, taking this swap's {slot.plural} with them; undo "
+                    f"{owner} first and swap the {slot.plural} alone, or build the model "
+                    "inside use() of both"
+                )
+    return None
+
+
 def _decoder_overlap(model: nn.Module, slot: ClassSwapSlot, plan: ClassPlan) -> str | None:
     """Why ``slot`` finds nothing of the model's own to swap where its decoder layers are a
     decoder substitution's (which computes its own norms and MLPs), else ``None``."""
-    from layerswap.slots import get_slot
-
     if plan.kept or plan.taken:
         return None
     decoder = get_slot("decoder").swapped_by(model)
@@ -381,6 +399,9 @@ class ClassSwapSlot(Slot):
                 f"{len(plan.taken)} {self.plural} of this model are already swapped by "
                 f"{owner} ({name}...); undo that swap first"
             )
+        lost = _lost_on_undo(model, self, plan)
+        if lost is not None:
+            raise SubstitutionError(f"{sub.name}: {lost}")
         if not plan.swapped:
             module = sub.parts.family.module
             overlap = _decoder_overlap(model, self, plan)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ _HOOK_DICTS = (
     "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )
+
+
+#: the replacement layers a live swap holds: its undo puts the original layers back
+_HELD: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 # --- per-layer work ---------------------------------------------------------------------
@@ -160,6 +165,7 @@ def _swap_layer(
         for child_name, child in replacement.named_children():
             hf_internals.capture_subtree(child, f"{name_in_owner}.{child_name}", owner)
     parent._modules[key] = replacement
+    _HELD.add(replacement)
     _release(layer, replacement)
     return _LayerRecord(
         name, parent, key, layer, replacement, type(replacement), owner, name_in_owner, installed
@@ -183,6 +189,7 @@ def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedCo
     if hooked_meanwhile and record.owner is not None:
         # transformers hooked the model while this layer was out: hook it now
         hf_internals.capture_subtree(record.original, record.name_in_owner, record.owner)
+    _HELD.discard(replacement)
     _release(replacement, record.original)
     record.replacement = None
 
@@ -440,6 +447,14 @@ class DecoderSlot(Slot):
             wrap(hf_internals.POST_INIT_TARGET, adopt),
             wrap(hf_internals.CONVERSION_MAPPING_TARGET, with_conversions),
         ]
+
+    def held(self, model: nn.Module) -> list[tuple[str, str]]:
+        found = []
+        for name, module in model.named_modules():
+            owner = substitution_of(module)
+            if owner is not None and module in _HELD:
+                found.append((name, owner.name))
+        return found
 
     def swapped_by(self, model: nn.Module) -> str | None:
         try:

@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from layerswap.backends.experts import ExpertsReplacement
-from layerswap.errors import SubstitutionError
 from layerswap.experts import ExpertsSpec, candidate_experts_classes, classify
-from layerswap.slots import get_slot
 from layerswap.slots.class_swap import ClassPlan, ClassSwapHandle, ClassSwapSlot, settings
 
 if TYPE_CHECKING:
@@ -73,17 +71,6 @@ class ExpertsSlot(ClassSwapSlot):
             getattr(config, "_experts_implementation", None),
         )
         return self._memo(key, module)
-
-    def _checked_plan(self, model: nn.Module, sub: Substitution) -> ClassPlan:
-        decoder = get_slot("decoder").swapped_by(model)
-        if decoder is not None:
-            raise SubstitutionError(
-                f"{sub.name}: this model's decoder layers are {decoder}'s, which built their "
-                "mixture-of-experts blocks anew and gives the original layers back on undo, "
-                f"taking this swap's experts with them; undo {decoder} first and swap the "
-                "experts alone, or build the model inside use() of both"
-            )
-        return super()._checked_plan(model, sub)
 
     def spec_label(self, spec: Any) -> str:
         return str(spec.label)
