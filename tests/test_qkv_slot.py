@@ -478,6 +478,164 @@ def test_use_builds_and_loads_with_the_attentions_packed(tmp_path: Path) -> None
     assert not _packed(AutoModelForCausalLM.from_config(original.config))
 
 
+def _saved(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
+
+
+def test_savers_that_deduplicate_by_storage_write_every_packed_projection(tmp_path: Path) -> None:
+    """The packed projections are slices of one storage. accelerate's save_model and
+    save_state kept one tensor per storage and dropped k_proj and v_proj with a log line;
+    safetensors' save_model and huggingface_hub's savers refused. Each writes the original's
+    tensors, every one, and they load back; state_dict() still aliases the weights."""
+    from accelerate import Accelerator
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_model, save_model
+
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        logits = model(ids).logits
+    layerswap.swap(model, "llama.qkv.fused")
+    state = model.state_dict()
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    # in place through state_dict (an EMA's copy_) still reaches the model
+    assert state["model.layers.0.self_attn.k_proj.weight"].data_ptr() == weight.data_ptr()
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.prepare(model) is model
+    saves = {
+        "save_model": lambda d: accelerator.save_model(model, d),
+        "save_state": accelerator.save_state,
+        "safetensors": lambda d: save_model(model, str(d / "model.safetensors")),
+        "hub": lambda d: save_torch_state_dict(model.state_dict(), d),
+    }
+    for name, save in saves.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        save(directory)
+        written = _saved(directory)
+        assert sorted(written) == sorted(expected), name
+        assert all(torch.equal(written[k], v) for k, v in expected.items()), name
+    fresh = layerswap.get_family("llama").build(seed=1).eval()
+    layerswap.swap(fresh, "llama.qkv.fused")
+    missing, unexpected = load_model(fresh, str(tmp_path / "safetensors" / "model.safetensors"))
+    assert not missing and not unexpected
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_separated_copies_disjoint_slices_and_keeps_tied_tensors() -> None:
+    from layerswap.sliced_saves import separated
+
+    packed = torch.arange(12.0)
+    tied = torch.ones(3)
+    state = {"q": packed[:4], "k": packed[4:8], "v": packed[8:], "a": tied, "b": tied}
+    out = separated(state)
+    storages = {out[k].untyped_storage().data_ptr() for k in "qkv"}
+    assert len(storages) == 3 and all(torch.equal(out[k], state[k]) for k in "qkv")
+    assert out["a"] is tied and out["b"] is tied  # one tensor under two names: as it was
+    whole = {"w": packed, "part": packed[:4]}  # overlapping: a view of a saved tensor
+    assert separated(whole)["part"] is whole["part"]
+
+
+def _pair(name: str = "llama", **overrides: Any) -> tuple[nn.Module, nn.Module]:
+    """A tiny model of the family ``name`` and a copy of it with its attentions packed."""
+    family = layerswap.get_family(name)
+    original = family.build(family.tiny_config(**overrides), seed=0).eval()
+    packed = copy.deepcopy(original)
+    layerswap.swap(packed, f"{name}.qkv.fused")
+    return original, packed
+
+
+def test_forward_mode_ad_through_the_weights_gives_the_originals_tangent() -> None:
+    """Dual weights (``torch.autograd.forward_ad``): a packed product would drop their
+    tangents, so under a dual level each projection computes its own."""
+    import torch.autograd.forward_ad as fwad
+    from torch.func import functional_call
+
+    original, packed = _pair()
+    for model in (original, packed):  # SDPA's CPU kernel has no forward-mode derivative
+        model.config._attn_implementation = "eager"
+    ids = _ids(original)
+
+    def tangent(model: nn.Module) -> torch.Tensor:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        torch.manual_seed(3)
+        with fwad.dual_level():
+            duals = {
+                k: fwad.make_dual(v, torch.randn_like(v) if "k_proj" in k else torch.zeros_like(v))
+                for k, v in params.items()
+            }
+            out = functional_call(model, duals, (ids,)).logits
+            found: torch.Tensor = fwad.unpack_dual(out).tangent
+        return found
+
+    expected = tangent(original)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(tangent(packed), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bias_given_or_taken_after_the_swap_is_computed_as_by_the_original() -> None:
+    for overrides, change in (({}, "give"), ({"attention_bias": True}, "take")):
+        original, packed = _pair(**overrides)
+        ids = _ids(original)
+        for model in (original, packed):
+            attention = model.model.layers[0].self_attn
+            if change == "give":
+                torch.manual_seed(7)
+                attention.k_proj.bias = nn.Parameter(torch.randn(attention.k_proj.out_features))
+            else:
+                attention.v_proj.bias = None
+        with torch.no_grad(), pytest.warns(SwapWarning, match="a bias was given to or taken"):
+            actual = packed(ids).logits
+        with torch.no_grad():
+            torch.testing.assert_close(actual, original(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_heads_pruned_after_the_swap_are_packed_at_their_new_sizes() -> None:
+    """New, smaller weights (heads pruned in place): the group reads its sizes off them
+    when it packs again, and no weight takes another's values."""
+    original, packed = _pair(num_key_value_heads=8)
+    ids = _ids(original)
+    for model in (original, packed):
+        attention = model.model.layers[0].self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            linear = getattr(attention, name)
+            linear.weight = nn.Parameter(linear.weight.detach()[:64].clone())
+            linear.out_features = 64
+        attention.o_proj.weight = nn.Parameter(attention.o_proj.weight.detach()[:, :64].clone())
+        attention.o_proj.in_features = 64
+        attention.config = copy.copy(attention.config)
+        attention.config.num_attention_heads = attention.config.num_key_value_heads = 4
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+    assert packed.model.layers[0].self_attn.q_proj._layerswap_group.packed()
+    assert all(torch.equal(packed.state_dict()[k], v) for k, v in original.state_dict().items())
+
+
+def test_a_projections_output_changed_in_place_trains_as_the_originals() -> None:
+    """A forward hook (or a PEFT layer's ``result +=``) changing one projection's output in
+    place: each output is a tensor of its own in training, so the backward pass runs, to
+    the original's gradients (Qwen3's q/k norms keep q and k for it: as views of one
+    product, changing v bumped their version too)."""
+    original, packed = _pair("qwen3")
+    ids = _ids(original)
+    grads = []
+    for model in (original, packed):
+        model.train()
+        attention = model.model.layers[0].self_attn
+        attention.v_proj.register_forward_hook(lambda m, i, out: out.add_(0.5))
+        model(ids, labels=ids).loss.backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    for name, expected in grads[0].items():
+        torch.testing.assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6)
+
+
 def test_verify_compares_a_qkv_swap_with_the_original() -> None:
     report = layerswap.verify(_model("qwen3_next"), "qwen3_next.qkv.fused", backward=True)
     assert report.passed, report.summary()

@@ -40,12 +40,14 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from layerswap.backends.class_swap import ClassReplacement
 from layerswap.errors import SwapWarning
 from layerswap.patching.undo import UndoLog
 from layerswap.projections import ProjectionSpec
+from layerswap.state import LAYER_COPIED
 
 __all__ = ["PackedGroup", "PackedLinear", "ProjectionsReplacement", "is_packed"]
 
@@ -149,6 +151,8 @@ def _weak(storage: torch.UntypedStorage) -> Any:
 
 
 _WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+#: ``torch.split_with_sizes_copy`` (typed as its ``out=`` form, which returns nothing)
+_split_copies: Any = torch.split_with_sizes_copy
 
 
 def _traced(x: Tensor) -> bool:
@@ -185,9 +189,7 @@ class PackedGroup:
         self.names = names
         self.substitution = substitution
         self.bias = bias
-        self.sizes = tuple(member.out_features for member in members)
-        self._starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self._split = list(self.sizes)
+        self._resized(tuple(member.out_features for member in members))
         self._made: dict[int, Any] = {}
         self._fresh()
 
@@ -208,6 +210,10 @@ class PackedGroup:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fresh()
+        # a copy (deepcopy, unpickling) is packed again at its first call: what a swap
+        # holds for its packed weights is held for the copy's as long as it lives
+        for hook in LAYER_COPIED:
+            hook(self.members[0])
 
     def _parts(self, name: str) -> list[Tensor]:
         return [getattr(member, name) for member in self.members]
@@ -220,11 +226,28 @@ class PackedGroup:
 
     def pack(self) -> str | None:
         """Move the weights (and biases) into one tensor each, where every one is a
-        projection's own tensor (see :func:`_own_storage`); why not, else ``None``."""
+        projection's own tensor (see :func:`_own_storage`); why not, else ``None``.
+
+        The group's sizes are read off the weights as they are now (heads pruned since the
+        swap change them); nothing changes unless every tensor can be packed."""
         with self._lock:
             if self.packed():
                 return None
             names = ("weight", "bias") if self.bias else ("weight",)
+            weights = self._parts("weight")
+            if (
+                any(w is None or w.dim() != 2 for w in weights)
+                or len({w.shape[1] for w in weights}) != 1
+            ):
+                return "their weights are no longer matrices of one input width"
+            sizes = tuple(int(w.shape[0]) for w in weights)
+            if self.bias and any(
+                b is None or tuple(b.shape) != (n,)
+                for b, n in zip(self._parts("bias"), sizes, strict=True)
+            ):
+                return "their biases no longer match their weights"
+            if sizes != self.sizes:
+                self._resized(sizes)
             for name in names:
                 parts = self._parts(name)
                 shapes = [
@@ -254,6 +277,11 @@ class PackedGroup:
                         part.data = whole.narrow(0, start, part.shape[0])
             self._made = made
             return None if self.packed() else "their weights could not be packed"
+
+    def _resized(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+        self._starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._split = list(sizes)
 
     def _addresses(self) -> list[int]:
         names = ("weight", "bias") if self.bias else ("weight",)
@@ -334,10 +362,17 @@ class PackedGroup:
             or _traced(x)
         ):
             return None
+        if forward_ad._current_level >= 0:
+            # forward-mode AD: dual weights' tangents would not reach the packed product
+            return None
         for m in self.members:
             # a projection whose weight is made when it is called (pruning's and other
             # pre-hooks, a parametrization) computes its own, from what its hooks make
             if m._forward_pre_hooks or "weight" not in m._parameters:
+                return None
+            if (m._parameters.get("bias") is not None) != self.bias:
+                # a bias given or taken since the swap: the group's product has it not
+                self._unpacked("a bias was given to or taken from one of them since the swap")
                 return None
         if not self._still_packed():
             return None
@@ -356,11 +391,11 @@ class PackedGroup:
             product.register_hook(_unchanged(self.names, weights))  # type: ignore[no-untyped-call]
         outputs: list[Tensor | None]
         if grad:
-            # one view per projection (not split's views of one call): each may be changed
-            # in place, as the original's separate products may
-            outputs = [
-                product.narrow(-1, a, n) for a, n in zip(self._starts, self.sizes, strict=True)
-            ]
+            # a tensor of its own per projection, made in one op: each may be changed in
+            # place (a PEFT layer's ``result +=``, a forward hook), with a tensor that
+            # requires grad too, without touching what autograd saved of the others, as
+            # the original's separate products may (views of one product may not)
+            outputs = list(_split_copies(product, self._split, -1))
         else:
             outputs = list(product.split_with_sizes(self._split, -1))
         mine: Tensor | None = outputs[index]
