@@ -134,6 +134,24 @@ def test_use_builds_it_with_the_fused_head_and_verify_passes() -> None:
     assert report.passed, report.summary()
 
 
+def test_a_head_is_named_by_the_substitution_that_swapped_it() -> None:
+    """One head class serves every model type of a causal LM: Gemma3ForCausalLM is
+    gemma3's and gemma3_text's. The model names the substitution it was given, not the
+    first family of its class."""
+    from layerswap.errors import SubstitutionError
+
+    model = _model("gemma3_text")
+    with layerswap.swap(model, "gemma3_text.head.fused"):
+        assert head_substitution_of(model) == "gemma3_text.head.fused"
+        with pytest.raises(SubstitutionError, match=r"already swapped by gemma3_text\.head"):
+            layerswap.swap(model, "gemma3_text.head.fused")
+    assert head_substitution_of(model) is None and "_layerswap_head_by" not in vars(model)
+    family = bare_family("gemma3_text")
+    with layerswap.use("gemma3_text.head.fused"):
+        built = family.causal_lm_class()(family.tiny_config())
+    assert head_substitution_of(built) == "gemma3_text.head.fused"
+
+
 def test_the_first_use_proof_catches_a_wrong_loss() -> None:
     """A head whose loss is 1% off: its proof fails at the backward check, and the swap is
     refused before the model changes."""

@@ -44,10 +44,18 @@ if TYPE_CHECKING:
 __all__ = ["SLOT", "HeadSlot", "HeadSwapHandle", "head_substitution_of"]
 
 
+#: the instance attribute naming the substitution that gave a model its head: one head
+#: class serves every model type of a causal LM (``gemma3`` and ``gemma3_text``)
+_HEAD_BY = "_layerswap_head_by"
+
+
 def head_substitution_of(model: nn.Module) -> str | None:
     """The name of the head substitution ``model`` runs (``None`` for an original head)."""
     if isinstance(model, CausalLMHead):
-        return f"{model._layerswap_family}.head.{model.backend}"
+        named = model.__dict__.get(_HEAD_BY)
+        return (
+            named if isinstance(named, str) else f"{model._layerswap_family}.head.{model.backend}"
+        )
     return None
 
 
@@ -161,6 +169,7 @@ class HeadSlot(Slot):
         original = type(model)
         replacement = _check_swappable(model, sub)
         changes = UndoLog()
+        changes.set_attribute(model, _HEAD_BY, sub.name)
         changes.set_class(model, replacement)
         return HeadSwapHandle(model, sub, original, changes)
 
@@ -173,6 +182,7 @@ class HeadSlot(Slot):
             return 0
         restored: Any = model
         restored.__class__ = model._layerswap_original
+        model.__dict__.pop(_HEAD_BY, None)
         return 1
 
     def construction(self, sub: Substitution) -> list[Scoped]:
@@ -191,6 +201,7 @@ class HeadSlot(Slot):
                 if not checked:
                     self.prepare(sub, instance.config)
                     checked.append(True)
+                instance.__dict__[_HEAD_BY] = sub.name
                 instance.__class__ = replacement
             return result
 
