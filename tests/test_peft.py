@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 import layerswap
 from layerswap import adapters, peft_targets
-from layerswap.errors import ConversionError
+from layerswap.errors import ConversionError, SubstitutionError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -58,6 +58,22 @@ def _trained_on_original(base: PreTrainedModel, path: Path, **lora: object) -> t
     model = get_peft_model(copy.deepcopy(base), config).eval()
     model.save_pretrained(str(path))
     return _logits(model, base.config.vocab_size)
+
+
+def test_a_decoder_swap_of_a_model_an_adapter_wraps_is_refused_naming_it() -> None:
+    """The decoder slot converts the layers' own weights: under a LoRA they sit inside
+    PEFT's layers, and the swap failed on a "missing tensor". Refused, naming the adapter's
+    layer and the order that works, and nothing changes."""
+    base = tiny_model("llama")
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    with pytest.raises(
+        SubstitutionError,
+        match=r"q_proj is a PEFT adapter's Linear.*swap before get_peft_model",
+    ):
+        layerswap.swap(peft_model.base_model.model, "llama.decoder.fused")
+    assert layerswap.get_slot("decoder").swapped_by(peft_model.base_model.model) is None
+    assert all(torch.equal(peft_model.state_dict()[k], v) for k, v in before.items())
 
 
 @pytest.mark.parametrize("name", FAMILIES)

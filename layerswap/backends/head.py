@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerswap import zero3
+from layerswap.adapter_layers import is_adapter_layer
 from layerswap.backend import Implementation
 from layerswap.backends.declarations.head_slot import head_refusal, head_slot
 from layerswap.backends.head_contract import HeadContract, head_contract, read_path
@@ -207,7 +208,7 @@ class CausalLMHead(nn.Module):
                 f"{head} with its parent (fully_shard(model) without fully_shard({head})), "
                 "or undo the head swap"
             )
-        if _peft_layer(lm_head):
+        if is_adapter_layer(lm_head):
             raise UnsupportedModelError(
                 f"{name} computes {head} as a plain nn.Linear from {head}.weight, but this "
                 f"model's {head} is a PEFT {type(lm_head).__qualname__} (an adapter on "
@@ -295,11 +296,6 @@ def _fsdp_unit(module: nn.Module) -> bool:
     except ImportError:  # a torch built without distributed
         return False
     return isinstance(module, FSDPModule)
-
-
-def _peft_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is a PEFT tuner layer or ``modules_to_save`` wrapper."""
-    return any(klass.__module__.startswith("peft.") for klass in type(module).__mro__)
 
 
 def _var_keyword(signature: inspect.Signature, bound: inspect.BoundArguments) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from layerswap import hf_internals, zero3
+from layerswap.adapter_layers import is_adapter_layer
 from layerswap.errors import (
     ParallelismError,
     SubstitutionError,
@@ -306,6 +307,23 @@ class DecoderSlot(Slot):
             raise SubstitutionError(
                 f"{len(done)} layers of this model are already swapped by "
                 f"{getattr(owner, 'name', owner)}; undo that swap first"
+            )
+        adapted = next(
+            (
+                (f"{name}.{inner}", module)
+                for name, layer in layers
+                for inner, module in layer.named_modules()
+                if inner and is_adapter_layer(module)
+            ),
+            None,
+        )
+        if adapted is not None:
+            raise SubstitutionError(
+                f"{sub.name}: {adapted[0]} is a PEFT adapter's {type(adapted[1]).__name__}, "
+                "and this substitution converts the layers' own weights, which the adapter "
+                "wraps; swap before get_peft_model (a new adapter then targets the fused "
+                "modules, and one saved on the original layout loads converted), or "
+                "merge_and_unload() first"
             )
         left_out = _swap_left_out(layers, sub.parts.family)
         if left_out is not None:
