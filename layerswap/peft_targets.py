@@ -237,8 +237,7 @@ def guard() -> Patch:
     """The check on PEFT's injection, armed (started) if it was not. Idempotent, thread-safe.
 
     Arms with it the advice of :mod:`layerswap.peft_io` (PEFT's save and load in the
-    original layout), of :mod:`layerswap.saving` (``save_pretrained`` checked) and of
-    :mod:`layerswap.sliced_saves` (the packed projections' slices saved whole). Held by every swap (:func:`hold`); see the module docstring. Example::
+    original layout) and of :mod:`layerswap.saving` (``save_pretrained`` checked). Held by every swap (:func:`hold`); see the module docstring. Example::
 
         layerswap.peft_targets.guard().stop()   # PEFT's injection as it was
     """
@@ -250,13 +249,11 @@ def _arm() -> Patch:
     global _GUARD
     from layerswap.peft_io import ADVICE
     from layerswap.saving import ADVICE as SAVE_ADVICE
-    from layerswap.sliced_saves import ADVICE as SLICED_ADVICE
 
     if _GUARD is None:
         _GUARD = wrap(INJECT, _check_then_inject, lazy=True)
         _LAYOUT.extend(
-            wrap(target, advice, lazy=True)
-            for target, advice in (*ADVICE, *SAVE_ADVICE, *SLICED_ADVICE)
+            wrap(target, advice, lazy=True) for target, advice in (*ADVICE, *SAVE_ADVICE)
         )
     for patch in (_GUARD, *_LAYOUT):
         if not patch.is_active:

@@ -12,13 +12,19 @@ for tensor aliasing by storage take such slices for tied weights:
   ``save_torch_state_dict`` (``_remove_duplicate_names``) refuse, since no slice covers
   the storage.
 
-So while a packed model exists (armed with :func:`layerswap.peft_targets.hold`, as the
-``save_pretrained`` check is), these functions get the state dict with each group of
-slices that share a storage without overlapping (:func:`separated`) as tensors of their
-own: copies, so what is written is the original's layout, tensor for tensor. Tensors that
-overlap (tied weights: one tensor under two names) stay as they are, deduplicated as
-before. ``state_dict()`` itself is unchanged: its tensors still alias the parameters, so
-what writes through them in place (an EMA's ``copy_``) still reaches the model.
+So these functions get the state dict with the slices that share a storage without
+overlapping (:func:`separated`) as tensors of their own: copies, so what is written is the
+original's layout, tensor for tensor. One tensor under two names (tied weights, an
+attention module shared by two layers) stays one tensor, deduplicated as before.
+``state_dict()`` itself is unchanged: its tensors still alias the parameters, so what
+writes through them in place (an EMA's ``copy_``) still reaches the model.
+
+The advice is armed (:func:`arm`) when a group is first packed or a packed group is
+unpickled, and stays on for the rest of the process: slices outlive the swap that made
+them (a state dict taken before ``undo()``, a model given them with
+``load_state_dict(assign=True)``, a model ``torch.load`` brought from another process), and
+for a state dict without such slices it changes nothing. ``layerswap.active_patches()``
+lists it; ``restore_all()`` takes it off until the next packing.
 
 Example::
 
@@ -29,35 +35,54 @@ Example::
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["ADVICE", "separated"]
+from layerswap.patching import Patch, Scoped, wrap
+
+__all__ = ["ADVICE", "arm", "is_own", "separated"]
 
 
-def _range(tensor: torch.Tensor) -> tuple[int, int]:
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     start = tensor.data_ptr()
     return start, start + tensor.numel() * tensor.element_size()
 
 
-def _disjoint_slices(tensors: list[torch.Tensor]) -> bool:
-    """Whether ``tensors`` (of one storage) are contiguous slices none of which overlaps
-    another, and none covers the whole storage."""
-    if not all(t.is_contiguous() for t in tensors):
-        return False
-    nbytes = tensors[0].untyped_storage().nbytes()
-    if any(t.numel() * t.element_size() == nbytes for t in tensors):
-        return False
-    ranges = sorted(_range(t) for t in tensors)
-    return all(end <= start for (_, end), (start, _) in itertools.pairwise(ranges))
+def _slices(tensors: dict[str, torch.Tensor]) -> list[list[str]] | None:
+    """The names of ``tensors`` (of one storage) by the extent they cover, where there are
+    two extents or more, none overlapping another and none the whole storage, and the names
+    of one extent name one tensor (shape, strides and dtype alike); else ``None``."""
+    by_extent: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            return None
+        by_extent[_extent(tensor)].append(name)
+    if len(by_extent) < 2:
+        return None
+    nbytes = next(iter(tensors.values())).untyped_storage().nbytes()
+    extents = sorted(by_extent)
+    if any(end - start == nbytes for start, end in extents):
+        return None
+    if any(end > start for (_, end), (start, _) in itertools.pairwise(extents)):
+        return None
+    for names in by_extent.values():
+        first = tensors[names[0]]
+        if any(
+            (t.shape, t.stride(), t.dtype) != (first.shape, first.stride(), first.dtype)
+            for t in (tensors[n] for n in names)
+        ):
+            return None
+    return list(by_extent.values())
 
 
 def separated(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with every tensor of a storage that it shares with others, without
-    overlapping them, as a copy of its own; every other value as it is (the same object).
+    """``state_dict`` with every slice of a storage shared with other slices it does not
+    overlap as a copy of its own (one copy for the names of one slice); every other value
+    as it is (the same object).
 
     Example::
 
@@ -65,15 +90,16 @@ def separated(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         out = separated({"a": shared[:2], "b": shared[2:]})
         out["a"].untyped_storage().data_ptr() != out["b"].untyped_storage().data_ptr()  # True
     """
-    by_storage: dict[tuple[Any, int], list[str]] = defaultdict(list)
+    by_storage: dict[tuple[Any, int], dict[str, torch.Tensor]] = defaultdict(dict)
     for name, value in state_dict.items():
         if isinstance(value, torch.Tensor) and not value.is_meta and value.numel():
-            by_storage[(value.device, value.untyped_storage().data_ptr())].append(name)
+            by_storage[(value.device, value.untyped_storage().data_ptr())][name] = value
     out = dict(state_dict)
-    for names in by_storage.values():
-        if len(names) > 1 and _disjoint_slices([state_dict[name] for name in names]):
+    for tensors in by_storage.values():
+        for names in _slices(tensors) or ():
+            copy = tensors[names[0]].detach().clone()
             for name in names:
-                out[name] = state_dict[name].detach().clone()
+                out[name] = copy
     return out
 
 
@@ -96,3 +122,29 @@ ADVICE = (
     ("safetensors.torch:_remove_duplicate_names", _with_separated),
     ("huggingface_hub.serialization._torch:_remove_duplicate_names", _with_separated),
 )
+
+_LOCK = threading.Lock()
+_PATCHES: list[Patch] = []
+
+
+def arm() -> None:
+    """The advice on, for the rest of the process (see the module docstring). Idempotent,
+    thread-safe; ``lazy``: it imports none of the savers, and applies when one is imported.
+
+    Example::
+
+        arm()   # what packing a group does
+    """
+    if _PATCHES and all(patch.is_active for patch in _PATCHES):
+        return
+    with _LOCK:
+        if not _PATCHES:
+            _PATCHES.extend(wrap(target, advice, lazy=True) for target, advice in ADVICE)
+        for patch in _PATCHES:
+            if not patch.is_active:
+                patch.start()
+
+
+def is_own(scoped: Scoped) -> bool:
+    """Whether ``scoped`` is a patch :func:`arm` started (layerswap's own, not a leak)."""
+    return any(scoped is patch for patch in _PATCHES)

@@ -541,6 +541,51 @@ def test_separated_copies_disjoint_slices_and_keeps_tied_tensors() -> None:
     assert out["a"] is tied and out["b"] is tied  # one tensor under two names: as it was
     whole = {"w": packed, "part": packed[:4]}  # overlapping: a view of a saved tensor
     assert separated(whole)["part"] is whole["part"]
+    # one attention module in two layers: its slices twice, under two names each
+    shared = {"0.q": packed[:4], "0.k": packed[4:8], "1.q": packed[:4], "1.k": packed[4:8]}
+    out = separated(shared)
+    assert out["0.q"] is out["1.q"] and out["0.k"] is out["1.k"]  # still tied, by name
+    assert out["0.q"].untyped_storage().data_ptr() != packed.untyped_storage().data_ptr()
+
+
+def test_slices_are_saved_whole_after_undo_and_in_another_process(tmp_path: Path) -> None:
+    """The slices outlive the swap that made them: a state dict taken before ``undo()``,
+    and a packed model ``torch.load`` brings into a process that never swapped (nothing of
+    layerswap imported but what unpickling imports)."""
+    import subprocess
+    import sys
+
+    from accelerate.utils import save
+
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = layerswap.swap(model, "llama.qkv.fused")
+    with torch.no_grad():
+        model(_ids(model))  # packed
+    torch.save(model, tmp_path / "model.pt")
+    state = model.state_dict()
+    handle.undo()
+    save(state, tmp_path / "state.safetensors", safe_serialization=True)
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "state.safetensors")
+    assert sorted(written) == sorted(expected)
+    code = (
+        "import sys, torch\n"
+        "from accelerate import Accelerator\n"
+        "model = torch.load(sys.argv[1], weights_only=False)\n"
+        "Accelerator(cpu=True).save_model(model, sys.argv[2])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "model.pt"), str(tmp_path / "fresh")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = _saved(tmp_path / "fresh")
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[k], v) for k, v in expected.items())
 
 
 def _pair(name: str = "llama", **overrides: Any) -> tuple[nn.Module, nn.Module]:

@@ -43,11 +43,11 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from layerswap import sliced_saves
 from layerswap.backends.class_swap import ClassReplacement
 from layerswap.errors import SwapWarning
 from layerswap.patching.undo import UndoLog
 from layerswap.projections import ProjectionSpec
-from layerswap.state import LAYER_COPIED
 
 __all__ = ["PackedGroup", "PackedLinear", "ProjectionsReplacement", "is_packed"]
 
@@ -210,10 +210,8 @@ class PackedGroup:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fresh()
-        # a copy (deepcopy, unpickling) is packed again at its first call: what a swap
-        # holds for its packed weights is held for the copy's as long as it lives
-        for hook in LAYER_COPIED:
-            hook(self.members[0])
+        # a copy (deepcopy, or unpickled in another process) may hold packed slices already
+        sliced_saves.arm()
 
     def _parts(self, name: str) -> list[Tensor]:
         return [getattr(member, name) for member in self.members]
@@ -276,6 +274,7 @@ class PackedGroup:
                     for part, start in zip(parts, self._starts, strict=True):
                         part.data = whole.narrow(0, start, part.shape[0])
             self._made = made
+            sliced_saves.arm()  # savers that deduplicate by storage: every slice whole
             return None if self.packed() else "their weights could not be packed"
 
     def _resized(self, sizes: tuple[int, ...]) -> None:

@@ -187,8 +187,16 @@ def _finish(item: pytest.Item) -> str | None:
 
 
 def _without_own(started: list[Scoped]) -> list[Scoped]:
-    """``started`` less layerswap's own PEFT target check, which a swap arms and which is
-    no leak: stopped here, silently (the next swap arms it again)."""
+    """``started`` less layerswap's own patches, which are no leak: the PEFT target check a
+    swap arms and the save advice for packed slices (:mod:`layerswap.sliced_saves`),
+    stopped here, silently (the next swap, or packing, arms them again), so that the next
+    test sees what it started alone."""
+    sliced = sys.modules.get("layerswap.sliced_saves")  # never imported: nothing armed
+    if sliced is not None:
+        for scoped in started:
+            if sliced.is_own(scoped):
+                scoped.stop()
+        started = [scoped for scoped in started if not sliced.is_own(scoped)]
     own = sys.modules.get("layerswap.peft_targets")  # never imported: nothing armed
     if own is None:
         return started

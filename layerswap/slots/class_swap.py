@@ -432,16 +432,10 @@ class ClassSwapSlot(Slot):
             plan = self._checked_plan(model, sub)
             try:
                 _apply(plan, changes)
-                self.applied(model, changes)
             except BaseException:
                 changes.undo()
                 raise
         return self.handle_class(model, sub, plan, changes, self)
-
-    def applied(self, model: nn.Module, changes: UndoLog) -> None:
-        """What the slot holds while ``model`` keeps the swap (recorded on ``changes``, which
-        a model built inside ``use()`` never undoes): nothing (the ``qkv`` slot arms the
-        savers' advice for its packed weights)."""
 
     def rebuild_originals(self, model: nn.Module, sub: Substitution) -> int:
         """Give every module ``sub`` swapped its original class back; how many."""
@@ -475,9 +469,7 @@ class ClassSwapSlot(Slot):
                     if not prepared:
                         self.prepare(sub, instance.config)
                         prepared.append(True)
-                    kept = UndoLog()  # kept: a built model has no handle
-                    _apply(plan, kept)
-                    self.applied(instance, kept)
+                    _apply(plan, UndoLog())  # kept: a built model has no handle
                 elif not plan.taken:  # built, and nothing of it swapped
                     overlap = _decoder_overlap(instance, self, plan)
                     if overlap is not None:  # the two requests overlap: refused

@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from layerswap.backends.projections import ProjectionsReplacement
-from layerswap.patching.undo import UndoLog
-from layerswap.peft_targets import hold
 from layerswap.projections import (
     ProjectionSpec,
     candidate_attention_classes,
@@ -84,11 +82,6 @@ class QKVSlot(ClassSwapSlot):
 
     def spec_label(self, spec: Any) -> str:
         return str(spec.label)
-
-    def applied(self, model: nn.Module, changes: UndoLog) -> None:
-        # the projections are slices of one storage: savers that deduplicate by storage
-        # get them whole (layerswap.sliced_saves) while the model is packed
-        changes.record(hold(model))
 
     def original(self, family: Family) -> str:
         """The first attention class the family's modeling module defines; its causal LM
