@@ -257,10 +257,9 @@ class Slot:
         raise NotImplementedError
 
     def held(self, model: Any) -> list[tuple[str, str]]:
-        """(qualified name, substitution name) of each of ``model``'s modules that a live
-        swap of this slot holds in an original's place: undoing that swap puts the original
-        back, and what another swap changed inside the held module goes with it (default:
-        none; the decoder slot's replacement layers)."""
+        """(qualified name, substitution name) of each module of ``model`` a live swap of
+        this slot holds in an original's place, whose undo takes what another swap changed
+        inside it along (default: none; the decoder slot's replacement layers)."""
         return []
 
     def swapped_by(self, model: Any) -> str | None:
@@ -283,9 +282,9 @@ class Slot:
         return contextlib.nullcontext
 
     def proof_reference(self, model: Any, sub: Substitution, config: PreTrainedConfig) -> None:
-        """Make ``model``, a causal LM of ``config`` the first-use proof just built, hold
-        the originals in this slot's place: built inside a :func:`layerswap.use`, it holds
-        replacements there (default: :meth:`rebuild_originals`)."""
+        """Originals in this slot's place in ``model``, the proof's causal LM of ``config``
+        (built inside a :func:`layerswap.use`, it holds replacements; default:
+        :meth:`rebuild_originals`)."""
         self.rebuild_originals(model, sub)
 
     def proof_candidate(self, reference: Any, sub: Substitution, config: PreTrainedConfig) -> Any:
