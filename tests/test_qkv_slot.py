@@ -681,6 +681,19 @@ def test_a_projections_output_changed_in_place_trains_as_the_originals() -> None
         torch.testing.assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6)
 
 
+def test_a_family_clamping_q_k_and_v_in_place_is_proven() -> None:
+    """OLMo clamps each projection's output in place (``clamp_``, where ``clip_qkv`` is
+    set): as views of one product, the clamp of one bumped the others' version and the
+    proof's backward pass failed, refusing a correct swap."""
+    from layerswap.proof import prove
+
+    for name in ("olmo", "olmoe"):
+        sub = layerswap.get(f"{name}.qkv.fused")
+        config = sub.parts.family.tiny_config(clip_qkv=0.5)
+        verdict = prove(sub, config, force=True)
+        assert verdict.passed, verdict.message()
+
+
 def test_verify_compares_a_qkv_swap_with_the_original() -> None:
     report = layerswap.verify(_model("qwen3_next"), "qwen3_next.qkv.fused", backward=True)
     assert report.passed, report.summary()
