@@ -82,6 +82,10 @@ def _sliding_or_unwindowed(attention: Any, config: Any) -> bool:
     )
 
 
+def _sliding_or_forced(attention: Any, config: Any) -> bool:
+    return _sliding(attention, config) or bool(getattr(attention, "force_rope", False))
+
+
 #: the rules of :attr:`Family.rotary_layers`: (the original layer's attention, config) ->
 #: whether that layer applies the rotary embedding
 ROTARY_LAYERS: dict[str, Callable[[Any, Any], bool]] = {
@@ -92,6 +96,9 @@ ROTARY_LAYERS: dict[str, Callable[[Any, Any], bool]] = {
     "sliding": _sliding,
     # EXAONE 4: sliding layers rotate, and every layer does when there is no window at all
     "sliding_or_unwindowed": _sliding_or_unwindowed,
+    # Cohere 2 MoE: sliding layers rotate, and so do its dense first layers where
+    # prefix_dense_sliding_window_pattern is 1 (kept by the attention as force_rope)
+    "sliding_or_forced": _sliding_or_forced,
 }
 
 

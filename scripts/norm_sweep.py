@@ -160,7 +160,13 @@ def main() -> None:
             rows.append(row)
     if args.update and raw.exists():
         kept = {r["model_type"]: r for r in json.loads(raw.read_text())}
-        kept.update({r["model_type"]: r for r in rows})
+        for row in rows:
+            if str(row["detail"]).startswith("UnknownSubstitutionError"):
+                # a model type the slot does not take is no row of the page
+                print(f"{row['model_type']}: not taken, left out", flush=True)
+                kept.pop(str(row["model_type"]), None)
+            else:
+                kept[str(row["model_type"])] = row
         rows = [kept[t] for t in sorted(kept)]
     if not args.model_types or args.update:
         raw.write_text(json.dumps(rows, indent=1) + "\n")

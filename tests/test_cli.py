@@ -149,7 +149,7 @@ def test_patch_passes_for_every_family(capsys: pytest.CaptureFixture[str], famil
     assert report["passed"] is True
     assert report["substitution"] == f"{family}.decoder.fused"
     assert report["verification"]["first_divergent_layer"] is None
-    assert report["model"]["layers"] == 4
+    assert report["model"]["layers"] == tiny_config(family).get_text_config().num_hidden_layers
     assert len(report["swapped"]) == swapped_layer_count(tiny_config(family))
     assert report["swapped"][0]["replacement"].startswith("Fused")
 

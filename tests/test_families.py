@@ -282,7 +282,29 @@ def test_inference_gives_the_same_declaration_on_every_call() -> None:
     # to call between "sliding" and "all" (a wrong declaration then failed verification)
     first, second = (infer_family("cohere2_moe", verify=False) for _ in range(2))
     assert first == second
-    assert first.rotary_layers == "sliding"
+    assert first.rotary_layers == "sliding_or_forced"
+
+
+def test_a_dense_first_layer_that_forces_the_rotary_embedding_is_proven() -> None:
+    # Cohere 2 MoE's dense first layers rotate although their attention is full
+    # (prefix_dense_sliding_window_pattern 1: force_rope), its sparse full layers do not;
+    # the family's tiny config has all three kinds, and a user's config with two dense
+    # layers is proven and computes as the original (the "sliding" rule was refused)
+    family = layerswap.get_family("cohere2_moe")
+    assert family.rotary_layers == "sliding_or_forced"
+    config = family.tiny_config(first_k_dense_replace=2, num_hidden_layers=6)
+    model = family.build(config, seed=3)
+    kinds = [
+        (config.mlp_layer_types[i], config.layer_types[i], layer.self_attn.force_rope)
+        for i, layer in enumerate(model.model.layers)
+    ]
+    assert ("dense", "full_attention", True) in kinds
+    assert ("sparse", "full_attention", False) in kinds
+    ids = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    with layerswap.swap(model, "cohere2_moe.decoder.fused"), torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_fused_moe_layer_keeps_the_original_block_with_its_dense_layers() -> None:

@@ -87,6 +87,14 @@ _TINY_FIXES: dict[str, dict[str, Any]] = {
         "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
     },
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
+    # mixture-of-experts models that may keep some layers dense, all sparse by default:
+    # one layer dense, so that a proof compares both kinds and the mlp slot has a dense
+    # MLP to take
+    # (Cohere 2 MoE's dense first layer rotates although its attention is full: a fifth
+    # layer, full and sparse, does not)
+    "cohere2_moe": {"first_k_dense_replace": 1, "num_hidden_layers": 5},
+    "inkling_text": {"dense_mlp_idx": 1},
+    "mellum": {"mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
     "beam": {"n_group": 1, "topk_group": 1},
     # a head scale other than 1, so that a proof of the head sees it
     # (and the MLP's gate and output multipliers, so that one the mlp slot drops shows)

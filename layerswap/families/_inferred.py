@@ -109,11 +109,13 @@ INFERRED = (
         parallel=True,
         rotary="interleaved",
         norm_switch=("rms_norm_eps", "layer_nobias"),
-        rotary_layers="sliding",
+        rotary_layers="sliding_or_forced",
         tiny={
+            "num_hidden_layers": 5,
             "num_experts_per_tok": 2,
             "num_experts": 4,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "first_k_dense_replace": 1,
         },
     ),
     inferred(
