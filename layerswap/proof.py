@@ -38,6 +38,8 @@ import contextvars
 import dataclasses
 import hashlib
 import json
+import re
+import sys
 import threading
 import time
 import warnings
@@ -51,6 +53,7 @@ from torch import nn
 
 from layerswap import sources, verdicts, zero3
 from layerswap.comparison.first_difference import CHECKS, first_difference
+from layerswap.comparison.gradients import gradients_to_original
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import normal_tensors
@@ -143,7 +146,10 @@ class Verdict:
             f"{self.substitution} does not behave like the original on {on}: "
             f"{self.check} differs ({self.detail}). The layer contract changed in a way "
             "this layerswap does not follow; upgrade layerswap, or install a transformers "
-            "release it supports (docs/compatibility.md)"
+            "release it supports (docs/compatibility.md). Where transformers' code was "
+            "patched in this process (another library's or your own patch of its modeling "
+            "code, not made through layerswap.adopt), the original runs that code: the "
+            "proof compared the swap with it"
         )
 
 
@@ -158,22 +164,30 @@ def original_module(sub: Substitution) -> str:
 def proof_key(
     sub: Substitution, config: PreTrainedConfig | None, device: torch.device | None = None
 ) -> str:
-    """The verdict's key: versions, the transformers source the original runs, the
-    substitution, its replacement class and (outside layerswap) its code, the device the
-    proof runs on (``device``, else the one it would run on), the config's kind (its
-    attention implementation included)."""
+    """The verdict's key: versions, the transformers source the original runs (its files,
+    and what this process binds: a function rebound at run time is other code), the
+    substitution, its replacement class and converter and (outside layerswap) their code,
+    the device the proof runs on (``device``, else the one it would run on), the config's
+    kind (its attention implementation included)."""
     replacement = sub.replacement
     named = replacement if isinstance(replacement, str) else replacement.__qualname__
     module = (
         replacement.partition(":")[0] if isinstance(replacement, str) else replacement.__module__
     )
+    converter = sub.converter
     parts = {
         **verdicts.versions(),
         "source": sources.digest(original_module(sub)),
+        "live_source": sources.live_digest(original_module(sub)),
         "substitution": sub.name,
         "replacement": named,
         # a plugin's or the user's own layer: its code, as transformers' is
         "replacement_source": sources.code_digest(module),
+        "replacement_live": _live_replacement(replacement, module),
+        # two converters under one name map the weights two ways
+        "converter": _ADDRESS.sub("", repr(converter)),
+        "converter_source": sources.code_digest(type(converter).__module__),
+        "converter_live": sources.class_digest(type(converter)),
         # another device runs other kernels (SDPA's, a backend's)
         "device": (device or _device(sub)).type,
         "config": "family" if config is None else config_kind(layer_config(config)),
@@ -181,6 +195,21 @@ def proof_key(
     encoded = json.dumps(parts, sort_keys=True).encode()
     safe = sub.name.replace("/", "_")
     return f"{safe}-{hashlib.sha256(encoded).hexdigest()[:20]}"
+
+
+#: an object's address in its ``repr`` (a function's, a plain object's): another each run
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _live_replacement(replacement: Any, module: str) -> str:
+    """:func:`~layerswap.sources.class_digest` of the replacement class where it is loaded
+    (a lazy one whose module is not imported yet cannot have been patched)."""
+    if isinstance(replacement, str):
+        found: Any = sys.modules.get(module)
+        for part in replacement.partition(":")[2].split("."):
+            found = getattr(found, part, None)
+        replacement = found
+    return sources.class_digest(replacement) if isinstance(replacement, type) else ""
 
 
 # --- the proof --------------------------------------------------------------------------
@@ -306,6 +335,7 @@ def _prove(sub: Substitution, config: PreTrainedConfig | None, device: torch.dev
                 _tolerance(device),
                 new_tokens=_NEW_TOKENS,
                 candidate_context=sub.parts.slot.proof_context(sub),
+                to_original=lambda model, grads: gradients_to_original(model, grads, sub),
             )
     return Verdict(
         substitution=sub.name,

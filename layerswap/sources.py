@@ -31,10 +31,13 @@ import importlib.util
 import sys
 import uuid
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from layerswap.hf_internals import SHARED_SOURCES
+from layerswap.patching import unpatched
 
-__all__ = ["code_digest", "digest", "files", "package_root"]
+__all__ = ["class_digest", "code_digest", "digest", "files", "live_digest", "package_root"]
 
 
 def package_root() -> Path | None:
@@ -85,23 +88,31 @@ def _imported(module: str, source: str) -> set[str]:
 
 
 @functools.cache
-def files(module: str) -> tuple[Path, ...]:
-    """The files whose content :func:`digest` covers for ``module``, sorted; empty when
-    transformers or the module is not there."""
+def _covered(module: str) -> dict[str, Path]:
+    """The transformers modules :func:`digest` covers for ``module`` (its own, those it
+    imports by name, the shared ones), each with its file; empty when transformers or the
+    module is not there."""
     root = package_root()
     if root is None:
-        return ()
+        return {}
     own = _file_of(root, module)
     if own is None:
-        return ()
+        return {}
     names = _imported(module, own.read_text(encoding="utf-8", errors="replace"))
     names.update(f"transformers.{name}" for name in SHARED_SOURCES)
-    found = {own}
+    found = {module: own}
     for name in names:
         path = _file_of(root, name)
         if path is not None:
-            found.add(path)
-    return tuple(sorted(found))
+            found[name] = path
+    return found
+
+
+@functools.cache
+def files(module: str) -> tuple[Path, ...]:
+    """The files whose content :func:`digest` covers for ``module``, sorted; empty when
+    transformers or the module is not there."""
+    return tuple(sorted(set(_covered(module).values())))
 
 
 @functools.cache
@@ -128,6 +139,100 @@ def digest(module: str) -> str:
         combined.update(path.relative_to(root).as_posix().encode() if root else b"")
         combined.update(_file_digest(path))
     return combined.hexdigest()[:16]
+
+
+def live_digest(module: str) -> str:
+    """A digest of the code the modules :func:`digest` covers run in this process: each
+    function they bind, and each method of a class they define, by where its code was
+    written (file, line, name), seen through every patch of layerswap's engine (its own,
+    and adopted ones: each proven). An install nobody patched gives the same digest in
+    every process; a function or method rebound around layerswap (a user's patch,
+    another library's) gives another, so that a verdict proven on the code as its files
+    say does not vouch for the code the original runs now. Modules not imported yet, and
+    packages (their namespaces fill lazily), are left out.
+
+    Example::
+
+        live_digest("transformers.models.llama.modeling_llama")   # 'b1946ac92492d234'
+        modeling_llama.LlamaMLP.forward = my_forward
+        live_digest("transformers.models.llama.modeling_llama")   # 'e4d909c290d0fb1c'
+    """
+    combined = hashlib.sha256()
+    for name, path in sorted(_covered(module).items()):
+        loaded = sys.modules.get(name)
+        # a package's namespace fills as its submodules are first asked for (transformers'
+        # lazy modules): what it binds is read where it is used, in the modules themselves
+        if loaded is not None and path.name != "__init__.py":
+            _fold_namespace(combined, loaded, name)
+    return combined.hexdigest()[:16]
+
+
+def class_digest(cls: type) -> str:
+    """:func:`live_digest` of a replacement class: the methods of each class of its MRO
+    outside torch, and the functions their modules bind."""
+    combined = hashlib.sha256()
+    modules: dict[str, None] = {}
+    for klass in cls.__mro__:
+        owner = getattr(klass, "__module__", "") or ""
+        if owner.split(".")[0] in ("torch", "builtins", "typing", "abc"):
+            continue
+        _fold_class(combined, klass)
+        modules[owner] = None
+    for name in modules:
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            _fold_namespace(combined, loaded, name)
+    return combined.hexdigest()[:16]
+
+
+def _fold_namespace(combined: Any, module: ModuleType, name: str) -> None:
+    for attr in sorted(vars(module)):
+        value = unpatched(module, attr)
+        if isinstance(value, type):
+            if getattr(value, "__module__", None) == name:
+                combined.update(f"{name}.{attr}".encode())
+                _fold_class(combined, value)
+        elif callable(getattr(value, "__code__", None)) or hasattr(value, "__code__"):
+            combined.update(f"{name}.{attr}={_written(value)}".encode())
+
+
+def _fold_class(combined: Any, cls: type) -> None:
+    for attr in sorted(vars(cls)):
+        raw = vars(cls)[attr]
+        if isinstance(raw, property):
+            parts = [p for p in (raw.fget, raw.fset) if p is not None]
+        elif isinstance(raw, (staticmethod, classmethod)) or hasattr(raw, "__code__"):
+            parts = [getattr(unpatched(cls, attr), "__func__", unpatched(cls, attr))]
+        else:
+            continue
+        combined.update(f"{attr}={','.join(map(_written, parts))}".encode())
+
+
+def _written(function: Any) -> str:
+    """Where ``function``'s code (and that of what it wraps) was written."""
+    found = []
+    for _ in range(8):
+        code = getattr(function, "__code__", None)
+        if code is None:
+            found.append(getattr(function, "__qualname__", type(function).__name__))
+            break
+        found.append(f"{_place(code.co_filename)}:{code.co_firstlineno}:{code.co_name}")
+        function = getattr(function, "__wrapped__", None)
+        if function is None:
+            break
+    return "<".join(found)
+
+
+@functools.cache
+def _place(filename: str) -> str:
+    """A code object's file, relative to the package it belongs to where it is one of
+    transformers' or layerswap's (the same on every machine)."""
+    path = Path(filename)
+    for top in ("transformers", "layerswap"):
+        if top in path.parts:
+            index = len(path.parts) - 1 - path.parts[::-1].index(top)
+            return "/".join(path.parts[index:])
+    return filename
 
 
 #: a package with more files than this is digested by its version and the module's own file

@@ -16,8 +16,8 @@ from models import family, left_padded_batch, tiny_model, tokens
 from torch import nn
 
 import layerswap
+from layerswap.comparison.gradients import gradients_to_original
 from layerswap.swap import rebuild_originals
-from layerswap.verify.gradients import gradients_to_original
 
 pytestmark = pytest.mark.slow  # torch.compile
 

@@ -14,7 +14,7 @@ import torch
 from models import left_padded_batch, tiny_model
 
 import layerswap
-from layerswap.verify.gradients import gradients_to_original
+from layerswap.comparison.gradients import gradients_to_original
 
 
 def _loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -133,6 +133,103 @@ def verdict_key(sub: Any) -> str:
     return stored[0]
 
 
+def test_the_original_patched_at_run_time_is_proven_again_and_refused(
+    proofs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verdict proven on transformers' code as its files say does not vouch for code
+    rebound in this process since (a user's or another library's patch of the original's
+    MLP): the key changes, the proof compares the swap with the code the original runs
+    now, and the swap is refused; undone, the key and the verdict are the old ones."""
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_llama()
+    sub = get("llama.decoder.fused")
+    assert proof.prove(sub, model.config).passed
+    before = proof.proof_key(sub, model.config)
+    forward = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: forward(self, x) * 1.5)
+    assert proof.proof_key(sub, model.config) != before
+    with pytest.raises(UpstreamDriftError, match="patched in this process"):
+        layerswap.swap(model, sub)
+    assert not layerswap.active_patches()
+    monkeypatch.undo()
+    assert proof.proof_key(sub, model.config) == before
+    layerswap.swap(model, sub).undo()
+
+
+class _FirstRowGradient(torch.autograd.Function):
+    """``x @ w.T`` whose weight gradient reads the batch's first sequence only: the input
+    gradient, and so every gradient below it, is right."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad[:1].flatten(0, -2).t() @ x[:1].flatten(0, -2)
+
+
+def test_a_layer_computing_its_own_weight_gradients_wrong_is_refused(proofs: Path) -> None:
+    """The backward check compares every parameter's gradient, mapped to the original's
+    layout, not only the embeddings' and the head's: a kernel bug that reaches no
+    gradient below the layer is caught."""
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class Down(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _FirstRowGradient.apply(x, self.weight)  # type: ignore[no-any-return]
+
+    class WrongWeightGradient(fused):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            down = self.mlp.down_proj
+            self.mlp.down_proj = Down(down.in_features, down.out_features, bias=False)
+
+    sub = dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.wrong_grad", replacement=WrongWeightGradient
+    )
+    verdict = proof.prove(sub, tiny_llama().config)
+    assert not verdict.passed and verdict.check == "backward"
+    assert "mlp.down_proj.weight" in verdict.detail
+
+
+def test_a_replacement_or_converter_changed_under_one_name_is_proven_again(
+    proofs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replacement's methods rebound at run time, or another converter registered
+    under the same name (gate and up swapped), are other substitutions to prove: the
+    converter's is refused."""
+    import dataclasses
+
+    from layerswap.weights import Concat
+
+    model = tiny_llama()
+    sub = get("llama.decoder.fused")
+    before = proof.proof_key(sub, model.config)
+    replacement = sub.replacement_class()
+    forward = replacement.forward
+    monkeypatch.setattr(replacement, "forward", lambda self, *a, **k: forward(self, *a, **k))
+    assert proof.proof_key(sub, model.config) != before
+    monkeypatch.undo()
+    assert proof.proof_key(sub, model.config) == before
+
+    rules = tuple(
+        dataclasses.replace(rule, sources=tuple(reversed(rule.sources)))
+        if isinstance(rule, Concat) and "gate_proj" in rule.sources[0]
+        else rule
+        for rule in sub.converter.rules
+    )
+    assert rules != sub.converter.rules
+    wrong = dataclasses.replace(sub, converter=dataclasses.replace(sub.converter, rules=rules))
+    assert wrong.name == sub.name and proof.proof_key(wrong, model.config) != before
+    assert not proof.prove(wrong, model.config).passed
+
+
 # --- call-time keywords ------------------------------------------------------------------
 
 

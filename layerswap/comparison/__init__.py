@@ -14,6 +14,7 @@ at a near-tie of the reference's router is left out, with what it reaches, and
 counted), ``distance`` (how far one tensor is from its reference), ``tolerance``,
 ``fp8`` (TransformerEngine's FP8 judged against ideal FP8 rounding of the original),
 ``generation`` (two greedy generations: token agreement and each step's logits),
+``gradients`` (a swapped model's gradients mapped back to the original's layout),
 ``compare`` (two passes into a report), ``report``, and ``first_difference`` (two
 models run and judged the same way, the first difference named, in words).
 

@@ -125,13 +125,22 @@ def decoding_differs(
     return None
 
 
+#: maps a model's gradients to the original model's names and shapes
+GradientMap = Callable[[nn.Module, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
 def _loss_and_ends(
-    model: nn.Module, batch: Batch, context: ContextFactory = contextlib.nullcontext
+    model: nn.Module,
+    batch: Batch,
+    context: ContextFactory = contextlib.nullcontext,
+    to_original: GradientMap | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The loss, and the gradients of the input embeddings and the head (one tensor where
-    they are tied), by what they are."""
+    they are tied), by what they are; with ``to_original``, every gradient besides, by
+    the original model's names."""
     run = forward(model, batch, backward=True, routing=False, layer_outputs=False, context=context)
     assert run.loss is not None and run.gradients is not None
+    mapped = {} if to_original is None else dict(to_original(model, run.gradients))
     names = {id(param): name for name, param in model.named_parameters()}
     ends = {
         "embedding gradient": model.get_input_embeddings(),  # type: ignore[operator]
@@ -142,7 +151,8 @@ def _loss_and_ends(
         name = names.get(id(getattr(module, "weight", None)))
         if name is not None and name in run.gradients:
             found[label] = run.gradients[name]
-    return run.loss, found
+            mapped.pop(name, None)
+    return run.loss, {**found, **mapped}
 
 
 def gradients_differ(
@@ -153,15 +163,18 @@ def gradients_differ(
     *,
     reference_context: ContextFactory = contextlib.nullcontext,
     candidate_context: ContextFactory = contextlib.nullcontext,
+    to_original: GradientMap | None = None,
 ) -> str | None:
     """How the loss, or the gradients of the input embeddings and the head, differ
     (``candidate_context``: what the candidate's loss is computed in: a head's fused loss).
 
-    The layers' own gradients, in two layouts, are not compared (:func:`~layerswap.verify.verify`
-    maps them back); a layer whose backward is wrong passes a wrong gradient down to the
-    embeddings."""
-    loss_expected, expected = _loss_and_ends(reference, batch, reference_context)
-    loss_actual, actual = _loss_and_ends(candidate, batch, candidate_context)
+    With ``to_original`` (the candidate's gradients to the original's layout,
+    :func:`~layerswap.comparison.gradients.gradients_to_original`) every other parameter's
+    gradient is compared too: a layer whose backward computes its own weights' gradients
+    wrong can pass a right gradient down to the embeddings."""
+    identity: GradientMap | None = None if to_original is None else (lambda model, grads: grads)
+    loss_expected, expected = _loss_and_ends(reference, batch, reference_context, identity)
+    loss_actual, actual = _loss_and_ends(candidate, batch, candidate_context, to_original)
     report = compare_gradients(expected, actual, loss_expected, loss_actual, tolerance, local=False)
     if not tolerance.allows(report.loss_abs_error, abs(report.loss_reference)):
         return f"loss: max abs difference {report.loss_abs_error:.3g}"
@@ -191,12 +204,14 @@ def first_difference(
     reference_context: ContextFactory = contextlib.nullcontext,
     candidate_context: ContextFactory = contextlib.nullcontext,
     failed: Callable[[Exception], None] | None = None,
+    to_original: GradientMap | None = None,
 ) -> tuple[str | None, str]:
     """The first of :data:`CHECKS` that differs and how, else ``(None, "5 checks equal")``;
     a check that raises differs, with the exception as its detail (``failed`` sees the
     exception first, and may raise another: a kernel that cannot run here).
     ``reference_context``: what the reference's passes run in; ``candidate_context``: what
-    the candidate's loss is computed in.
+    the candidate's loss is computed in; ``to_original``: the candidate's gradients in the
+    original's layout, for the backward check to compare every parameter's.
 
     Example::
 
@@ -221,7 +236,7 @@ def first_difference(
         ),
         lambda: gradients_differ(
             reference, candidate, batch, tolerance, reference_context=context,
-            candidate_context=candidate_context,
+            candidate_context=candidate_context, to_original=to_original,
         ),
     )  # fmt: skip
     for check, step in zip(CHECKS, steps, strict=True):

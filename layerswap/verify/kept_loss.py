@@ -29,9 +29,9 @@ from torch import nn
 
 from layerswap.comparison.excused import Excused
 from layerswap.comparison.forward import Run, forward
+from layerswap.comparison.gradients import gradients_to_original
 from layerswap.comparison.model_classes import task_of
 from layerswap.verify.candidate import candidate_context
-from layerswap.verify.gradients import gradients_to_original
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution

@@ -24,13 +24,13 @@ from layerswap.comparison.forward import (
     layer_hooks,
     layer_output,
 )
+from layerswap.comparison.gradients import layer_gradients_to_original
 from layerswap.comparison.inputs import text_config
 from layerswap.comparison.placement import model_placement, working_copy
 from layerswap.comparison.report import VerificationReport
 from layerswap.layers import convert_layer, layer_index
 from layerswap.model import decoder_layers
 from layerswap.verify.candidate import candidate_context
-from layerswap.verify.gradients import layer_gradients_to_original
 
 if TYPE_CHECKING:
     from layerswap.substitution import Substitution
