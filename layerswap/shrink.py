@@ -148,6 +148,7 @@ def _shrunk_text(
     was = _head_dim(config.to_dict())
     if "head_dim" in values and "head_dim" not in tiny:
         values["head_dim"] = tiny["hidden_size"] // tiny["num_attention_heads"]
+    _keep_shape(config.to_dict(), values)
     _shrink_positions(values)
     now = _head_dim(values)
     if was and now and now != was:
@@ -172,6 +173,41 @@ def _shrunk_text(
             if isinstance(value, list) and len(value) == layers and name != "architectures":
                 values[name] = value[:kept]
     return _built(config, values)
+
+
+def shape_of(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The relations of a config's attention sizes that select what its layers compute,
+    where sizes alone do not: a head size apart from ``hidden_size / heads`` (Qwen3-0.6B,
+    Gemma, Mistral-Nemo: the output projection is not square), and keys and values shared
+    by no heads (multi-head attention), by all (one key-value head) or by groups."""
+    hidden, heads = values.get("hidden_size"), values.get("num_attention_heads")
+    head, kv = values.get("head_dim"), values.get("num_key_value_heads")
+    found: dict[str, Any] = {}
+    sizes = [v for v in (hidden, heads, head) if isinstance(v, int) and v > 0]
+    if len(sizes) == 3:
+        found["head_dim_apart"] = sizes[2] * sizes[1] != sizes[0]
+    if isinstance(kv, int) and isinstance(heads, int) and kv > 0:
+        found["kv_heads"] = "all" if kv == heads else "one" if kv == 1 else "groups"
+    return found
+
+
+def _keep_shape(original: Mapping[str, Any], values: dict[str, Any]) -> None:
+    """Give the tiny sizes in ``values`` the relations :func:`shape_of` finds in
+    ``original``'s (a config with multi-latent attention keeps the tiny ones: its head
+    sizes are its own)."""
+    if "kv_lora_rank" in values:
+        return
+    wanted, now = shape_of(original), shape_of(values)
+    heads = values.get("num_attention_heads")
+    if wanted.get("head_dim_apart") is not None and wanted["head_dim_apart"] != now.get(
+        "head_dim_apart"
+    ):
+        square = int(values["hidden_size"]) // int(values["num_attention_heads"])
+        values["head_dim"] = 2 * square if wanted["head_dim_apart"] else square
+    if wanted.get("kv_heads") != now.get("kv_heads") and isinstance(heads, int):
+        values["num_key_value_heads"] = {"all": heads, "one": 1}.get(
+            wanted.get("kv_heads", ""), max(1, heads // 4)
+        )
 
 
 def _head_dim(values: Mapping[str, Any]) -> int | None:
@@ -369,6 +405,9 @@ def config_kind(config: PreTrainedConfig) -> str:
         if key not in SIZE_FIELDS and key not in _METADATA and not key.startswith("_")
     }
     values["model_type"] = getattr(config, "model_type", "")
+    # relations of the sizes that select what the layers compute (a non-square output
+    # projection, multi-head or one-key-value-head attention): kept by the shrink
+    values["shape"] = shape_of(config.to_dict())
     # private fields that select a code path: proven under one, not under another
     for name in CODE_PATHS:
         values[name] = str(getattr(config, name, None))

@@ -358,6 +358,47 @@ def test_the_proof_keeps_a_layer_of_every_kind_past_the_fourth() -> None:
     assert shrink.shrunk_config(get_family("llama"), plain).num_hidden_layers == tiny
 
 
+@pytest.mark.parametrize(
+    ("sizes", "shape"),
+    [
+        # Qwen3-0.6B: heads of 128 in a width of 1024 (16 heads): a non-square o_proj
+        (
+            {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128},
+            {"head_dim_apart": True, "kv_heads": "groups"},
+        ),
+        # Llama-2-7B: multi-head attention, every head its own keys and values
+        (
+            {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "head_dim": 128},
+            {"head_dim_apart": False, "kv_heads": "all"},
+        ),
+        # one key-value head for all (Gemma 2B)
+        (
+            {"hidden_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 1,
+             "head_dim": 256},
+            {"head_dim_apart": False, "kv_heads": "one"},
+        ),
+    ],
+)  # fmt: skip
+def test_the_tiny_model_keeps_the_relations_of_the_attention_sizes(
+    sizes: dict[str, int], shape: dict[str, Any]
+) -> None:
+    """Sizes shrink, but a head size apart from ``hidden / heads`` and multi-head or
+    one-key-value-head attention stay so (the family's tiny config has neither), and
+    each is a kind of config of its own in the verdict's key."""
+    family = get_family("qwen3")
+    config = family.tiny_config(**sizes)
+    assert shrink.shape_of(config.to_dict()) == shape
+    tiny = shrink.shrunk_config(family, config)
+    assert shrink.shape_of(tiny.to_dict()) == shape
+    assert tiny.hidden_size == family.tiny_config().hidden_size
+    plain = family.tiny_config()
+    assert shrink.config_kind(config) != shrink.config_kind(plain) or shape == shrink.shape_of(
+        plain.to_dict()
+    )
+
+
 def test_rotary_parameters_sized_by_the_head_dimension_shrink_with_it(proofs: Path) -> None:
     """Qwen2-VL's multimodal rotary sections sum to half its head dimension (128: [16, 24,
     24]), Phi-3.5's LongRoPE factors are one per frequency (48): at the tiny head
