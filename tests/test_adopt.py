@@ -485,6 +485,52 @@ def test_a_wrong_epsilon_is_refused_naming_the_first_layer() -> None:
     assert differences(before, state_of()) == []
 
 
+class _DoubledWeightGradient(torch.autograd.Function):
+    """``w * x / rms(x)`` with a hand-written backward (as Liger's kernels have) whose
+    weight gradient is twice what it should be; the input gradient is right."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(normed, weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return weight * normed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        normed, weight, rstd = ctx.saved_tensors
+        scaled = grad * weight
+        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+        grad_w = 2.0 * (grad * normed).reshape(-1, normed.shape[-1]).sum(0)
+        return grad_x, grad_w, None
+
+
+def test_a_patch_computing_its_weights_gradients_wrong_is_refused() -> None:
+    """The proof's backward check compares every parameter's gradient, not only those of
+    the embeddings and the head: an RMSNorm kernel whose weight gradient is wrong passes a
+    right gradient down, and is refused all the same."""
+
+    class WrongGradientNorm(nn.Module):
+        def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+            self.variance_epsilon = eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = _DoubledWeightGradient.apply(x.float(), self.weight, self.variance_epsilon)
+            return out.to(x.dtype)  # type: ignore[no-any-return]
+
+    def rebind_norm() -> None:
+        modeling_llama.LlamaRMSNorm = WrongGradientNorm
+
+    family = layerswap.get_family("llama")
+    family.build()(torch.tensor([[1, 2, 3]]))  # transformers' own first-run caches, filled
+    before = state_of()
+    config = family.tiny_config()
+    with pytest.raises(PatchDivergenceError, match=r"backward differs \(.*layernorm\.weight"):
+        layerswap.adopt(rebind_norm, config=config)
+    assert differences(before, state_of()) == []
+
+
 def test_a_patch_from_layer_2_on_is_refused_naming_layer_2(model: nn.Module) -> None:
     original_forward = modeling_llama.LlamaMLP.forward
     before = state_of(model)
@@ -681,3 +727,41 @@ def test_suspending_an_older_adoption_keeps_a_newer_patch_on_top() -> None:
         b.undo()
         a.undo()
     assert modeling_llama.LlamaMLP.forward is original
+
+
+def test_class_and_code_changes_of_two_adoptions_undo_in_any_order(model: nn.Module) -> None:
+    """An instance given another class, and a function's code replaced in place, are
+    engine layers as rebindings are: the older adoption undone first leaves the newer one's
+    class and code in place, and undoing both restores the originals, not the older
+    adoption's (it wrote back its own copy before)."""
+    norm = model.model.norm
+    code = modeling_llama.rotate_half.__code__
+
+    class NormA(modeling_llama.LlamaRMSNorm):
+        pass
+
+    class NormB(modeling_llama.LlamaRMSNorm):
+        pass
+
+    def rotate_a(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    def rotate_b(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def older(model: nn.Module) -> None:
+        model.model.norm.__class__ = NormA
+        modeling_llama.rotate_half.__code__ = rotate_a.__code__
+
+    def newer(model: nn.Module) -> None:
+        model.model.norm.__class__ = NormB
+        modeling_llama.rotate_half.__code__ = rotate_b.__code__
+
+    a = layerswap.adopt(older, model=model, prove=False)
+    b = layerswap.adopt(newer, model=model, prove=False)
+    a.undo()
+    assert type(norm) is NormB and modeling_llama.rotate_half.__code__ is rotate_b.__code__
+    b.undo()
+    assert type(norm) is modeling_llama.LlamaRMSNorm
+    assert modeling_llama.rotate_half.__code__ is code

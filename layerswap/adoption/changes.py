@@ -10,8 +10,8 @@ original model with the changes taken back for the time of a call):
 * :class:`Deletion`: a name removed;
 * :class:`ContentsChange`: a dict, list or set changed in place (a registry, a model's
   ``_modules``): put back item by item, in order, the container object kept;
-* :class:`ClassChange`: an instance given another class;
-* :class:`FunctionChange`: a function's ``__code__`` or defaults replaced in place;
+* :class:`ClassChange`: an instance given another class, and :class:`FunctionChange`: a
+  function's ``__code__`` or defaults replaced in place: engine layers as a rebinding is;
 * :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed (modules
   imported for the first time stay).
 
@@ -68,6 +68,10 @@ class Change:
     def adopt(self) -> None:
         """Called once, after the function ran: the change is in place."""
 
+    def patches(self) -> list[Patch]:
+        """The engine's patches that hold the change (none for a change put back raw)."""
+        return []
+
     def revert(self) -> None:
         raise NotImplementedError
 
@@ -91,39 +95,66 @@ def _put(owner: Any, name: str, value: Any) -> None:
     site.restore(Original(None if value is NOTSET else "__dict__", value))
 
 
-class Rebinding(Change):
+class _Layered(Change):
+    """A change handed to the patching engine as one :class:`~layerswap.patching.Patch`
+    layer per attribute it set (``owner.name = new``; before: ``old``), so that adoptions
+    (and every other patch of the same attribute) stop in any order and each leaves the
+    others' values in place."""
+
+    _sets: list[tuple[Any, str, Any, Any]]  # (owner, name, old, new)
+
+    def _raw(self, owner: Any, name: str, value: Any) -> None:
+        setattr(owner, name, value)
+
+    def adopt(self) -> None:
+        # the engine's stack must see the value before the function as the one below
+        self._patches = []
+        for owner, name, old, new in self._sets:
+            self._raw(owner, name, old)
+            patch = Patch(owner, name, new, create=True)
+            patch.start()
+            self._patches.append(patch)
+        # where each layer sat when taken back (suspended): made again there, under any
+        # newer patch of the same attribute
+        self._positions: list[int] | None = None
+
+    def patches(self) -> list[Patch]:
+        return list(getattr(self, "_patches", ()))
+
+    def revert(self) -> None:
+        patches = getattr(self, "_patches", None)
+        if patches is None:  # the function failed half-way: nothing was adopted
+            for owner, name, old, _ in self._sets:
+                self._raw(owner, name, old)
+            return
+        self._positions = [patch.stack_position() for patch in patches]
+        for patch in reversed(patches):
+            patch.stop()
+
+    def apply(self) -> None:
+        patches = getattr(self, "_patches", None)
+        if patches is None:
+            for owner, name, _, new in self._sets:
+                self._raw(owner, name, new)
+            return
+        for index, patch in enumerate(patches):
+            patch.start()
+            if self._positions is not None:
+                patch.restack(self._positions[index])
+        self._positions = None
+
+
+class Rebinding(_Layered):
     """``owner.name`` bound to ``new`` (before: ``old``, ``NOTSET`` when absent)."""
 
     def __init__(self, owner: Any, name: str, old: Any, new: Any, where: str) -> None:
         self.owner, self.name, self.old, self.new = owner, name, old, new
         self.where = f"{where}.{name}"
         self.what = "added" if old is NOTSET else "rebound"
-        self._patch: Patch | None = None
-        # where its layer sat when taken back (suspended): made again there, under any
-        # newer patch of the same attribute
-        self._position: int | None = None
+        self._sets = [(owner, name, old, new)]
 
-    def adopt(self) -> None:
-        # the engine's stack must see the value before the function as the one below
-        _put(self.owner, self.name, self.old)
-        self._patch = Patch(self.owner, self.name, self.new, create=True)
-        self._patch.start()
-
-    def revert(self) -> None:
-        if self._patch is None:  # the function failed half-way: nothing was adopted
-            _put(self.owner, self.name, self.old)
-        else:
-            self._position = self._patch.stack_position()
-            self._patch.stop()
-
-    def apply(self) -> None:
-        if self._patch is None:
-            _put(self.owner, self.name, self.new)
-        else:
-            self._patch.start()
-            if self._position is not None:
-                self._patch.restack(self._position)
-            self._position = None
+    def _raw(self, owner: Any, name: str, value: Any) -> None:
+        _put(owner, name, value)
 
 
 class Deletion(Change):
@@ -184,22 +215,17 @@ def _refill(obj: Any, target: Any, other: Any) -> None:
         refill(obj, target)
 
 
-class ClassChange(Change):
+class ClassChange(_Layered):
     """An instance given another class (``obj.__class__ = new``)."""
 
     def __init__(self, obj: Any, old: type, new: type, where: str) -> None:
         self.obj, self.old, self.new = obj, old, new
         self.where = where
         self.what = f"class {old.__qualname__} -> {new.__qualname__}"
-
-    def revert(self) -> None:
-        self.obj.__class__ = self.old
-
-    def apply(self) -> None:
-        self.obj.__class__ = self.new
+        self._sets = [(obj, "__class__", old, new)]
 
 
-class FunctionChange(Change):
+class FunctionChange(_Layered):
     """A function's code or defaults replaced in place (``f.__code__ = other.__code__``)."""
 
     def __init__(self, state: FunctionState) -> None:
@@ -208,21 +234,12 @@ class FunctionChange(Change):
         self.after = FunctionState.parts_of(state.function)
         self.where = state.where
         changed = [
-            part
+            (part, old, new)
             for part, old, new in zip(FUNCTION_PARTS, self.before, self.after, strict=True)
             if old is not new
         ]
-        self.what = f"{', '.join(changed)} replaced"
-
-    def _set(self, parts: tuple[Any, ...]) -> None:
-        for part, value in zip(FUNCTION_PARTS, parts, strict=True):
-            setattr(self.function, part, value)
-
-    def revert(self) -> None:
-        self._set(self.before)
-
-    def apply(self) -> None:
-        self._set(self.after)
+        self.what = f"{', '.join(part for part, _, _ in changed)} replaced"
+        self._sets = [(self.function, part, old, new) for part, old, new in changed]
 
 
 class ModuleTableChange(Change):

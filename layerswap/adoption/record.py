@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from layerswap.adoption.changes import Change, Rebinding, find_changes
+from layerswap.adoption.changes import Change, find_changes
 from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_packages
 from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
 from layerswap.patching.undo import UndoLog
@@ -76,12 +76,8 @@ class Recording:
                 self._log.record(change.revert)
 
     def patches(self) -> list[Any]:
-        """The engine's patches behind the rebindings (a leak guard tells them apart)."""
-        return [
-            change._patch
-            for change in self.changes
-            if isinstance(change, Rebinding) and change._patch is not None
-        ]
+        """The engine's patches behind the changes (a leak guard tells them apart)."""
+        return [patch for change in self.changes for patch in change.patches()]
 
     def report(self) -> list[str]:
         """One line per change: where, and what happened there."""
