@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from layerswap import hf_internals
 from layerswap.mlps import ACTIVATIONS
-from layerswap.trials import random_copy, relative_difference
+from layerswap.trials import random_copy, relative_difference, without_hooks
 
 __all__ = ["ExpertsSpec", "candidate_experts_classes", "classify", "is_experts_module"]
 
@@ -184,7 +184,7 @@ def _few_experts(module: nn.Module) -> nn.Module:
         if isinstance(tensor, nn.Parameter):
             small = nn.Parameter(small, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = small
-    trial = copy.deepcopy(module, memo)
+    trial = without_hooks(copy.deepcopy(module, memo))
     for count in _EXPERT_COUNTS:
         if isinstance(getattr(trial, count, None), int):
             setattr(trial, count, keep)

@@ -27,7 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from layerswap.trials import one_tensor_input, random_copy, relative_difference
+from layerswap.trials import (
+    one_tensor_input,
+    random_copy,
+    random_in_training,
+    relative_difference,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -285,6 +290,12 @@ def classify(module: nn.Module) -> MLPSpec | str:
                     expected[dtype] = trial(x.to(dtype))
             except Exception as exc:
                 return f"it does not run on one tensor ({type(exc).__name__}: {exc})"
+        if random_in_training(trials[torch.float32], x):
+            # Seed-OSS: F.dropout(down_proj(...), residual_dropout, training=self.training)
+            return (
+                "it computes something random in training (a dropout applied as a "
+                "function), which a replacement computing down(act(gate(x)) * up(x)) drops"
+            )
         for spec in _readings(module):
             if _matches(spec, trials, expected, x):
                 return spec

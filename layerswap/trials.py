@@ -17,7 +17,14 @@ import re
 import torch
 from torch import nn
 
-__all__ = ["not_built", "one_tensor_input", "random_copy", "relative_difference"]
+__all__ = [
+    "not_built",
+    "one_tensor_input",
+    "random_copy",
+    "random_in_training",
+    "relative_difference",
+    "without_hooks",
+]
 
 
 def one_tensor_input(module: nn.Module) -> str | None:
@@ -54,13 +61,55 @@ def random_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
             if buffer.is_meta
             else buffer.detach().to("cpu", copy=True)
         )
-    trial = copy.deepcopy(module, memo)
+    trial = without_hooks(copy.deepcopy(module, memo))
     trial = trial.to(device="cpu", dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in trial.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     return trial.to(dtype).eval()
+
+
+#: a module's own hook tables (a copy holds copies of them)
+_HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def without_hooks(trial: nn.Module) -> nn.Module:
+    """``trial`` (a copy of a model's module) with no hook of its modules left: a reading
+    runs a copy on random weights, and a hook the user put on the module (capturing
+    activations, steering outputs) must neither see those runs nor change what is read.
+    The copy's tables are emptied; the module's own are not touched."""
+    for module in trial.modules():
+        for table in _HOOK_TABLES:
+            found = module.__dict__.get(table)
+            if found:
+                module.__dict__[table] = type(found)()
+    return trial
+
+
+def random_in_training(trial: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``trial`` (a copy) computes something else from one call to the next in
+    training mode (a dropout applied as a function, ``F.dropout(..., training=...)``,
+    which no child module shows)."""
+    trial.train()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            outputs = []
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                outputs.append(trial(x))
+    finally:
+        trial.eval()
+    first, second = outputs
+    return isinstance(first, torch.Tensor) and not torch.equal(first, second)
 
 
 def relative_difference(expected: object, got: torch.Tensor) -> tuple[float, float] | None:

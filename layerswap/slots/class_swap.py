@@ -191,6 +191,21 @@ class ClassSwapHandle(SwapHandle):
                         f"cannot undo {self.substitution.name}: {name} is now a "
                         f"{type(module).__qualname__}, not {made.__qualname__} (changed since)"
                     )
+                if "forward" in vars(module) and not _own_forward_bound(module):
+                    # set since the swap (a module holding one is not swapped): it calls the
+                    # replacement's forward, which the original class does not have
+                    raise SubstitutionError(
+                        f"cannot undo {self.substitution.name}: {name}'s forward was set on "
+                        "the instance since the swap (accelerate's hooks: dispatch_model, "
+                        "cpu_offload), and calls the replacement's; remove the hooks first "
+                        "(accelerate.hooks.remove_hook_from_module(model, recurse=True)), "
+                        "undo, then add them again; nothing was undone"
+                    )
+            for _, module, _ in self._plan.swapped:
+                # what removing accelerate's hooks leaves: the class's own forward, bound on
+                # the instance; the class set back, it would call the replacement's
+                if "forward" in vars(module):
+                    del module.__dict__["forward"]
             self._changes.undo()
             self._active = False
 
@@ -219,6 +234,14 @@ class ClassSwapHandle(SwapHandle):
             f"<{type(self).__name__} {self.substitution.name}: {len(self)} "
             f"{self._slot.plural}, {state}>"
         )
+
+
+def _own_forward_bound(module: nn.Module) -> bool:
+    """Whether the ``forward`` set on ``module`` is its class's own, bound to it."""
+    found = vars(module)["forward"]
+    return getattr(found, "__self__", None) is module and getattr(
+        found, "__func__", None
+    ) is getattr(type(module), "forward", None)
 
 
 def instance_forward(module: nn.Module) -> str | None:
