@@ -765,3 +765,40 @@ def test_class_and_code_changes_of_two_adoptions_undo_in_any_order(model: nn.Mod
     b.undo()
     assert type(norm) is modeling_llama.LlamaRMSNorm
     assert modeling_llama.rotate_half.__code__ is code
+
+
+def test_suspended_windows_nest_and_two_threads_take_turns() -> None:
+    """A window opened inside one of the same adoption keeps the original code until the
+    outer one ends; two threads verifying one adoption take turns, each getting its
+    verdict (one thread's window re-applying the patch inside another's raised)."""
+    import threading
+
+    original = modeling_llama.LlamaMLP.forward
+
+    def scaled() -> None:
+        modeling_llama.LlamaMLP.forward = lambda self, x: original(self, x) * 1.5
+
+    adoption = layerswap.adopt(scaled, prove=False)
+    try:
+        with adoption.suspended():
+            with adoption.suspended():
+                assert modeling_llama.LlamaMLP.forward is original
+            assert modeling_llama.LlamaMLP.forward is original
+        assert modeling_llama.LlamaMLP.forward is not original
+        results: list[Any] = []
+
+        def verify() -> None:
+            try:
+                results.append(adoption.verify(layerswap.get_family("llama").build()).passed)
+            except Exception as exc:  # what the test is about: none is raised
+                results.append(exc)
+
+        threads = [threading.Thread(target=verify) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == [False, False]
+    finally:
+        adoption.undo()
+    assert modeling_llama.LlamaMLP.forward is original

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerswap.adoption.proving import check_patch, family_for, tiny_config
-from layerswap.adoption.record import Recording, record
+from layerswap.adoption.record import Recording, exclusive, record
 from layerswap.adoption.verifying import verify_adopted
 from layerswap.errors import AdoptionError
 from layerswap.model import family_of
@@ -123,14 +123,15 @@ class Adoption:
         """
         if not self._active:
             raise AdoptionError(f"{self.name} was undone: there is no patched code to verify")
-        return verify_adopted(
-            self._recording,
-            model,
-            inputs,
-            backward=backward,
-            generate=generate,
-            tolerance=tolerance,
-        )
+        with exclusive():  # another thread's window would switch the patch off mid-pass
+            return verify_adopted(
+                self._recording,
+                model,
+                inputs,
+                backward=backward,
+                generate=generate,
+                tolerance=tolerance,
+            )
 
     def undo(self) -> None:
         """Put every module, class and instance the function changed back (a second call
@@ -320,17 +321,18 @@ def _prove_in_place(
     """Prove the class-level changes of ``recording``: the tiny original built with them
     taken back, the candidate built with them, holding the original's weights."""
     tiny = tiny_config(family, config)
-    with recording.suspended():
-        reference = family.build(tiny, seed=0).to(_device())
-    candidate = family.build(tiny, seed=0).to(_device())
-    try:
-        candidate.load_state_dict(reference.state_dict())
-    except RuntimeError as exc:
-        raise AdoptionError(
-            f"{recording.name}: a model built with the patch does not hold the original's "
-            f"weights ({exc}); it cannot be proven against the original"
-        ) from exc
-    return check_patch(recording, reference, candidate)
+    with exclusive():
+        with recording.suspended():
+            reference = family.build(tiny, seed=0).to(_device())
+        candidate = family.build(tiny, seed=0).to(_device())
+        try:
+            candidate.load_state_dict(reference.state_dict())
+        except RuntimeError as exc:
+            raise AdoptionError(
+                f"{recording.name}: a model built with the patch does not hold the "
+                f"original's weights ({exc}); it cannot be proven against the original"
+            ) from exc
+        return check_patch(recording, reference, candidate)
 
 
 def _prove_on_copy(
@@ -346,6 +348,7 @@ def _prove_on_copy(
     candidate = copy.deepcopy(reference)
     recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
     try:
-        return check_patch(recording, reference, candidate)
+        with exclusive():
+            return check_patch(recording, reference, candidate)
     finally:
         recording.undo()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from layerswap.adoption.changes import Change, find_changes
@@ -26,11 +26,18 @@ from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_pack
 from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
 from layerswap.patching.undo import UndoLog
 
-__all__ = ["Recording", "record"]
+__all__ = ["Recording", "exclusive", "record"]
 
-# one recording at a time: two functions running at once would be credited each other's
-# changes
+# one recording, or one suspended window, at a time: two functions running at once would
+# be credited each other's changes, and a window's re-application would land in another
 _RECORDING = threading.RLock()
+
+
+def exclusive() -> AbstractContextManager[Any]:
+    """Held for a comparison that suspends an adoption (a proof, ``Adoption.verify``): its
+    passes with and without the patch are not interleaved with another thread's
+    suspended windows, nor with a recording."""
+    return _RECORDING
 
 
 class Recording:
@@ -66,14 +73,25 @@ class Recording:
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
-        """The changes taken back inside, made again on exit: the original code runs."""
-        self._log.undo()
-        try:
-            yield
-        finally:
-            for change in self.changes:
-                change.apply()
-                self._log.record(change.revert)
+        """The changes taken back inside, made again on exit: the original code runs.
+
+        One window at a time in the process, and none while a patch function is being
+        recorded (the recording would credit this one's changes to it): another thread
+        waits. A window opened inside one of the same recording changes nothing more."""
+        with _RECORDING:
+            self._depth = getattr(self, "_depth", 0) + 1
+            try:
+                if self._depth == 1:
+                    self._log.undo()
+                try:
+                    yield
+                finally:
+                    if self._depth == 1:
+                        for change in self.changes:
+                            change.apply()
+                            self._log.record(change.revert)
+            finally:
+                self._depth -= 1
 
     def patches(self) -> list[Any]:
         """The engine's patches behind the changes (a leak guard tells them apart)."""
