@@ -288,7 +288,37 @@ def _code_files(module: str, top: str) -> list[Path]:
         found = sorted(p for location in locations for p in Path(location).rglob("*.py"))
         if len(found) <= _PACKAGE_FILES:
             return found
-    return [own_path] if own_path is not None else []
+    return _with_siblings(own_path) if own_path is not None else []
+
+
+def _with_siblings(path: Path) -> list[Path]:
+    """``path`` (a module outside any package: a user's ``my_layer.py``) and the modules
+    beside it that it imports, and those they import, so that an edit of a helper module
+    the layer calls is another code."""
+    found: dict[Path, None] = {}
+    waiting = [path]
+    while waiting and len(found) < _PACKAGE_FILES:
+        current = waiting.pop()
+        if current in found:
+            continue
+        found[current] = None
+        try:
+            tree = ast.parse(current.read_text(encoding="utf-8", errors="replace"))
+        except (OSError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            for name in names:
+                sibling = current.parent / f"{name.split('.')[0]}.py"
+                if sibling.is_file() and sibling not in found:
+                    waiting.append(sibling)
+    return sorted(found)
 
 
 def _version_of(top: str) -> str:

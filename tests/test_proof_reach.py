@@ -128,6 +128,32 @@ def test_a_replacement_of_a_plugin_or_the_users_own_code_is_keyed_by_that_code(
     assert sources.code_digest("transformers.models.llama.modeling_llama") == ""
 
 
+def test_a_replacement_in_a_plain_module_is_keyed_by_the_modules_beside_it_it_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's ``my_layer.py`` (no package) calling a kernel in ``my_kernel.py`` beside
+    it: an edit of the kernel is another code, and a module beside them it does not
+    import is not part of it."""
+    import dataclasses
+
+    (tmp_path / "my_layer.py").write_text("import my_kernel\n\nclass MyLayer:\n    pass\n")
+    (tmp_path / "my_kernel.py").write_text("def post(x):\n    return x\n")
+    (tmp_path / "unrelated.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sub = dataclasses.replace(get("llama.decoder.fused"), replacement="my_layer:MyLayer")
+
+    def fresh_key() -> str:
+        sources.code_digest.cache_clear()
+        sources._file_digest.cache_clear()
+        return proof.proof_key(sub, None)
+
+    before = fresh_key()
+    (tmp_path / "unrelated.py").write_text("X = 2\n")
+    assert fresh_key() == before
+    (tmp_path / "my_kernel.py").write_text("def post(x):\n    return x * 1.01\n")
+    assert fresh_key() != before
+
+
 def verdict_key(sub: Any) -> str:
     stored = [path.stem for path in Path(os.environ["LAYERSWAP_CACHE"]).glob("*.json")]
     return stored[0]
