@@ -802,3 +802,20 @@ def test_suspended_windows_nest_and_two_threads_take_turns() -> None:
     finally:
         adoption.undo()
     assert modeling_llama.LlamaMLP.forward is original
+
+
+def test_a_patch_of_two_model_types_says_which_one_the_proof_did_not_run() -> None:
+    """Proven on a Llama model, a function that also rebinds Qwen 2's norm is not proven
+    for Qwen 2: adopting it says so (a wrong Qwen 2 patch was reported proven)."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def both() -> None:
+        modeling_llama.LlamaRMSNorm = type("Norm", (modeling_llama.LlamaRMSNorm,), {})
+        modeling_qwen2.Qwen2RMSNorm = type("Norm", (modeling_qwen2.Qwen2RMSNorm,), {})
+
+    config = layerswap.get_family("llama").tiny_config()
+    with (
+        pytest.warns(layerswap.errors.SwapWarning, match=r"qwen2 modeling code were not run"),
+        layerswap.adopt(both, config=config) as adoption,
+    ):
+        assert adoption.proven == "llama"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -30,7 +31,7 @@ import torch
 from layerswap.adoption.proving import check_patch, family_for, tiny_config
 from layerswap.adoption.record import Recording, exclusive, record
 from layerswap.adoption.verifying import verify_adopted
-from layerswap.errors import AdoptionError
+from layerswap.errors import AdoptionError, SwapWarning
 from layerswap.model import family_of
 from layerswap.patching.scoped import caller_outside
 
@@ -232,6 +233,8 @@ def adopt(
         if family is not None:
             checks = _prove_on_copy(fn, args, kwargs, family, config or model.config)
         recording, result = record(fn, args, kwargs, model=model)
+        if family is not None:
+            _warn_unproven(recording, family)
         return _made(Adoption(recording, result, family.name if family else None, checks), prove)
     recording, result = record(fn, args, kwargs)
     if family is None and prove is not False:
@@ -249,7 +252,24 @@ def adopt(
         except BaseException:
             recording.undo()
             raise
+        _warn_unproven(recording, family)
     return _made(Adoption(recording, result, family.name if family else None, checks), prove)
+
+
+def _warn_unproven(recording: Recording, family: Family) -> None:
+    """Say which of the changed modeling modules the proof on ``family`` did not run: a
+    function patching two model types (a wrapper's and its language model's, or two
+    unrelated ones) is proven on one model, the other model types' changes are not."""
+    own = family.module.split(".")[2] if family.module.startswith("transformers.models.") else None
+    others = sorted(_modeling_types(recording) - {own})
+    if others:
+        warnings.warn(
+            f"{recording.name} was proven on a {family.name} model; its changes to "
+            f"transformers' {', '.join(others)} modeling code were not run by that proof "
+            f"(verify a model of that type: Adoption.verify)",
+            SwapWarning,
+            stacklevel=3,
+        )
 
 
 def _refuse_unreached(recording: Recording, family: Family) -> None:
