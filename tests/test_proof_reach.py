@@ -101,6 +101,13 @@ def test_a_verdict_whose_source_changed_is_stale_not_proven(
     assert proof.proof_key(sub, None) != verdict_key(sub)
 
 
+def fresh_key(sub: Any) -> str:
+    """``sub``'s key with its code read again from the disk."""
+    sources.code_digest.cache_clear()
+    sources._file_digest.cache_clear()
+    return proof.proof_key(sub, None)
+
+
 def test_a_replacement_of_a_plugin_or_the_users_own_code_is_keyed_by_that_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -115,15 +122,10 @@ def test_a_replacement_of_a_plugin_or_the_users_own_code_is_keyed_by_that_code(
     monkeypatch.syspath_prepend(str(tmp_path))
     sub = dataclasses.replace(get("llama.decoder.fused"), replacement="my_kernels.layers:MyLayer")
 
-    def fresh_key() -> str:
-        sources.code_digest.cache_clear()
-        sources._file_digest.cache_clear()
-        return proof.proof_key(sub, None)
-
-    before = fresh_key()
-    assert fresh_key() == before  # the same code, the same key
+    before = fresh_key(sub)
+    assert fresh_key(sub) == before  # the same code, the same key
     (package / "layers.py").write_text("class MyLayer:\n    scale = 1.5\n")
-    assert fresh_key() != before
+    assert fresh_key(sub) != before
     assert sources.code_digest("layerswap.backends.fused.decoder") == ""  # layerswap's digest
     assert sources.code_digest("transformers.models.llama.modeling_llama") == ""
 
@@ -142,16 +144,11 @@ def test_a_replacement_in_a_plain_module_is_keyed_by_the_modules_beside_it_it_im
     monkeypatch.syspath_prepend(str(tmp_path))
     sub = dataclasses.replace(get("llama.decoder.fused"), replacement="my_layer:MyLayer")
 
-    def fresh_key() -> str:
-        sources.code_digest.cache_clear()
-        sources._file_digest.cache_clear()
-        return proof.proof_key(sub, None)
-
-    before = fresh_key()
+    before = fresh_key(sub)
     (tmp_path / "unrelated.py").write_text("X = 2\n")
-    assert fresh_key() == before
+    assert fresh_key(sub) == before
     (tmp_path / "my_kernel.py").write_text("def post(x):\n    return x * 1.01\n")
-    assert fresh_key() != before
+    assert fresh_key(sub) != before
 
 
 def verdict_key(sub: Any) -> str:
