@@ -431,6 +431,30 @@ def test_the_users_hooks_neither_see_the_reading_nor_change_it() -> None:
     steering.remove()
 
 
+def test_a_hook_on_the_activation_runs_once_and_a_random_one_gives_the_same_gradients() -> None:
+    """The activation is recomputed in the backward pass, except where its module has
+    hooks: they run once per step, as in the original, and a random one (dropout on the
+    activation's output) draws once, so the gradients are the original's."""
+    original = layerswap.get_family("llama").build()
+    swapped = copy.deepcopy(original)
+    layerswap.swap(swapped, "llama.mlp.fused")
+    ids = _ids(original)
+    calls = {"original": 0, "swapped": 0}
+    grads = {}
+    for name, model in (("original", original), ("swapped", swapped)):
+
+        def noisy(module: nn.Module, args: Any, out: torch.Tensor, name: str = name) -> Any:
+            calls[name] += 1
+            return F.dropout(out, 0.5, training=True)
+
+        model.model.layers[0].mlp.act_fn.register_forward_hook(noisy)
+        torch.manual_seed(0)
+        _, grads[name] = _train_step(model, ids)
+    assert calls["original"] == calls["swapped"] == 1
+    for key, expected in grads["original"].items():
+        assert torch.equal(grads["swapped"][key], expected), key
+
+
 def test_undo_after_accelerate_hooks_refuses_then_works_once_they_are_removed() -> None:
     """accelerate's hooks, added after the swap as docs advise, set each module's forward
     on the instance, calling the replacement's: undo refuses (changing nothing) until they

@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
-from torch import Tensor
+import torch.nn.modules.module as module_hooks
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from layerswap.backends.mlp import MLPKernel, MLPReplacement
@@ -29,10 +30,22 @@ def _product(gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor]) -> Tenso
     return act(gate) * up
 
 
+def _hooked(act: Callable[[Tensor], Tensor]) -> bool:
+    """Whether calling ``act`` (an activation module) runs hooks: a recomputation would run
+    them a second time (a random one, a dropout on the activation, drawing anew)."""
+    if not isinstance(act, nn.Module):
+        return False
+    tables = (act._forward_hooks, act._forward_pre_hooks)
+    everywhere = (module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks)
+    return any(tables) or any(everywhere)
+
+
 def recomputed_product(gate: Tensor, up: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
     """``act(gate) * up``; where a gradient will flow, the activation's output is not kept
-    but recomputed from ``gate`` in the backward pass."""
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    but recomputed from ``gate`` in the backward pass (not where the activation module
+    has hooks: they run once, as in the original)."""
+    grads = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    if grads and not _hooked(act):
         out: Tensor = checkpoint(
             _product, gate, up, act, use_reentrant=False, preserve_rng_state=False
         )
