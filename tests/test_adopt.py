@@ -819,3 +819,32 @@ def test_a_patch_of_two_model_types_says_which_one_the_proof_did_not_run() -> No
         layerswap.adopt(both, config=config) as adoption,
     ):
         assert adoption.proven == "llama"
+
+
+def test_the_models_config_changed_by_the_patch_is_taken_back(model: nn.Module) -> None:
+    """A patch pointing the given model's config at an attention it registers (as
+    attention-kernel patches do): undo takes the config back with the registry entry, and
+    the model runs as before (it raised a KeyError for the removed attention)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    before = model.config._attn_implementation
+
+    def own_attention(*args: Any, **kwargs: Any) -> Any:
+        return sdpa_attention_forward(*args, **kwargs)
+
+    def patch_attention(model: nn.Module) -> None:
+        ALL_ATTENTION_FUNCTIONS["own_attention"] = own_attention
+        ALL_MASK_ATTENTION_FUNCTIONS["own_attention"] = sdpa_mask
+        model.config._attn_implementation = "own_attention"
+
+    adoption = layerswap.adopt(patch_attention, model=model, prove=False)
+    assert model.config._attn_implementation == "own_attention"
+    adoption.undo()
+    assert model.config._attn_implementation == before
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)

@@ -266,6 +266,7 @@ class Snapshot:
                 )
 
     def _add_model(self, model: Any) -> None:
+        self._add_configs(model)
         for qualname, module in model.named_modules():
             where = qualname or type(model).__name__
             self._add_object(module, where)
@@ -282,6 +283,26 @@ class Snapshot:
                                 tensor.data_ptr(),
                             )
                         )
+
+
+    def _add_configs(self, model: Any) -> None:
+        """The model's config and the configs it holds (a wrapper's text config): a patch
+        may set ``model.config._attn_implementation`` to the attention it registers."""
+        waiting = [(getattr(model, "config", None), "config")]
+        while waiting:
+            config, where = waiting.pop()
+            entries = _own_dict(config)
+            if entries is None or id(config) in self.owners or not _is_config(config):
+                continue
+            self._add_object(config, where)
+            waiting.extend(
+                (value, f"{where}.{key}") for key, value in entries.items() if _is_config(value)
+            )
+
+
+def _is_config(value: Any) -> bool:
+    """A transformers config (read by what it has: this module imports no transformers)."""
+    return hasattr(value, "model_type") and callable(getattr(value, "to_dict", None))
 
 
 def _own_dict(obj: Any) -> dict[str, Any] | None:
