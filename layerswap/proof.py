@@ -39,7 +39,6 @@ import dataclasses
 import hashlib
 import json
 import re
-import sys
 import threading
 import time
 import warnings
@@ -183,7 +182,7 @@ def proof_key(
         "replacement": named,
         # a plugin's or the user's own layer: its code, as transformers' is
         "replacement_source": sources.code_digest(module),
-        "replacement_live": _live_replacement(replacement, module),
+        "replacement_live": _live_replacement(sub),
         # two converters under one name map the weights two ways
         "converter": _ADDRESS.sub("", repr(converter)),
         "converter_source": sources.code_digest(type(converter).__module__),
@@ -201,15 +200,15 @@ def proof_key(
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _live_replacement(replacement: Any, module: str) -> str:
-    """:func:`~layerswap.sources.class_digest` of the replacement class where it is loaded
-    (a lazy one whose module is not imported yet cannot have been patched)."""
-    if isinstance(replacement, str):
-        found: Any = sys.modules.get(module)
-        for part in replacement.partition(":")[2].split("."):
-            found = getattr(found, part, None)
-        replacement = found
-    return sources.class_digest(replacement) if isinstance(replacement, type) else ""
+def _live_replacement(sub: Substitution) -> str:
+    """:func:`~layerswap.sources.class_digest` of the replacement class, resolved (as the
+    proof would resolve it: the key is the same before and after its first import); ``""``
+    where it cannot be resolved here (a GPU backend's on a CPU machine)."""
+    try:
+        replacement = sub.replacement_class()
+    except Exception:
+        return ""
+    return sources.class_digest(replacement)
 
 
 # --- the proof --------------------------------------------------------------------------

@@ -284,7 +284,6 @@ class Snapshot:
                             )
                         )
 
-
     def _add_configs(self, model: Any) -> None:
         """The model's config and the configs it holds (a wrapper's text config): a patch
         may set ``model.config._attn_implementation`` to the attention it registers."""
