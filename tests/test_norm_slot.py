@@ -636,3 +636,23 @@ def test_a_model_built_in_use_with_no_norm_the_backend_computes_says_so() -> Non
     ):
         model = OnlyGated(sub.parts.family.tiny_config())
     assert type(model.gated) is qwen3_next.Qwen3NextRMSNormGated
+
+
+def test_a_parametrized_norm_is_reported_kept_with_the_reason() -> None:
+    """A norm ``torch.nn.utils.parametrize`` gave a class of its own is no candidate (its
+    class is parametrize's): the report counts it among the kept ones, saying why, where it
+    was left out without a word."""
+    from torch.nn.utils import parametrize
+
+    class Identity(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight
+
+    model = layerswap.get_family("llama").build()
+    parametrize.register_parametrization(
+        model.model.layers[0].input_layernorm, "weight", Identity()
+    )
+    with layerswap.swap(model, "llama.norm.fused") as handle:
+        assert handle.kept["LlamaRMSNorm"][0] == 1
+        assert "parametrize" in handle.kept["LlamaRMSNorm"][1]
+        assert "parametrize" in handle.report()

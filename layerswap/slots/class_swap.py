@@ -244,6 +244,26 @@ def _own_forward_bound(module: nn.Module) -> bool:
     ) is getattr(type(module), "forward", None)
 
 
+def _keep_parametrized(
+    model: nn.Module, candidates: dict[type, list[str]], plan: ClassPlan
+) -> None:
+    """Count among the kept modules those of a candidate class that
+    ``torch.nn.utils.parametrize`` gave a class of its own (they are no candidates: their
+    class is parametrize's, and they hold its modules): the report says they stay."""
+    from torch.nn.utils import parametrize
+
+    for _, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        base = type(module).__bases__[0]
+        if base in candidates:
+            count, _ = plan.kept.get(base.__name__, (0, ""))
+            plan.kept[base.__name__] = (
+                count + 1,
+                "parametrized (torch.nn.utils.parametrize): remove its parametrizations to swap it",
+            )
+
+
 def instance_forward(module: nn.Module) -> str | None:
     """Why a class swap would not reach ``module``'s computation: a ``forward`` set on the
     instance (accelerate's hooks: ``dispatch_model``, a ``device_map`` that offloads; a
@@ -351,7 +371,8 @@ class ClassSwapSlot(Slot):
         family = sub.parts.family
         plan = ClassPlan([], {}, [])
         roots: list[str] | None = None
-        for cls, names in self.candidates(model, family.module).items():
+        candidates = self.candidates(model, family.module)
+        for cls, names in candidates.items():
             for name in names:
                 module = model.get_submodule(name)
                 if isinstance(module, self.replacement_base):
@@ -375,6 +396,7 @@ class ClassSwapSlot(Slot):
                     continue
                 count, _ = plan.kept.get(cls.__name__, (0, reason))
                 plan.kept[cls.__name__] = (count + 1, reason)
+        _keep_parametrized(model, candidates, plan)
         return plan
 
     def read_refusal(self, family: Family, replacement: str) -> str | None:
