@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ class MLPSpec:
     #: the float attribute bounding the gate from above and up on both sides before the
     #: product (DeepSeek V4's ``swiglu_limit``), ``""`` for none
     limit: str = ""
+    #: the up projection runs before the gate (Falcon-H1): called in that order, a random
+    #: layer wrapping them (LoRA's dropout) draws as in the original
+    up_first: bool = False
 
     @property
     def label(self) -> str:
@@ -138,7 +142,10 @@ def candidate_mlp_classes(model: nn.Module, module_name: str) -> dict[type, list
 
 def gated_inputs(module: nn.Module, spec: MLPSpec, x: Tensor) -> tuple[Tensor, Tensor]:
     """``(gate, up)`` of ``module`` for ``x``: its projections' outputs, the gate scaled."""
-    if spec.layout == "separate":
+    if spec.layout == "separate" and spec.up_first:
+        up = getattr(module, spec.up)(x)
+        gate = getattr(module, spec.gate)(x)
+    elif spec.layout == "separate":
         gate = getattr(module, spec.gate)(x)
         up = getattr(module, spec.up)(x)
     else:
@@ -298,10 +305,30 @@ def classify(module: nn.Module) -> MLPSpec | str:
             )
         for spec in _readings(module):
             if _matches(spec, trials, expected, x):
-                return spec
+                return _in_call_order(spec, trials[torch.float32], x)
         if len(_linears(module)) == 2 and _plain(trials[torch.float32], x, expected):
             return "it is a plain MLP, down(act(up(x))): nothing to fuse"
     return "it computes no gated MLP, down(act(gate(x)) * up(x)), the slot reads"
+
+
+def _in_call_order(spec: MLPSpec, trial: nn.Module, x: Tensor) -> MLPSpec:
+    """``spec``, saying whether ``trial`` (a copy) calls its up projection first."""
+    if spec.layout != "separate":
+        return spec
+    order: list[str] = []
+    hooks = [
+        getattr(trial, name).register_forward_pre_hook(
+            lambda module, args, name=name: order.append(name)
+        )
+        for name in (spec.gate, spec.up)
+    ]
+    try:
+        with torch.no_grad():
+            trial(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return dataclasses.replace(spec, up_first=order[:1] == [spec.up])
 
 
 def _matches(

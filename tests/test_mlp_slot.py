@@ -22,7 +22,7 @@ from layerswap.backends.mlp import MLPReplacement
 from layerswap.backends.norm import is_replaced_norm
 from layerswap.errors import SubstitutionError, UnknownSubstitutionError, UpstreamDriftError
 from layerswap.families.infer import model_type_classes, tiny_config_for
-from layerswap.mlps import ACTIVATIONS, classify
+from layerswap.mlps import ACTIVATIONS, MLPSpec, classify
 from layerswap.model_types import SWITCHED_ON
 
 #: the model types people run in late 2026 whose MLPs the slot swaps (Nemotron-H's are
@@ -453,6 +453,30 @@ def test_a_hook_on_the_activation_runs_once_and_a_random_one_gives_the_same_grad
     assert calls["original"] == calls["swapped"] == 1
     for key, expected in grads["original"].items():
         assert torch.equal(grads["swapped"][key], expected), key
+
+
+def test_the_projections_are_called_in_the_originals_order() -> None:
+    """Falcon-H1 calls its up projection before the gate: the swapped MLP does too, so a
+    random layer wrapping both (LoRA's dropout) draws as in the original, and training
+    gives the original's loss bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _model("falcon_h1")
+    spec = classify(model.model.layers[0].feed_forward)
+    assert isinstance(spec, MLPSpec) and spec.up_first
+    llama = classify(layerswap.get_family("llama").build().model.layers[0].mlp)
+    assert isinstance(llama, MLPSpec) and not llama.up_first
+    original = copy.deepcopy(model)
+    layerswap.swap(model, "falcon_h1.mlp.fused")
+    config = {"target_modules": ["gate_proj", "up_proj"], "lora_dropout": 0.3}
+    losses = []
+    for each in (original, model):
+        torch.manual_seed(0)
+        adapted = get_peft_model(each, LoraConfig(**config, init_lora_weights=False))
+        adapted.train()
+        torch.manual_seed(5)
+        losses.append(adapted(input_ids=_ids(each), labels=_ids(each)).loss)
+    assert torch.equal(losses[0], losses[1])
 
 
 def test_undo_after_accelerate_hooks_refuses_then_works_once_they_are_removed() -> None:
