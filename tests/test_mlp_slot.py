@@ -800,3 +800,18 @@ def test_the_command_line_patches_a_model_types_mlps() -> None:
     assert result.exit_code == 0, result.output
     assert "4 MLPs swapped: Qwen3NextMLP -> FusedMLP[Qwen3NextMLP]" in result.output
     assert "PASS: the swapped model matches the original" in result.output
+
+
+def test_undo_gives_copies_made_since_the_swap_their_original_class() -> None:
+    """PEFT's ``modules_to_save`` deep-copies each swapped MLP into the model: undo gives
+    the copies their original class too (they stayed swapped), and the merged model holds
+    no replacement."""
+    from peft import LoraConfig, get_peft_model
+
+    model = layerswap.get_family("llama").build()
+    handle = layerswap.swap(model, "llama.mlp.fused")
+    adapted = get_peft_model(model, LoraConfig(target_modules=["q_proj"], modules_to_save=["mlp"]))
+    assert len(_mlps(model)) == 2 * model.config.num_hidden_layers
+    handle.undo()
+    assert _mlps(model) == []
+    assert _mlps(adapted.merge_and_unload()) == []

@@ -208,6 +208,18 @@ class ClassSwapHandle(SwapHandle):
                     del module.__dict__["forward"]
             self._changes.undo()
             self._active = False
+            self._undo_copies()
+
+    def _undo_copies(self) -> None:
+        """Give copies of swapped modules made since the swap (PEFT's ``modules_to_save``
+        deep-copies a module into the model) their original class back too."""
+        made = {cls for _, _, cls in self._plan.swapped}
+        swapped = {id(module) for _, module, _ in self._plan.swapped}
+        for module in self.model.modules():
+            if type(module) in made and id(module) not in swapped:
+                replaced: Any = module
+                replaced._layerswap_detach()
+                replaced.__class__ = replaced._layerswap_original
 
     def report(self) -> str:
         """A readable summary: the modules swapped (per class and kind) and those kept."""
