@@ -192,7 +192,7 @@ def _fold_namespace(combined: Any, module: ModuleType, name: str) -> None:
             if getattr(value, "__module__", None) == name:
                 combined.update(f"{name}.{attr}".encode())
                 _fold_class(combined, value)
-        elif callable(getattr(value, "__code__", None)) or hasattr(value, "__code__"):
+        elif hasattr(value, "__code__"):
             combined.update(f"{name}.{attr}={_written(value)}".encode())
 
 
@@ -202,7 +202,8 @@ def _fold_class(combined: Any, cls: type) -> None:
         if isinstance(raw, property):
             parts = [p for p in (raw.fget, raw.fset) if p is not None]
         elif isinstance(raw, (staticmethod, classmethod)) or hasattr(raw, "__code__"):
-            parts = [getattr(unpatched(cls, attr), "__func__", unpatched(cls, attr))]
+            found = unpatched(cls, attr)
+            parts = [getattr(found, "__func__", found)]
         else:
             continue
         combined.update(f"{attr}={','.join(map(_written, parts))}".encode())
