@@ -13,7 +13,12 @@ the same weights:
    causal path, where a layer's own idea of whether it is causal decides),
 3. prefill and greedy decoding with a dynamic cache (every step's logits),
 4. the same with a static cache,
-5. a backward pass (the loss and the gradients of the embeddings and the head),
+5. a backward pass (the loss and every parameter's gradient, the replacement's mapped to
+   the original's layout), in training mode where the original's training pass is
+   deterministic (else in eval mode, once the replacement is seen random in training too),
+6. for a model computing in bfloat16 or float16, the padded forward again in that dtype,
+   no farther from the original's float32 outputs than twice the original's own rounding
+   (:func:`~layerswap.comparison.first_difference.rounding_differs`),
 
 each run and judged as :func:`layerswap.verify` runs and judges
 (:mod:`layerswap.comparison.first_difference`), within
@@ -51,8 +56,9 @@ import torch
 from torch import nn
 
 from layerswap import sources, verdicts, zero3
-from layerswap.comparison.first_difference import CHECKS, first_difference
+from layerswap.comparison.first_difference import CHECKS, first_difference, rounding_differs
 from layerswap.comparison.gradients import gradients_to_original
+from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import normal_tensors
@@ -109,6 +115,9 @@ class Verdict:
     source: str = ""
     #: the attention implementation the proof ran (``"sdpa"``, ``"eager"``)
     attention: str | None = None
+    #: the low-precision dtype the model computes in, proven besides float32
+    #: (``"bfloat16"``, ``"float16"``), ``None`` for a float32 model
+    dtype: str | None = None
 
     def changed_since(self) -> bool:
         """Whether the transformers source this verdict proved has changed since (an install
@@ -139,6 +148,8 @@ class Verdict:
         on = ", ".join(f"{name} {version}" for name, version in self.versions.items())
         if self.attention:
             on += f", attn_implementation={self.attention!r}"
+        if self.dtype:
+            on += f", in float32 and {self.dtype}"
         if self.passed:
             return f"{self.substitution}: proven equal to the original on {on}"
         return (
@@ -160,14 +171,22 @@ def original_module(sub: Substitution) -> str:
     return sub.original.partition(":")[0]
 
 
+#: the dtypes a model may compute in that the proof runs besides float32
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def proof_key(
-    sub: Substitution, config: PreTrainedConfig | None, device: torch.device | None = None
+    sub: Substitution,
+    config: PreTrainedConfig | None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """The verdict's key: versions, the transformers source the original runs (its files,
     and what this process binds: a function rebound at run time is other code), the
     substitution, its replacement class and converter and (outside layerswap) their code,
     the device the proof runs on (``device``, else the one it would run on), the config's
-    kind (its attention implementation included)."""
+    kind (its attention implementation included), and the low-precision ``dtype`` the
+    model computes in (:data:`LOW_PRECISION`; a float32 model's key names none)."""
     replacement = sub.replacement
     named = replacement if isinstance(replacement, str) else replacement.__qualname__
     module = (
@@ -191,6 +210,8 @@ def proof_key(
         "device": (device or _device(sub)).type,
         "config": "family" if config is None else config_kind(layer_config(config)),
     }
+    if dtype in LOW_PRECISION:
+        parts["dtype"] = dtype_name(dtype)
     encoded = json.dumps(parts, sort_keys=True).encode()
     safe = sub.name.replace("/", "_")
     return f"{safe}-{hashlib.sha256(encoded).hexdigest()[:20]}"
@@ -291,7 +312,12 @@ def _tolerance(device: torch.device) -> Tolerance:
 
 
 @normal_tensors
-def _prove(sub: Substitution, config: PreTrainedConfig | None, device: torch.device) -> Verdict:
+def _prove(
+    sub: Substitution,
+    config: PreTrainedConfig | None,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> Verdict:
     started = time.perf_counter()
     family = sub.parts.family
     kind = "shrunk"
@@ -336,6 +362,8 @@ def _prove(sub: Substitution, config: PreTrainedConfig | None, device: torch.dev
                 candidate_context=sub.parts.slot.proof_context(sub),
                 to_original=lambda model, grads: gradients_to_original(model, grads, sub),
             )
+            if check is None and dtype in LOW_PRECISION:
+                check, detail = _rounding(reference, candidate, batch, dtype) or (None, detail)
     return Verdict(
         substitution=sub.name,
         passed=check is None,
@@ -347,7 +375,21 @@ def _prove(sub: Substitution, config: PreTrainedConfig | None, device: torch.dev
         module=original_module(sub),
         source=sources.digest(original_module(sub)),
         attention=getattr(proven, "_attn_implementation", None),
+        dtype=dtype_name(dtype) if dtype in LOW_PRECISION else None,
     )
+
+
+def _rounding(
+    reference: nn.Module, candidate: nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[str, str] | None:
+    """The check in the model's low-precision ``dtype`` (after the float32 checks, which
+    it ends: both models are cast), as ``(check, detail)`` where it differs."""
+    check = f"forward in {dtype_name(dtype)}"
+    try:
+        problem = rounding_differs(reference, candidate, batch, dtype)
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    return None if problem is None else (check, problem)
 
 
 def prove(
@@ -355,23 +397,33 @@ def prove(
     config: PreTrainedConfig | None = None,
     *,
     force: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Verdict:
     """The verdict for ``substitution`` and ``config``'s kind: stored, else proven now.
 
     ``config`` is the user's (its sizes are shrunk); ``None`` proves the family's tiny
-    config. ``force`` proves again whatever is stored. Example::
+    config. ``force`` proves again whatever is stored. ``dtype``, the dtype the user's
+    model computes in: bfloat16 or float16 is proven too (:data:`LOW_PRECISION`), after
+    float32. Example::
 
         verdict = prove("qwen3.decoder.fused", model.config)
         assert verdict.passed, verdict.message()
     """
     # a name is the registry's to resolve; a substitution holds its parts already
     sub = substitution if isinstance(substitution, Substitution) else get(substitution)
-    return _verdict(sub, config, force=force)
+    return _verdict(sub, config, force=force, dtype=dtype)
 
 
-def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool) -> Verdict:
+def _verdict(
+    sub: Substitution,
+    config: PreTrainedConfig | None,
+    *,
+    force: bool,
+    dtype: torch.dtype | None = None,
+) -> Verdict:
     device = _device(sub)  # the key names it, and the proof runs on it
-    key = proof_key(sub, config, device)
+    dtype = dtype if dtype in LOW_PRECISION else None
+    key = proof_key(sub, config, device, dtype)
     with _LOCK:
         if not force:
             known = _MEMO.get(key)
@@ -382,7 +434,7 @@ def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool)
                 _MEMO[key] = known
                 return known
         with zero3.outside_partitioning():  # tiny models stay whole inside zero.Init
-            verdict = _prove(sub, config, device)
+            verdict = _prove(sub, config, device, dtype)
         _MEMO[key] = verdict
         if verdict.config == "family" and config is not None:
             warnings.warn(
@@ -394,7 +446,7 @@ def _verdict(sub: Substitution, config: PreTrainedConfig | None, *, force: bool)
             )
             # stored for what it checked, the family's tiny config: never as this config's
             # verdict, which another process would then take for a proof of it
-            verdicts.write(proof_key(sub, None, device), verdict.to_dict())
+            verdicts.write(proof_key(sub, None, device, dtype), verdict.to_dict())
             return verdict
         verdicts.write(key, verdict.to_dict())
         return verdict
@@ -438,8 +490,11 @@ def _stored_here(*, stale: bool) -> dict[str, Verdict]:
     return found
 
 
-def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
-    """Raise :class:`UpstreamDriftError` unless ``sub`` is proven for ``config``'s kind;
+def ensure_proven(
+    sub: Substitution, config: PreTrainedConfig | None, dtype: torch.dtype | None = None
+) -> None:
+    """Raise :class:`UpstreamDriftError` unless ``sub`` is proven for ``config``'s kind
+    (and, for a model computing in bfloat16 or float16, in that ``dtype`` too);
     :class:`UnsupportedFamilyError` when only ``config`` fails (the family's tiny config
     holds: a field of this config selects structure the family does not describe).
 
@@ -453,13 +508,13 @@ def ensure_proven(sub: Substitution, config: PreTrainedConfig | None) -> None:
     """
     if not sub.parts.slot.proves(sub) or sub.upstream is None or _PROVING.get():
         return  # replace_decoder's classes take no converted weights: nothing to compare
-    verdict = _verdict(sub, config, force=False)
+    verdict = _verdict(sub, config, force=False, dtype=dtype)
     if verdict.passed:
         return
     if (
         config is not None
         and verdict.config != "family"
-        and _verdict(sub, _family_like(sub, config), force=False).passed
+        and _verdict(sub, _family_like(sub, config), force=False, dtype=dtype).passed
     ):
         # the family's own tiny config holds, run the same way (the same attention
         # implementation): a field of this config is what differs

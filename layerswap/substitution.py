@@ -266,11 +266,14 @@ class Slot:
         """The name of the substitution of this slot ``model`` runs, ``None`` for the original."""
         raise NotImplementedError
 
-    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
-        """Everything checked before ``sub`` changes a model of ``config``, in order: the
-        call contract and the structure (:meth:`Substitution.check_upstream`, on the text
-        config, unwrapped once there), then what the slot adds (the decoder slot: the
-        first-use proof). Raises; changes nothing."""
+    def prepare(
+        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+    ) -> None:
+        """Everything checked before ``sub`` changes a model of ``config`` computing in
+        ``dtype``, in order: the call contract and the structure
+        (:meth:`Substitution.check_upstream`, on the text config, unwrapped once there),
+        then what the slot adds (the decoder slot: the first-use proof, in ``dtype`` too
+        where it is bfloat16 or float16). Raises; changes nothing."""
         sub.check_upstream(config)
 
     def proves(self, sub: Substitution) -> bool:

@@ -221,6 +221,107 @@ def test_a_layer_computing_its_own_weight_gradients_wrong_is_refused(proofs: Pat
     assert "mlp.down_proj.weight" in verdict.detail
 
 
+def test_a_layer_computing_otherwise_in_training_mode_is_refused(proofs: Path) -> None:
+    """The backward check runs in training mode, the mode a backward pass is taken in,
+    where the original's training pass is deterministic: a replacement whose training
+    path differs (a branch on ``self.training``) is refused, though its eval-mode
+    outputs, decoding and eval-mode gradients are all the original's."""
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class OffInTraining(fused):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(hidden_states, *args, **kwargs)
+            return out * 1.01 if self.training else out
+
+    sub = dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.off_in_training", replacement=OffInTraining
+    )
+    verdict = proof.prove(sub, tiny_llama().config)
+    assert not verdict.passed and verdict.check == "backward", verdict.detail
+    assert "gradient" in verdict.detail or verdict.detail.startswith("loss"), verdict.detail
+
+
+def test_a_replacement_leaving_out_the_originals_dropout_is_refused(proofs: Path) -> None:
+    """Where the original computes at random in training (attention dropout), the
+    backward check cannot compare call for call and runs in eval mode, but not before
+    it has seen the swapped model random in training too: one that drops the dropout
+    trains another model, and is refused, saying so."""
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class NoDropout(fused):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            self.self_attn.attention_dropout = 0.0
+
+    sub = dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.no_dropout", replacement=NoDropout
+    )
+    config = tiny_llama(attention_dropout=0.1).config
+    verdict = proof.prove(sub, config)
+    assert not verdict.passed and verdict.check == "backward", verdict.detail
+    assert "dropout" in verdict.detail
+    assert proof.prove("llama.decoder.fused", config).passed
+
+
+def _wrong_in_bfloat16() -> Any:
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class OffInBfloat16(fused):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(hidden_states, *args, **kwargs)
+            if hidden_states.dtype != torch.bfloat16:
+                return out
+            return hidden_states + 1.5 * (out - hidden_states)  # the layer's update off by half
+
+    return dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.off_in_bf16", replacement=OffInBfloat16
+    )
+
+
+def test_a_model_computing_in_bfloat16_is_proven_in_bfloat16(proofs: Path) -> None:
+    """A swap of a model in bfloat16 proves the replacement in bfloat16 too (its own
+    verdict): a replacement computing otherwise only there is refused for that model,
+    naming the dtype, and the model is left as it was; the float32 model takes it."""
+    sub = _wrong_in_bfloat16()
+    model = tiny_llama().to(torch.bfloat16)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(UpstreamDriftError, match="forward in bfloat16 differs"):
+        layerswap.swap(model, sub)
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in model.model.layers)
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+    layerswap.swap(tiny_llama(), sub).undo()
+    assert layerswap.model.compute_dtype(model) == torch.bfloat16
+
+
+def test_the_verdicts_key_names_a_low_precision_dtype_only(proofs: Path) -> None:
+    sub = get("llama.decoder.fused")
+    config = tiny_llama().config
+    plain = proof.proof_key(sub, config)
+    assert proof.proof_key(sub, config, dtype=torch.float32) == plain
+    keys = {proof.proof_key(sub, config, dtype=dt) for dt in (torch.bfloat16, torch.float16)}
+    assert plain not in keys and len(keys) == 2
+
+
+def test_a_model_loaded_in_float16_inside_use_is_proven_in_float16(
+    proofs: Path, tmp_path: Path
+) -> None:
+    """``from_pretrained(dtype=torch.float16)`` inside ``use()`` builds its layers in
+    float16: the first-use proof runs in float16 too, and its verdict says so."""
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    with layerswap.use("llama.decoder.fused"):
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.float16)
+    assert model.dtype == torch.float16
+    found = [v for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"]
+    assert [v.dtype for v in found] == ["float16"] and found[0].passed
+    assert "in float32 and float16" in found[0].message()
+
+
 def test_a_replacement_or_converter_changed_under_one_name_is_proven_again(
     proofs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,7 +31,10 @@ from torch import nn
 
 from layerswap.comparison.compare import compare_gradients
 from layerswap.comparison.distance import Diff, diff
+from layerswap.comparison.excused import excused_rows
 from layerswap.comparison.forward import ContextFactory, forward, generate_tokens
+from layerswap.comparison.fp8 import FLOOR_FACTOR, FLOOR_SLACK
+from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
 
 __all__ = [
@@ -40,6 +43,8 @@ __all__ = [
     "first_difference",
     "gradients_differ",
     "outputs_differ",
+    "random_in_training",
+    "rounding_differs",
     "unpadded",
 ]
 
@@ -134,11 +139,22 @@ def _loss_and_ends(
     batch: Batch,
     context: ContextFactory = contextlib.nullcontext,
     to_original: GradientMap | None = None,
+    *,
+    training: bool = False,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The loss, and the gradients of the input embeddings and the head (one tensor where
     they are tied), by what they are; with ``to_original``, every gradient besides, by
-    the original model's names."""
-    run = forward(model, batch, backward=True, routing=False, layer_outputs=False, context=context)
+    the original model's names; in training mode with ``training``."""
+    run = forward(
+        model,
+        batch,
+        backward=True,
+        routing=False,
+        layer_outputs=False,
+        context=context,
+        training=training,
+        outputs=False,
+    )
     assert run.loss is not None and run.gradients is not None
     mapped = {} if to_original is None else dict(to_original(model, run.gradients))
     names = {id(param): name for name, param in model.named_parameters()}
@@ -155,6 +171,24 @@ def _loss_and_ends(
     return run.loss, {**found, **mapped}
 
 
+def random_in_training(
+    model: nn.Module, batch: Batch, context: ContextFactory = contextlib.nullcontext
+) -> bool:
+    """Whether ``model``'s forward pass in training mode computes something else from one
+    call to the next (a dropout, a router's jitter noise): such a pass cannot be compared
+    call for call with another model's. The global generator is left as it was."""
+    device = batch["input_ids"].device
+    logits = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            run = forward(
+                model, batch, routing=False, layer_outputs=False, context=context, training=True
+            )
+            logits.append(run.logits)
+    return not torch.equal(*logits)
+
+
 def gradients_differ(
     reference: nn.Module,
     candidate: nn.Module,
@@ -168,13 +202,29 @@ def gradients_differ(
     """How the loss, or the gradients of the input embeddings and the head, differ
     (``candidate_context``: what the candidate's loss is computed in: a head's fused loss).
 
+    Both run in training mode, the mode a backward pass is taken in (a layer may compute
+    another way there), where the original's training pass is deterministic; where it is
+    random (:func:`random_in_training`: a dropout), in eval mode, once the candidate is
+    seen to be random in training too (a replacement that drops the original's dropout
+    trains another model).
+
     With ``to_original`` (the candidate's gradients to the original's layout,
     :func:`~layerswap.comparison.gradients.gradients_to_original`) every other parameter's
     gradient is compared too: a layer whose backward computes its own weights' gradients
     wrong can pass a right gradient down to the embeddings."""
+    training = not random_in_training(reference, batch, reference_context)
+    if not training and not random_in_training(candidate, batch, candidate_context):
+        return (
+            "the original computes at random in training (a dropout) and the swapped model "
+            "does not: it leaves that dropout out"
+        )
     identity: GradientMap | None = None if to_original is None else (lambda model, grads: grads)
-    loss_expected, expected = _loss_and_ends(reference, batch, reference_context, identity)
-    loss_actual, actual = _loss_and_ends(candidate, batch, candidate_context, to_original)
+    loss_expected, expected = _loss_and_ends(
+        reference, batch, reference_context, identity, training=training
+    )
+    loss_actual, actual = _loss_and_ends(
+        candidate, batch, candidate_context, to_original, training=training
+    )
     report = compare_gradients(expected, actual, loss_expected, loss_actual, tolerance, local=False)
     if not tolerance.allows(report.loss_abs_error, abs(report.loss_reference)):
         return f"loss: max abs difference {report.loss_abs_error:.3g}"
@@ -182,6 +232,43 @@ def gradients_differ(
         if not gradient.passed:
             return f"{gradient.name}: max abs difference {gradient.max_abs_error:.3g}"
     return None
+
+
+def rounding_differs(
+    reference: nn.Module, candidate: nn.Module, batch: Batch, dtype: torch.dtype
+) -> str | None:
+    """How ``candidate`` run in ``dtype`` (bfloat16, float16: the dtype a model computes
+    in) is farther from the original's float32 outputs than the original's own run in
+    ``dtype`` is: a replacement may take another path in another dtype (a kernel of its
+    own, a cast left out). The floor is the original's own rounding error; the candidate
+    may be twice as far, and is never held tighter than ``dtype``'s default tolerance
+    (:meth:`~layerswap.comparison.tolerance.Tolerance.widened`, as
+    :func:`layerswap.verify` judges a low-precision run).
+
+    A token a mixture-of-experts router sends elsewhere in the candidate where the
+    original's own routing was a near-tie, and what it reaches after, is left out, as
+    :func:`layerswap.verify` leaves it out (:mod:`layerswap.comparison.excused`).
+
+    Both models are cast to ``dtype`` in place: the proof's own, discarded after."""
+    exact = forward(reference, batch, routing=False, layer_outputs=False).logits
+    reference.to(dtype)
+    candidate.to(dtype)
+    own = forward(reference, batch, layer_outputs=False)
+    swapped = forward(candidate, batch, layer_outputs=False)
+    excused = excused_rows(own.routing, swapped.routing, batch["attention_mask"].bool())
+    kept = slice(None) if excused is None else ~excused.after_last_layer.to(exact.device)
+    floor = diff(exact[kept], own.logits[kept], rowwise=True)
+    tolerance = Tolerance.for_dtype(dtype).widened(
+        floor.max_rel_error, floor.cosine, FLOOR_FACTOR, FLOOR_SLACK
+    )
+    difference = diff(exact[kept], swapped.logits[kept], rowwise=True)
+    if difference.passes(tolerance):
+        return None
+    return (
+        f"max abs difference {difference.max_abs_error:.3g} from the "
+        f"original in float32 (cosine {difference.cosine:.6f}), where the original's own run "
+        f"in {dtype_name(dtype)} is {floor.max_abs_error:.3g} off (cosine {floor.cosine:.6f})"
+    )
 
 
 #: the checks :func:`first_difference` runs, in order

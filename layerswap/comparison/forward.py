@@ -114,15 +114,16 @@ def capture_layers(
 
 
 @contextlib.contextmanager
-def evaluation(model: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout) for the duration; every module's own flag restored after."""
+def evaluation(model: nn.Module, *, training: bool = False) -> Iterator[None]:
+    """Eval mode (no dropout) for the duration, or training mode with ``training``; every
+    module's own flag restored after."""
     flags = [(module, module.training) for module in model.modules()]
     try:
-        model.eval()
+        model.train(training)
         yield
     finally:
-        for module, training in flags:
-            module.training = training
+        for module, training_flag in flags:
+            module.training = training_flag
 
 
 def forward(
@@ -136,6 +137,8 @@ def forward(
     routing: bool = True,
     left_out: torch.Tensor | None = None,
     layer_outputs: bool = True,
+    training: bool = False,
+    outputs: bool = True,
 ) -> Run:
     """One forward pass, capturing every decoder layer's output, in ``context``.
 
@@ -148,7 +151,10 @@ def forward(
     hooked in a model without one). ``left_out`` (``[batch, seq]``) masks those
     positions' terms out of the loss (:meth:`~layerswap.comparison.model_classes.ModelTask.labels`).
     ``layer_outputs=False`` captures no layer's output (``Run.layers`` is empty): a check of
-    the model's outputs alone does not pay for a copy of every layer's.
+    the model's outputs alone does not pay for a copy of every layer's. ``training`` runs
+    the pass in training mode (eval mode by default: no dropout). ``outputs=False`` keeps
+    no output (``Run.logits`` is empty): a loss taken for its gradients alone, where a
+    head's training path returns no logits.
     """
     task = task_of(model)
     task.check(model, batch, generate=generate)
@@ -162,7 +168,7 @@ def forward(
     capturing: contextlib.AbstractContextManager[list[tuple[str, torch.Tensor]]] = (
         capture_layers(layers, valid) if layer_outputs else contextlib.nullcontext([])
     )
-    with capturing as captured, recording as routed, evaluation(model):
+    with capturing as captured, recording as routed, evaluation(model, training=training):
         if not backward:
             with torch.no_grad(), context():
                 output = model(**batch, **labels, use_cache=False)
@@ -179,7 +185,7 @@ def forward(
                 name: (grad if grad is not None else torch.zeros_like(param)).detach().cpu()
                 for (name, param), grad in zip(params, grads, strict=True)
             }
-    compared, is_logits = task.compared(output, valid)
+    compared, is_logits = task.compared(output, valid) if outputs else (torch.empty(0), True)
     decoded: list[list[tuple[str, torch.Tensor]]] | None = (
         [] if generate and layer_outputs else None
     )

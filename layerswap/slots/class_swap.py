@@ -24,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 
 from layerswap import hf_internals
 from layerswap.backends.class_swap import ClassReplacement
 from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
 from layerswap.handle import SwapHandle
+from layerswap.model import compute_dtype
 from layerswap.patching.undo import UndoLog
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot, get_slot, slot_names
@@ -84,8 +86,6 @@ def settings(module: nn.Module) -> tuple[Any, ...]:
 def _tiny_on_meta(family: Family) -> Any:
     """``family``'s tiny model built on the meta device, or what building it raised; the
     last few are kept, since every class-swapping slot and backend asks of the same one."""
-    import torch
-
     key = (family.module, family.causal_lm, family.config_class, repr(family.tiny))
     with _SPECS_LOCK:
         if key in _TINY_MODELS:
@@ -481,7 +481,7 @@ class ClassSwapSlot(Slot):
         if config is None:
             raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
         self._checked_plan(model, sub)  # refused before the proof runs
-        self.prepare(sub, config)
+        self.prepare(sub, config, compute_dtype(model))
         changes = UndoLog()
         # planned again and applied as one step: two threads swapping one model cannot
         # both find it unswapped
@@ -524,7 +524,7 @@ class ClassSwapSlot(Slot):
                 plan = self.plan(instance, sub)
                 if plan.swapped:
                     if not prepared:
-                        self.prepare(sub, instance.config)
+                        self.prepare(sub, instance.config, compute_dtype(instance))
                         prepared.append(True)
                     _apply(plan, UndoLog())  # kept: a built model has no handle
                 elif not plan.taken:  # built, and nothing of it swapped
@@ -565,10 +565,13 @@ class ClassSwapSlot(Slot):
                 return module._layerswap_swapped_by
         return None
 
-    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
-        """The structure check, then the first-use proof for ``config``."""
+    def prepare(
+        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+    ) -> None:
+        """The structure check, then the first-use proof for ``config`` (in ``dtype`` too
+        where it is bfloat16 or float16)."""
         super().prepare(sub, config)
-        ensure_proven(sub, config)
+        ensure_proven(sub, config, dtype)
 
     def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
         classes = self.candidates(parts.model, parts.family.module)

@@ -48,6 +48,7 @@ from layerswap.loading import (
     model_attributes,
 )
 from layerswap.model import (
+    compute_dtype,
     decoder_layers,
     layer_config,
     locate,
@@ -367,7 +368,8 @@ class DecoderSlot(Slot):
                 )
         if not layers:
             raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
-        self.prepare(sub, config)  # before any layer changes: a drifted contract refuses here
+        # before any layer changes: a drifted contract refuses here
+        self.prepare(sub, config, compute_dtype(target))
         names = [name for name, _ in layers]
         records: list[_LayerRecord] = []
         changes = UndoLog()
@@ -485,10 +487,13 @@ class DecoderSlot(Slot):
                 return owner.name
         return None
 
-    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
-        """The call contract and structure, then the first-use proof for ``config``."""
+    def prepare(
+        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+    ) -> None:
+        """The call contract and structure, then the first-use proof for ``config`` (in
+        ``dtype`` too where it is bfloat16 or float16)."""
         super().prepare(sub, config)
-        ensure_proven(sub, config)
+        ensure_proven(sub, config, dtype)
 
     def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
         check_layer_call(sub, config)

@@ -23,12 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from layerswap import hf_internals
 from layerswap.backends.head import CausalLMHead
 from layerswap.errors import SubstitutionError
 from layerswap.handle import SwapHandle
+from layerswap.model import compute_dtype
 from layerswap.patching.undo import UndoLog
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot
@@ -83,7 +85,7 @@ def _check_swappable(model: nn.Module, sub: Substitution) -> type[nn.Module]:
     config = getattr(model, "config", None)
     if config is None:
         raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
-    sub.parts.slot.prepare(sub, config)
+    sub.parts.slot.prepare(sub, config, compute_dtype(model))
     return sub.replacement_class()
 
 
@@ -155,11 +157,13 @@ class HeadSlot(Slot):
         """The proof compares the fused loss (the head in eval mode takes the original's)."""
         return sub.forward_context
 
-    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
+    def prepare(
+        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+    ) -> None:
         """The head contract read off the source; then, for a model type no family
-        covers, the first-use proof."""
+        covers, the first-use proof (in ``dtype`` too where it is bfloat16 or float16)."""
         super().prepare(sub, config)
-        ensure_proven(sub, config)
+        ensure_proven(sub, config, dtype)
 
     def original(self, family: Family) -> str:
         return f"{family.module}:{family.causal_lm}"
@@ -199,7 +203,7 @@ class HeadSlot(Slot):
             result = wrapped(*args, **kwargs)
             if type(instance) is original:
                 if not checked:
-                    self.prepare(sub, instance.config)
+                    self.prepare(sub, instance.config, compute_dtype(instance))
                     checked.append(True)
                 instance.__dict__[_HEAD_BY] = sub.name
                 instance.__class__ = replacement

@@ -49,6 +49,7 @@ from layerswap.proof import proving
 from layerswap.slots import ModelParts, Slot
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedConfig
 
     from layerswap.family import Family
@@ -275,12 +276,15 @@ class PatchSlot(Slot):
     def swapped_by(self, model: nn.Module) -> str | None:
         return patched_by(model)
 
-    def prepare(self, sub: Substitution, config: PreTrainedConfig) -> None:
+    def prepare(
+        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+    ) -> None:
         """The upstream checks, then the function adopted on a tiny model of ``config``
         (:func:`layerswap.adopt` with ``prove=True``) and undone: a patch that changes the
         numbers raises :class:`~layerswap.errors.PatchDivergenceError` naming the first
         divergent decoder layer. Inside a comparison that is itself the proof
-        (:func:`layerswap.proof.comparing`), nothing is proven."""
+        (:func:`layerswap.proof.comparing`), nothing is proven. The adoption proof runs
+        in float32 whatever ``dtype`` the model computes in."""
         super().prepare(sub, config)
         if proving():
             return
