@@ -21,9 +21,10 @@ from torch import nn
 
 from layerswap import hf_internals
 from layerswap.layers import adopt_layer
-from layerswap.model import compute_dtype, layer_config, substitution_of
+from layerswap.model import layer_config, substitution_of
 from layerswap.parallel import tp_plan_of
 from layerswap.peft_targets import hold as hold_peft_targets
+from layerswap.placement import Placement
 from layerswap.substitution import Substitution
 
 __all__ = [
@@ -119,7 +120,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
     if fresh:
         config = layer_config(model.config)
         # contract, structure, proof: before any change
-        sub.parts.slot.prepare(sub, config, compute_dtype(model))
+        sub.parts.slot.prepare(sub, config, Placement.of(model))
         original_cls = sub.original_class()
         for _, layer in fresh:
             adopt_layer(layer, sub, config)

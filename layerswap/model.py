@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from layerswap import hf_internals
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
 __all__ = [
-    "compute_dtype",
     "decoder_layers",
     "family_of",
     "layer_config",
@@ -188,26 +186,6 @@ def decoder_layers_if_known(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return decoder_layers(model)
     except UnknownSubstitutionError:
         return []
-
-
-#: the dtypes a model's weights compute in (a quantized weight's storage is none of them)
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def compute_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype most of ``model``'s floating-point weights hold, by element count: the
-    dtype it computes in (a model built inside ``from_pretrained(dtype=...)`` holds it from
-    its first layer on, a meta tensor included); ``None`` with no such weight.
-
-    Example::
-
-        compute_dtype(model.to(torch.bfloat16))   # torch.bfloat16
-    """
-    counts: dict[torch.dtype, int] = {}
-    for param in model.parameters():
-        if param.dtype in _COMPUTE_DTYPES:
-            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
-    return max(counts, key=counts.__getitem__) if counts else None
 
 
 def layer_config(config: PreTrainedConfig) -> PreTrainedConfig:

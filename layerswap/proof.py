@@ -63,6 +63,7 @@ from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import normal_tensors
 from layerswap.model import layer_config
+from layerswap.placement import Placement
 from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.substitution import Substitution
@@ -265,7 +266,13 @@ def proving() -> bool:
     return _PROVING.get()
 
 
-def _device(sub: Substitution) -> torch.device:
+def _device(sub: Substitution, wanted: torch.device | None = None) -> torch.device:
+    """The device the proof runs on: the model's (``wanted``) where the substitution runs
+    there (a CUDA model's proof runs the CUDA kernels it will run), else the CPU where the
+    substitution runs there, else CUDA where present."""
+    usable = wanted is not None and (wanted.type != "cuda" or torch.cuda.is_available())
+    if wanted is not None and usable and wanted.type in sub.devices:
+        return wanted
     on_cpu = "cpu" in sub.devices
     return torch.device("cpu" if on_cpu or not torch.cuda.is_available() else "cuda")
 
@@ -398,20 +405,23 @@ def prove(
     *,
     force: bool = False,
     dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
 ) -> Verdict:
     """The verdict for ``substitution`` and ``config``'s kind: stored, else proven now.
 
     ``config`` is the user's (its sizes are shrunk); ``None`` proves the family's tiny
     config. ``force`` proves again whatever is stored. ``dtype``, the dtype the user's
     model computes in: bfloat16 or float16 is proven too (:data:`LOW_PRECISION`), after
-    float32. Example::
+    float32. ``device``, where it computes: the proof runs there where the substitution
+    runs there (else as :func:`ensure_proven` would run it). Example::
 
         verdict = prove("qwen3.decoder.fused", model.config)
         assert verdict.passed, verdict.message()
     """
     # a name is the registry's to resolve; a substitution holds its parts already
     sub = substitution if isinstance(substitution, Substitution) else get(substitution)
-    return _verdict(sub, config, force=force, dtype=dtype)
+    placement = Placement(dtype, None if device is None else torch.device(device))
+    return _verdict(sub, config, force=force, placement=placement)
 
 
 def _verdict(
@@ -419,10 +429,11 @@ def _verdict(
     config: PreTrainedConfig | None,
     *,
     force: bool,
-    dtype: torch.dtype | None = None,
+    placement: Placement | None = None,
 ) -> Verdict:
-    device = _device(sub)  # the key names it, and the proof runs on it
-    dtype = dtype if dtype in LOW_PRECISION else None
+    placement = placement or Placement()
+    device = _device(sub, placement.device)  # the key names it, and the proof runs on it
+    dtype = placement.dtype if placement.dtype in LOW_PRECISION else None
     key = proof_key(sub, config, device, dtype)
     with _LOCK:
         if not force:
@@ -491,10 +502,11 @@ def _stored_here(*, stale: bool) -> dict[str, Verdict]:
 
 
 def ensure_proven(
-    sub: Substitution, config: PreTrainedConfig | None, dtype: torch.dtype | None = None
+    sub: Substitution, config: PreTrainedConfig | None, placement: Placement | None = None
 ) -> None:
-    """Raise :class:`UpstreamDriftError` unless ``sub`` is proven for ``config``'s kind
-    (and, for a model computing in bfloat16 or float16, in that ``dtype`` too);
+    """Raise :class:`UpstreamDriftError` unless ``sub`` is proven for ``config``'s kind,
+    where the model computes (``placement``: in its dtype too where it is bfloat16 or
+    float16, on its device where the substitution runs there);
     :class:`UnsupportedFamilyError` when only ``config`` fails (the family's tiny config
     holds: a field of this config selects structure the family does not describe).
 
@@ -508,13 +520,13 @@ def ensure_proven(
     """
     if not sub.parts.slot.proves(sub) or sub.upstream is None or _PROVING.get():
         return  # replace_decoder's classes take no converted weights: nothing to compare
-    verdict = _verdict(sub, config, force=False, dtype=dtype)
+    verdict = _verdict(sub, config, force=False, placement=placement)
     if verdict.passed:
         return
     if (
         config is not None
         and verdict.config != "family"
-        and _verdict(sub, _family_like(sub, config), force=False, dtype=dtype).passed
+        and _verdict(sub, _family_like(sub, config), force=False, placement=placement).passed
     ):
         # the family's own tiny config holds, run the same way (the same attention
         # implementation): a field of this config is what differs

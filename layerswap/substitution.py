@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from layerswap.patching import Scoped
+    from layerswap.placement import Placement
     from layerswap.weights import LayoutConverter
 
 __all__ = [
@@ -267,13 +268,15 @@ class Slot:
         raise NotImplementedError
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
     ) -> None:
         """Everything checked before ``sub`` changes a model of ``config`` computing in
-        ``dtype``, in order: the call contract and the structure
-        (:meth:`Substitution.check_upstream`, on the text config, unwrapped once there),
-        then what the slot adds (the decoder slot: the first-use proof, in ``dtype`` too
-        where it is bfloat16 or float16). Raises; changes nothing."""
+        ``placement`` (:class:`~layerswap.placement.Placement`: its dtype and device), in
+        order: the call contract and the structure (:meth:`Substitution.check_upstream`,
+        on the text config, unwrapped once there), then what the slot adds (the decoder
+        slot: the first-use proof, in the placement's dtype too where it is bfloat16 or
+        float16, on its device where the substitution runs there). Raises; changes
+        nothing."""
         sub.check_upstream(config)
 
     def proves(self, sub: Substitution) -> bool:

@@ -29,6 +29,7 @@ import layerswap
 from layerswap import proof, shrink, sources
 from layerswap.comparison.inputs import default_length, inputs_for
 from layerswap.errors import SwapWarning, UpstreamDriftError
+from layerswap.placement import Placement
 from layerswap.registry import get, get_family
 
 LLAMA = "transformers.models.llama.modeling_llama"
@@ -296,7 +297,62 @@ def test_a_model_computing_in_bfloat16_is_proven_in_bfloat16(proofs: Path) -> No
     assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in model.model.layers)
     assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
     layerswap.swap(tiny_llama(), sub).undo()
-    assert layerswap.model.compute_dtype(model) == torch.bfloat16
+    assert Placement.of(model) == Placement(torch.bfloat16, torch.device("cpu"))
+
+
+def test_a_models_placement_is_what_most_of_its_weights_hold() -> None:
+    """The dtype and device most floating-point weights hold, by element count: a norm
+    kept in float32 beside bfloat16 projections leaves the model a bfloat16 one, and a
+    model built on the meta device (inside ``from_pretrained``) has a dtype and no device."""
+    model = tiny_llama().to(torch.bfloat16)
+    model.model.norm.float()
+    assert Placement.of(model) == Placement(torch.bfloat16, torch.device("cpu"))
+    with torch.device("meta"):
+        built = LlamaForCausalLM(tiny_llama().config).to(torch.float16)
+    assert Placement.of(built) == Placement(torch.float16, None)
+    assert Placement.of(torch.nn.Module()) == Placement()
+
+
+def test_the_proof_runs_where_the_substitution_runs(proofs: Path) -> None:
+    """On the model's device where the substitution runs there; a substitution that runs
+    on the CPU is proven there for a model on the CPU, or on a device this machine lacks."""
+    fused = get("llama.decoder.fused")
+    assert proof._device(fused, torch.device("cpu")) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert proof._device(fused, torch.device("cuda")) == torch.device("cpu")
+    verdict = proof.prove(fused, tiny_llama().config, device="cpu")
+    assert verdict.passed
+    assert proof.proof_key(fused, tiny_llama().config, torch.device("cpu")) in proof._MEMO
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_models_swap_is_proven_on_cuda(proofs: Path) -> None:
+    """A fused swap of a model on CUDA is proven on CUDA (the kernels it will run), not on
+    the CPU."""
+    layerswap.swap(tiny_llama().cuda(), "llama.decoder.fused").undo()
+    keys = [key for key, v in proof._MEMO.items() if v.substitution == "llama.decoder.fused"]
+    cuda_key = proof.proof_key(
+        get("llama.decoder.fused"), tiny_llama().config, torch.device("cuda")
+    )
+    assert keys == [cuda_key]
+
+
+def test_check_proves_in_the_dtype_asked(proofs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``layerswap check --dtype bfloat16`` proves as the first use of a bfloat16 model
+    would (its verdict is the one that use finds); a dtype it does not know is a usage
+    error that proves nothing."""
+    from command_line import run
+
+    code, out, _ = run(capsys, "check", "llama", "--dtype", "bf16", "--json")
+    assert code == 0, out
+    assert [row["status"] for row in json.loads(out)] == ["proven"]
+    stored = [json.loads(path.read_text()) for path in proofs.rglob("*.json")]
+    assert [v.get("dtype") for v in stored if v.get("substitution") == "llama.decoder.fused"] == [
+        "bfloat16"
+    ]
+    code, _, err = run(capsys, "check", "llama", "--dtype", "float8")
+    assert code == 2 and "unknown dtype" in err
 
 
 def test_the_verdicts_key_names_a_low_precision_dtype_only(proofs: Path) -> None:

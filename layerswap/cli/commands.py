@@ -366,19 +366,34 @@ def check_command(
             show_default=False,
         ),
     ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help="The dtype your models compute in: bfloat16 or float16 is proven too, "
+            "as at first use of a model in it.",
+        ),
+    ] = "float32",
     json_output: JsonOption = False,
 ) -> None:
     """Prove substitutions equal to the original on the installed transformers and torch.
 
     Each family's tiny model runs with original and replacement layers: a left-padded
-    forward, decoding with a dynamic and a static cache, a backward pass. Verdicts are
+    forward, decoding with a dynamic and a static cache, a backward pass (in training
+    mode), and with --dtype bfloat16 or float16 the forward in that dtype. Verdicts are
     stored (LAYERSWAP_CACHE), as at first use. A substitution named with --substitution
     is proven as its slot proves it before a swap. Exit 1 when one fails.
     """
     with exit_codes(), Progress(not json_output) as progress:
         from layerswap.cli.proving import check_rows
+        from layerswap.comparison.placement import resolve_dtype
         from layerswap.registry import families, get, get_backend
 
+        try:
+            proven_dtype = resolve_dtype(dtype)
+        except ValueError as error:
+            raise UsageProblem(error) from error
         get_backend(backend)  # an unknown backend is a usage error, with close names
         named = [get(name).name for name in substitution_names or []]  # unknown: exit 2
         if all_families and family_names:
@@ -391,7 +406,12 @@ def check_command(
             else [find_family(n).name for n in family_names or []]
         )
         rows = check_rows(
-            names, backend, again, lambda d, t, f: progress.count(d, t, f), substitutions=named
+            names,
+            backend,
+            again,
+            lambda d, t, f: progress.count(d, t, f),
+            substitutions=named,
+            dtype=proven_dtype,
         )
     if json_output:
         print_json(rows)

@@ -18,6 +18,8 @@ from layerswap.errors import LayerswapError
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    import torch
+
     from layerswap.substitution import Substitution
 
 __all__ = ["check_rows", "proofs_row"]
@@ -27,7 +29,9 @@ def _row(family: str, name: str, **fields: Any) -> dict[str, Any]:
     return {"family": family, "substitution": name, "seconds": None, "detail": "", **fields}
 
 
-def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
+def check_one(
+    family: str, backend: str, again: bool, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """The check of one family: its static contract, then the behaviour proof."""
     from layerswap.registry import get, get_backend, get_family
 
@@ -40,17 +44,17 @@ def check_one(family: str, backend: str, again: bool) -> dict[str, Any]:
     refused = get_backend(backend).unsupported(get_family(family))
     if refused is not None:
         return _row(family, name, status="refused", detail=f"the backend refuses it: {refused}")
-    return _check(get(name), again)
+    return _check(get(name), again, dtype)
 
 
-def check_named(name: str, again: bool) -> dict[str, Any]:
+def check_named(name: str, again: bool, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The check of one substitution by name (one registered by hand: an adopted patch
     function's, :func:`layerswap.adoption.patch_substitution`, too)."""
     from layerswap.registry import get
 
     sub = get(name)
     absent = _absent(sub.family, sub.name)
-    return absent if absent is not None else _check(sub, again)
+    return absent if absent is not None else _check(sub, again, dtype)
 
 
 def _absent(family: str, name: str) -> dict[str, Any] | None:
@@ -63,10 +67,12 @@ def _absent(family: str, name: str) -> dict[str, Any] | None:
     return _row(family, name, status="absent", detail=f"not in transformers {version}")
 
 
-def _check(sub: Substitution, again: bool) -> dict[str, Any]:
+def _check(sub: Substitution, again: bool, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Its requirement, then the slot's checks on the family's tiny config: for the decoder
-    slot the stored behaviour proof, for another slot what it checks before a swap (the
-    patch slot: the patch function adopted and proven on a tiny model)."""
+    slot the stored behaviour proof (in ``dtype`` too where it is bfloat16 or float16), for
+    another slot what it checks before a swap (the patch slot: the patch function adopted
+    and proven on a tiny model)."""
+    from layerswap.placement import Placement
     from layerswap.proof import changed_here, prove
 
     family, name = sub.family, sub.name
@@ -90,11 +96,11 @@ def _check(sub: Substitution, again: bool) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         if not sub.parts.slot.proves(sub):
-            sub.parts.slot.prepare(sub, config)
+            sub.parts.slot.prepare(sub, config, Placement(dtype))
             seconds = round(time.perf_counter() - started, 3)
             return _row(family, name, status="proven", seconds=seconds)
         sub.check_upstream(config)
-        verdict = prove(sub, None, force=again)
+        verdict = prove(sub, None, force=again, dtype=dtype)
     except LayerswapError as error:
         return _row(family, name, status="failed", detail=since + str(error))
     except Exception as error:  # the original itself cannot be built here: say so
@@ -114,16 +120,17 @@ def check_rows(
     again: bool,
     on_step: Callable[[int, int, str], None] | None = None,
     substitutions: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
 ) -> list[dict[str, Any]]:
     """One row per family (its ``<family>.decoder.<backend>``), then per substitution
     named: ``proven``, ``failed`` (with the first difference), ``skipped`` (cannot run
     here), ``refused`` (the backend does not express the family, and says why),
     ``absent`` (not in the installed transformers) or ``unbuildable`` (the original itself
-    fails to build on it: nothing to prove)."""
+    fails to build on it: nothing to prove). ``dtype``: bfloat16 or float16 is proven too."""
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        (family, functools.partial(check_one, family, backend, again)) for family in families
+        (family, functools.partial(check_one, family, backend, again, dtype)) for family in families
     ]
-    steps += [(name, functools.partial(check_named, name, again)) for name in substitutions]
+    steps += [(name, functools.partial(check_named, name, again, dtype)) for name in substitutions]
     rows = []
     for done, (label, step) in enumerate(steps):
         if on_step is not None:

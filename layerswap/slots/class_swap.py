@@ -31,8 +31,8 @@ from layerswap import hf_internals
 from layerswap.backends.class_swap import ClassReplacement
 from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
 from layerswap.handle import SwapHandle
-from layerswap.model import compute_dtype
 from layerswap.patching.undo import UndoLog
+from layerswap.placement import Placement
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot, get_slot, slot_names
 from layerswap.trials import not_built
@@ -481,7 +481,7 @@ class ClassSwapSlot(Slot):
         if config is None:
             raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
         self._checked_plan(model, sub)  # refused before the proof runs
-        self.prepare(sub, config, compute_dtype(model))
+        self.prepare(sub, config, Placement.of(model))
         changes = UndoLog()
         # planned again and applied as one step: two threads swapping one model cannot
         # both find it unswapped
@@ -524,7 +524,7 @@ class ClassSwapSlot(Slot):
                 plan = self.plan(instance, sub)
                 if plan.swapped:
                     if not prepared:
-                        self.prepare(sub, instance.config, compute_dtype(instance))
+                        self.prepare(sub, instance.config, Placement.of(instance))
                         prepared.append(True)
                     _apply(plan, UndoLog())  # kept: a built model has no handle
                 elif not plan.taken:  # built, and nothing of it swapped
@@ -566,12 +566,12 @@ class ClassSwapSlot(Slot):
         return None
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
     ) -> None:
-        """The structure check, then the first-use proof for ``config`` (in ``dtype`` too
-        where it is bfloat16 or float16)."""
+        """The structure check, then the first-use proof for ``config`` (in the model's
+        ``placement``: its dtype too where it is bfloat16 or float16)."""
         super().prepare(sub, config)
-        ensure_proven(sub, config, dtype)
+        ensure_proven(sub, config, placement)
 
     def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
         classes = self.candidates(parts.model, parts.family.module)

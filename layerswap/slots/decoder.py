@@ -48,7 +48,6 @@ from layerswap.loading import (
     model_attributes,
 )
 from layerswap.model import (
-    compute_dtype,
     decoder_layers,
     layer_config,
     locate,
@@ -59,6 +58,7 @@ from layerswap.model import (
 from layerswap.patching import patch, wrap
 from layerswap.patching.undo import UndoLog
 from layerswap.peft_targets import hold as hold_peft_targets
+from layerswap.placement import Placement
 from layerswap.proof import ensure_proven
 from layerswap.quantized import check_quantized_load
 from layerswap.slots import ModelParts, Slot
@@ -369,7 +369,7 @@ class DecoderSlot(Slot):
         if not layers:
             raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
         # before any layer changes: a drifted contract refuses here
-        self.prepare(sub, config, compute_dtype(target))
+        self.prepare(sub, config, Placement.of(target))
         names = [name for name, _ in layers]
         records: list[_LayerRecord] = []
         changes = UndoLog()
@@ -488,12 +488,13 @@ class DecoderSlot(Slot):
         return None
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
     ) -> None:
         """The call contract and structure, then the first-use proof for ``config`` (in
-        ``dtype`` too where it is bfloat16 or float16)."""
+        the model's ``placement``: its dtype too where it is bfloat16 or float16, on its
+        device where the substitution runs there)."""
         super().prepare(sub, config)
-        ensure_proven(sub, config, dtype)
+        ensure_proven(sub, config, placement)
 
     def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
         check_layer_call(sub, config)

@@ -23,15 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from layerswap import hf_internals
 from layerswap.backends.head import CausalLMHead
 from layerswap.errors import SubstitutionError
 from layerswap.handle import SwapHandle
-from layerswap.model import compute_dtype
 from layerswap.patching.undo import UndoLog
+from layerswap.placement import Placement
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot
 from layerswap.slots.class_swap import instance_forward
@@ -85,7 +84,7 @@ def _check_swappable(model: nn.Module, sub: Substitution) -> type[nn.Module]:
     config = getattr(model, "config", None)
     if config is None:
         raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
-    sub.parts.slot.prepare(sub, config, compute_dtype(model))
+    sub.parts.slot.prepare(sub, config, Placement.of(model))
     return sub.replacement_class()
 
 
@@ -158,12 +157,12 @@ class HeadSlot(Slot):
         return sub.forward_context
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
     ) -> None:
         """The head contract read off the source; then, for a model type no family
-        covers, the first-use proof (in ``dtype`` too where it is bfloat16 or float16)."""
+        covers, the first-use proof (in the model's ``placement``)."""
         super().prepare(sub, config)
-        ensure_proven(sub, config, dtype)
+        ensure_proven(sub, config, placement)
 
     def original(self, family: Family) -> str:
         return f"{family.module}:{family.causal_lm}"
@@ -203,7 +202,7 @@ class HeadSlot(Slot):
             result = wrapped(*args, **kwargs)
             if type(instance) is original:
                 if not checked:
-                    self.prepare(sub, instance.config, compute_dtype(instance))
+                    self.prepare(sub, instance.config, Placement.of(instance))
                     checked.append(True)
                 instance.__dict__[_HEAD_BY] = sub.name
                 instance.__class__ = replacement

@@ -49,10 +49,10 @@ from layerswap.proof import proving
 from layerswap.slots import ModelParts, Slot
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedConfig
 
     from layerswap.family import Family
+    from layerswap.placement import Placement
     from layerswap.substitution import Substitution
 
 __all__ = [
@@ -277,14 +277,14 @@ class PatchSlot(Slot):
         return patched_by(model)
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, dtype: torch.dtype | None = None
+        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
     ) -> None:
         """The upstream checks, then the function adopted on a tiny model of ``config``
         (:func:`layerswap.adopt` with ``prove=True``) and undone: a patch that changes the
         numbers raises :class:`~layerswap.errors.PatchDivergenceError` naming the first
         divergent decoder layer. Inside a comparison that is itself the proof
         (:func:`layerswap.proof.comparing`), nothing is proven. The adoption proof runs
-        in float32 whatever ``dtype`` the model computes in."""
+        in float32 on the CPU wherever the model computes (``placement``)."""
         super().prepare(sub, config)
         if proving():
             return
