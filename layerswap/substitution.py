@@ -80,12 +80,10 @@ def runs_anywhere(*args: Any, **options: Any) -> str | None:
 def check_call_contract(sub: Substitution, config: PreTrainedConfig | None = None) -> None:
     """The original layer is called with nothing the replacement does not handle.
 
-    Every parameter of the original decoder layer's ``forward`` (and, when ``config`` is
-    given and the replacement computes attention itself, its attention's) must be one the
-    replacement handles (:func:`~layerswap.slots.layer_call.handled_parameters`), and the original must take
-    ``position_embeddings`` (the transformers 5 contract). A new or renamed parameter
-    (transformers 5.24 renamed ``past_key_values`` to ``cache``) raises
-    :class:`UpstreamDriftError` naming it, before any model is touched.
+    Every parameter of the original layer's ``forward`` (with ``config``, its attention's
+    where the replacement computes attention) must be one the replacement handles, and the
+    original must take ``position_embeddings``: a new or renamed one (5.24's ``cache``)
+    raises :class:`UpstreamDriftError` naming it, before any model is touched.
 
     Example::
 
@@ -270,13 +268,10 @@ class Slot:
     def prepare(
         self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
     ) -> None:
-        """Everything checked before ``sub`` changes a model of ``config`` computing in
-        ``placement`` (:class:`~layerswap.placement.Placement`: its dtype and device), in
-        order: the call contract and the structure (:meth:`Substitution.check_upstream`,
-        on the text config, unwrapped once there), then what the slot adds (the decoder
-        slot: the first-use proof, in the placement's dtype too where it is bfloat16 or
-        float16, on its device where the substitution runs there). Raises; changes
-        nothing."""
+        """Everything checked before ``sub`` changes a model of ``config``, in order: the
+        call contract and structure (:meth:`Substitution.check_upstream`), then the slot's
+        own (the decoder slot: the first-use proof, in the model's ``placement``). Raises;
+        changes nothing."""
         sub.check_upstream(config)
 
     def proves(self, sub: Substitution) -> bool:
@@ -565,10 +560,8 @@ class Substitution:
         return found  # type: ignore[no-any-return]
 
     def check_upstream(self, config: PreTrainedConfig) -> None:
-        """Raise :class:`UpstreamDriftError` if the original no longer fits the converter.
-
-        ``config`` is the model's; a multimodal wrapper's layers read its text config.
-        """
+        """Raise :class:`UpstreamDriftError` if the original no longer fits the converter
+        (``config``: the model's; a multimodal wrapper's layers read its text config)."""
         from layerswap import hf_internals, zero3
 
         config = hf_internals.text_config_of(config)

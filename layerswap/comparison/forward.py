@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from layerswap.comparison.inputs import pad_token_id, text_config
-from layerswap.comparison.model_classes import task_of
+from layerswap.comparison.model_classes import ModelTask, task_of
 from layerswap.comparison.routing import Routing, capture_decode_routing, capture_routing
 from layerswap.errors import UnsupportedModelError
 from layerswap.model import decoder_layers_if_known
@@ -175,16 +175,7 @@ def forward(
                 if wants_loss:
                     loss_value = task.loss(output, batch)
         else:
-            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            with torch.enable_grad(), context():
-                output = model(**batch, **labels, use_cache=False)
-                loss_value = task.loss(output, batch)
-                grads = torch.autograd.grad(loss_value, [p for _, p in params], allow_unused=True)
-            # kept in host memory: a model's worth of gradients must not crowd the GPU
-            gradients = {
-                name: (grad if grad is not None else torch.zeros_like(param)).detach().cpu()
-                for (name, param), grad in zip(params, grads, strict=True)
-            }
+            output, loss_value, gradients = _with_gradients(model, batch, labels, task, context)
     compared, is_logits = task.compared(output, valid) if outputs else (torch.empty(0), True)
     decoded: list[list[tuple[str, torch.Tensor]]] | None = (
         [] if generate and layer_outputs else None
@@ -207,6 +198,29 @@ def forward(
         loss_left_out=left_out if wants_loss else None,
         decode_layers=decoded,
     )
+
+
+def _with_gradients(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    labels: Mapping[str, torch.Tensor],
+    task: ModelTask,
+    context: ContextFactory,
+) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor]]:
+    """The output, the loss and every trainable parameter's gradient by name (a zero
+    tensor where the loss does not reach it), by ``torch.autograd.grad``: every
+    ``.grad`` is left as it was."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with torch.enable_grad(), context():
+        output = model(**batch, **labels, use_cache=False)
+        loss_value = task.loss(output, batch)
+        grads = torch.autograd.grad(loss_value, [p for _, p in params], allow_unused=True)
+    # kept in host memory: a model's worth of gradients must not crowd the GPU
+    gradients = {
+        name: (grad if grad is not None else torch.zeros_like(param)).detach().cpu()
+        for (name, param), grad in zip(params, grads, strict=True)
+    }
+    return output, loss_value, gradients
 
 
 @contextlib.contextmanager

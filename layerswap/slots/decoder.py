@@ -285,6 +285,84 @@ class LayerSwapHandle(SwapHandle):
         return f"<SwapHandle {self.substitution.name}: {len(self._records)} layers, {state}>"
 
 
+def _refuse_unswappable(
+    target: nn.Module,
+    layers: list[tuple[str, nn.Module]],
+    sub: Substitution,
+    original_cls: type[nn.Module],
+) -> None:
+    """Raise, changing nothing, where ``target``'s decoder ``layers`` cannot take ``sub``:
+    swapped already, wrapped by a PEFT adapter, holding another slot's swap the new layers
+    would leave out, sharded, partitioned by ZeRO-3's engine, a subclass of the original,
+    or none at all."""
+    done = [name for name, layer in layers if substitution_of(layer) is not None]
+    if done:
+        owner = substitution_of(dict(layers)[done[0]])
+        raise SubstitutionError(
+            f"{len(done)} layers of this model are already swapped by "
+            f"{getattr(owner, 'name', owner)}; undo that swap first"
+        )
+    adapted = next(
+        (
+            (f"{name}.{inner}", module)
+            for name, layer in layers
+            for inner, module in layer.named_modules()
+            if inner and is_adapter_layer(module)
+        ),
+        None,
+    )
+    if adapted is not None:
+        raise SubstitutionError(
+            f"{sub.name}: {adapted[0]} is a PEFT adapter's {type(adapted[1]).__name__}, "
+            "and this substitution converts the layers' own weights, which the adapter "
+            "wraps; swap before get_peft_model (a new adapter then targets the fused "
+            "modules, and one saved on the original layout loads converted), or "
+            "merge_and_unload() first"
+        )
+    left_out = _swap_left_out(layers, sub.parts.family)
+    if left_out is not None:
+        where, swapper = left_out
+        raise SubstitutionError(
+            f"{sub.name}: {where} is swapped by {swapper}, and this substitution builds "
+            f"each layer's {sub.parts.family.mlp_name} block anew from the original's "
+            f"classes, which would leave {swapper} out while the layers are swapped; undo "
+            f"{swapper} first, or build the model inside use() of both"
+        )
+    sharded = next(
+        (
+            f"{layer_name}.{param_name}"
+            for layer_name, layer in layers
+            for param_name, param in layer.named_parameters()
+            if getattr(param, "placements", None) is not None
+        ),
+        None,
+    )
+    if sharded is not None:
+        raise ParallelismError(
+            f"{sub.name}: this model is already sharded ({sharded} is a DTensor), and a "
+            "sharded parameter cannot be converted in place; swap before sharding "
+            "(fully_shard after swap), or load it inside layerswap.use(...) with the "
+            "distributed_config"
+        )
+    if zero3.engine_hooked(target):
+        raise ParallelismError(
+            f"{sub.name}: DeepSpeed ZeRO-3 has already taken this model "
+            "(deepspeed.initialize or a Trainer's step), and its optimizer holds the "
+            "partitions of the layers a swap would replace; swap before that (a model "
+            "partitioned by zero.Init can be swapped), or load it inside "
+            "layerswap.use(...)"
+        )
+    for name, layer in layers:
+        if type(layer) is not original_cls:
+            raise SubstitutionError(
+                f"layer {name!r} is a {type(layer).__name__}, a subclass of "
+                f"{original_cls.__name__}; {sub.name} replaces exact {original_cls.__name__} "
+                "layers only, so it would drop that subclass's behaviour"
+            )
+    if not layers:
+        raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
+
+
 class DecoderSlot(Slot):
     """Every decoder layer: a substitution puts its replacement layer in each one's place."""
 
@@ -302,72 +380,7 @@ class DecoderSlot(Slot):
         if config is None:
             raise SubstitutionError(f"{type(target).__name__} has no config; swap() needs one")
         layers = decoder_layers(target)
-        done = [name for name, layer in layers if substitution_of(layer) is not None]
-        if done:
-            owner = substitution_of(dict(layers)[done[0]])
-            raise SubstitutionError(
-                f"{len(done)} layers of this model are already swapped by "
-                f"{getattr(owner, 'name', owner)}; undo that swap first"
-            )
-        adapted = next(
-            (
-                (f"{name}.{inner}", module)
-                for name, layer in layers
-                for inner, module in layer.named_modules()
-                if inner and is_adapter_layer(module)
-            ),
-            None,
-        )
-        if adapted is not None:
-            raise SubstitutionError(
-                f"{sub.name}: {adapted[0]} is a PEFT adapter's {type(adapted[1]).__name__}, "
-                "and this substitution converts the layers' own weights, which the adapter "
-                "wraps; swap before get_peft_model (a new adapter then targets the fused "
-                "modules, and one saved on the original layout loads converted), or "
-                "merge_and_unload() first"
-            )
-        left_out = _swap_left_out(layers, sub.parts.family)
-        if left_out is not None:
-            where, swapper = left_out
-            raise SubstitutionError(
-                f"{sub.name}: {where} is swapped by {swapper}, and this substitution builds "
-                f"each layer's {sub.parts.family.mlp_name} block anew from the original's "
-                f"classes, which would leave {swapper} out while the layers are swapped; undo "
-                f"{swapper} first, or build the model inside use() of both"
-            )
-        sharded = next(
-            (
-                f"{layer_name}.{param_name}"
-                for layer_name, layer in layers
-                for param_name, param in layer.named_parameters()
-                if getattr(param, "placements", None) is not None
-            ),
-            None,
-        )
-        if sharded is not None:
-            raise ParallelismError(
-                f"{sub.name}: this model is already sharded ({sharded} is a DTensor), and a "
-                "sharded parameter cannot be converted in place; swap before sharding "
-                "(fully_shard after swap), or load it inside layerswap.use(...) with the "
-                "distributed_config"
-            )
-        if zero3.engine_hooked(target):
-            raise ParallelismError(
-                f"{sub.name}: DeepSpeed ZeRO-3 has already taken this model "
-                "(deepspeed.initialize or a Trainer's step), and its optimizer holds the "
-                "partitions of the layers a swap would replace; swap before that (a model "
-                "partitioned by zero.Init can be swapped), or load it inside "
-                "layerswap.use(...)"
-            )
-        for name, layer in layers:
-            if type(layer) is not original_cls:
-                raise SubstitutionError(
-                    f"layer {name!r} is a {type(layer).__name__}, a subclass of "
-                    f"{original_cls.__name__}; {sub.name} replaces exact {original_cls.__name__} "
-                    "layers only, so it would drop that subclass's behaviour"
-                )
-        if not layers:
-            raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
+        _refuse_unswappable(target, layers, sub, original_cls)
         # before any layer changes: a drifted contract refuses here
         self.prepare(sub, config, Placement.of(target))
         names = [name for name, _ in layers]
