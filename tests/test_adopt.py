@@ -267,6 +267,77 @@ def test_registry_mutated_in_place_is_refilled_in_order() -> None:
     assert dict(ALL_ATTENTION_FUNCTIONS._global_mapping) == attention
 
 
+@pytest.mark.parametrize("order", ["newest first", "oldest first"])
+def test_two_adoptions_of_one_registry_end_in_any_order(order: str) -> None:
+    """Two adoptions setting, adding and removing items of one registry: while both
+    are live the newest's item shows; ending either one first leaves the other's items
+    in place, and once both have ended the registry holds exactly its own items, in
+    order (an older adoption ended first put its own copy back, and the newer one's
+    end then brought the older one's item back for good)."""
+    items = list(ACT2FN.items())
+
+    def raw(key: str) -> Any:  # ACT2FN's own lookup builds an instance of the class held
+        return dict.get(ACT2FN, key)
+
+    def first() -> None:
+        ACT2FN["silu"] = nn.Identity
+        ACT2FN["first_act"] = nn.Identity
+        del ACT2FN["relu"]
+
+    def second() -> None:
+        ACT2FN["silu"] = nn.Tanh
+        ACT2FN["second_act"] = nn.Tanh
+
+    older = layerswap.adopt(first, prove=False)
+    newer = layerswap.adopt(second, prove=False)
+    try:
+        assert raw("silu") is nn.Tanh and "relu" not in ACT2FN
+        with older.suspended():  # the older one's items taken back, the newer one's kept
+            assert raw("silu") is nn.Tanh and raw("relu") is dict(items)["relu"]
+            assert "first_act" not in ACT2FN and "second_act" in ACT2FN
+        # made again under the newer one, where it was
+        assert raw("silu") is nn.Tanh and "relu" not in ACT2FN and "first_act" in ACT2FN
+        ended, kept = (newer, older) if order == "newest first" else (older, newer)
+        ended.undo()
+        if kept is older:
+            assert raw("silu") is nn.Identity and "first_act" in ACT2FN
+            assert "second_act" not in ACT2FN and "relu" not in ACT2FN
+        else:
+            assert raw("silu") is nn.Tanh and "second_act" in ACT2FN
+            assert "first_act" not in ACT2FN and raw("relu") is dict(items)["relu"]
+        kept.undo()
+    finally:
+        newer.undo()
+        older.undo()
+    assert [key for key, _ in ACT2FN.items()] == [key for key, _ in items]
+    assert all(a[1] is b[1] for a, b in zip(ACT2FN.items(), items, strict=True))
+
+
+def test_two_adoptions_replacing_one_child_module_end_in_any_order(model: nn.Module) -> None:
+    """A model's child replaced by two adoptions (its ``_modules`` entry): ending the
+    older one first leaves the newer one's child, and the original child comes back,
+    at its place among its siblings, once both have ended."""
+    layer = model.model.layers[1]
+    mlp, order = layer.mlp, list(layer._modules)
+    first, second = nn.Identity(), nn.Identity()
+
+    def replace_with(child: nn.Module) -> Any:
+        def patch(model: nn.Module) -> None:
+            model.model.layers[1].mlp = child
+
+        return patch
+
+    older = layerswap.adopt(replace_with(first), model=model, prove=False)
+    newer = layerswap.adopt(replace_with(second), model=model, prove=False)
+    try:
+        older.undo()
+        assert layer.mlp is second
+    finally:
+        newer.undo()
+        older.undo()
+    assert layer.mlp is mlp and list(layer._modules) == order
+
+
 def test_module_first_imported_by_the_patch_is_put_back_and_stays_imported(make_module) -> None:
     name = make_module("patched_on_import", "class Norm:\n    pass\nVALUE = 1\n")
 

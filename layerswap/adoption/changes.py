@@ -8,8 +8,10 @@ original model with the changes taken back for the time of a call):
   adopted patch nests with every other patch of the same attribute, stopped in any order
   (:mod:`layerswap.patching.stack`); restored raw (a ``staticmethod`` as the same object);
 * :class:`Deletion`: a name removed;
-* :class:`ContentsChange`: a dict, list or set changed in place (a registry, a model's
-  ``_modules``): put back item by item, in order, the container object kept;
+* :class:`ItemChange`: a dict's items added, rebound or removed in place (a registry, a
+  model's ``_modules``): one engine layer per key, the container object kept;
+* :class:`ContentsChange`: a list or set changed in place, or a dict only reordered: put
+  back item by item, in order, the container object kept;
 * :class:`ClassChange`: an instance given another class, and :class:`FunctionChange`: a
   function's ``__code__`` or defaults replaced in place: engine layers as a rebinding is;
 * :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed (modules
@@ -40,7 +42,8 @@ from layerswap.adoption.snapshot import (
     same_contents,
 )
 from layerswap.patching import Patch
-from layerswap.patching.sites import NOTSET, DictSite, Original
+from layerswap.patching.sites import DELETED, NOTSET, DictSite, ItemSite, Original
+from layerswap.patching.stack import Layer, move_to, position_of, push, remove, warn_conflicts
 
 __all__ = [
     "Change",
@@ -48,6 +51,7 @@ __all__ = [
     "ContentsChange",
     "Deletion",
     "FunctionChange",
+    "ItemChange",
     "ModuleTableChange",
     "Rebinding",
     "find_changes",
@@ -172,8 +176,71 @@ class Deletion(Change):
         _put(self.owner, self.name, NOTSET)
 
 
+class ItemChange(Change):
+    """A dict's items added, rebound or removed in place (a registry, a model's
+    ``_modules``): one layer of the engine's per-site stacks per key
+    (:class:`~layerswap.patching.sites.ItemSite`), so that adoptions changing one dict
+    end in any order, each leaving the others' items, as rebindings do."""
+
+    def __init__(self, contents: Contents) -> None:
+        self.obj = contents.obj
+        self.before = contents.before
+        after = Contents.copy_of(contents.obj)
+        self.where = contents.where
+        self.what = _contents_delta(self.before, after, self.obj)
+        old = dict(self.before)
+        new = dict(after)
+        self._sets = [(key, value) for key, value in after if old.get(key, NOTSET) is not value] + [
+            (key, DELETED) for key, _ in self.before if key not in new
+        ]
+        self._after = after
+        self._layers: list[Layer] | None = None
+        self._positions: list[int | None] | None = None
+
+    @staticmethod
+    def expressible(contents: Contents) -> bool:
+        """Whether ``contents`` changed in items and not only in order: a dict whose items
+        were only reordered is refilled (:class:`ContentsChange`)."""
+        if not isinstance(contents.obj, dict):
+            return False
+        old, new = dict(contents.before), dict(Contents.copy_of(contents.obj))
+        return old.keys() != new.keys() or any(new[key] is not old[key] for key in old)
+
+    def _label(self) -> str:
+        return f"adoption of {self.where}"
+
+    def adopt(self) -> None:
+        # the stacks must see the items from before the function as the ones below
+        _refill(self.obj, self.before, self._after)
+        self._layers = [
+            push(ItemSite(self.obj, key), value, None, self, create=True)
+            for key, value in self._sets
+        ]
+
+    def revert(self) -> None:
+        if self._layers is None:  # the function failed half-way: nothing was adopted
+            _refill(self.obj, self.before, self._after)
+            return
+        self._positions = [position_of(layer) for layer in self._layers]
+        conflicts = [remove(layer) for layer in reversed(self._layers)]
+        warn_conflicts([c for c in conflicts if c is not None], stacklevel=3)
+
+    def apply(self) -> None:
+        if self._layers is None:
+            _refill(self.obj, self._after, self.before)
+            return
+        layers = []
+        for (key, value), position in zip(self._sets, self._positions or (), strict=False):
+            layer = push(ItemSite(self.obj, key), value, None, self, create=True)
+            if position is not None:
+                move_to(layer, position)
+            layers.append(layer)
+        self._layers, self._positions = layers, None
+
+
 class ContentsChange(Change):
-    """A dict, list or set changed in place; ``after`` is what it held after the function."""
+    """A list or set changed in place, or a dict's items reordered; ``after`` is what it
+    held after the function."""
 
     def __init__(self, contents: Contents) -> None:
         self.obj = contents.obj
@@ -268,7 +335,8 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
         changes.extend(_owner_changes(owner))
     for contents in list(snapshot.contents.values()):
         if not contents.unchanged():
-            changes.append(ContentsChange(contents))
+            kind = ItemChange if ItemChange.expressible(contents) else ContentsChange
+            changes.append(kind(contents))
     changes.extend(
         FunctionChange(state) for state in snapshot.functions.values() if state.changed()
     )

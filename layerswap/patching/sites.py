@@ -10,7 +10,9 @@ A site knows where a value really lives, so that restoring is exact:
   the instance ``__dict__`` meanwhile and the child is put back at its position;
 * special attributes backed by a data descriptor of the type (``__defaults__``,
   ``__doc__`` of a function, ``__slots__`` members): read with ``getattr`` and set
-  back with ``setattr`` — never deleted.
+  back with ``setattr`` — never deleted;
+* one key of a mapping (:class:`ItemSite`: a registry's entry, a child in a model's
+  ``_modules``): the mapping object kept, the key back where it sat in its order.
 
 An attribute absent from the owner's own storage (inherited from a class, or
 created by ``create=True``) is *deleted* on restore, not copied down.
@@ -21,9 +23,10 @@ from __future__ import annotations
 import sys
 import types
 import weakref
+from collections import OrderedDict
 from typing import Any, Final
 
-__all__ = ["DELETED", "NOTSET", "Original", "Site", "make_site"]
+__all__ = ["DELETED", "NOTSET", "ItemSite", "Original", "Site", "make_site"]
 
 
 class _Sentinel:
@@ -335,6 +338,93 @@ class ModuleSite(Site):
             self.owner.__dict__[self.name] = original.value
         else:
             self.write(original.value, original, placed=True)
+
+
+class ItemSite(Site):
+    """One key of a mutable mapping (a registry's entry, a child in a model's
+    ``_modules``). Read raw where the mapping is a dict (a registry whose lookup builds
+    an object, as transformers' ``ACT2FN`` does, holds the object itself); written
+    through the mapping; a key put back goes where it sat, after the keys that were
+    before it, the mapping object kept (its order rebuilt in place only then)."""
+
+    __slots__ = ()
+    raw_reads = True
+    kind = "item"
+
+    def __init__(self, owner: Any, name: Any) -> None:
+        self.owner = owner
+        self.name = name
+        self.key = (id(owner), ("item", name))  # apart from an attribute of that name
+
+    def read(self) -> Any:
+        return _raw_item(self.owner, self.name)
+
+    def visible(self) -> Any:
+        return self.read()
+
+    def same(self, current: Any, written: Any) -> bool:
+        return current is written or (written is DELETED and current is NOTSET)
+
+    def snapshot(self) -> Original:
+        keys = list(self.owner)
+        if self.name not in keys:
+            return Original(None, NOTSET)
+        return Original("item", self.read(), tuple(keys[: keys.index(self.name)]))
+
+    def write(self, value: Any, original: Original) -> None:
+        owner, name = self.owner, self.name
+        base = _mapping_base(owner)
+        if value is DELETED:
+            base.pop(owner, name, None)
+        elif name in owner or original.container is None:
+            base.__setitem__(owner, name, value)  # same key: position kept; new: at the end
+        else:
+            _put_back(owner, name, value, original.position)
+
+    def restore(self, original: Original) -> None:
+        if original.container is None:
+            _mapping_base(self.owner).pop(self.owner, self.name, None)
+        else:
+            self.write(original.value, original)
+
+    def describe(self) -> str:
+        return f"<{type(self.owner).__qualname__} at {id(self.owner):#x}>[{self.name!r}]"
+
+
+def _mapping_base(mapping: Any) -> Any:
+    """Whose methods write ``mapping`` raw: its builtin base type's (a subclass's own
+    ``__setitem__`` may compute or import), else its own type's (a duck mapping)."""
+    for base in (OrderedDict, dict):
+        if isinstance(mapping, base):
+            return base
+    return type(mapping)
+
+
+def _raw_item(mapping: Any, key: Any) -> Any:
+    """``mapping[key]`` as stored (a dict's own lookup, past an overridden
+    ``__getitem__``), or NOTSET."""
+    if isinstance(mapping, dict):
+        return dict.get(mapping, key, NOTSET)
+    return mapping.get(key, NOTSET)
+
+
+def _put_back(mapping: Any, key: Any, value: Any, position: int | tuple[Any, ...]) -> None:
+    """``mapping[key] = value`` after the last of the keys that preceded it (``position``)
+    that is there now; the mapping object is kept."""
+    keys = list(mapping)
+    before = position if isinstance(position, tuple) else ()
+    present = set(keys)
+    anchor = next((name for name in reversed(before) if name in present), None)
+    index = 0 if anchor is None else keys.index(anchor) + 1
+    base = _mapping_base(mapping)
+    if index == len(keys):
+        base.__setitem__(mapping, key, value)
+        return
+    items = [(name, _raw_item(mapping, name)) for name in keys]
+    items.insert(index, (key, value))
+    base.clear(mapping)
+    for name, item in items:
+        base.__setitem__(mapping, name, item)
 
 
 #: per nn.Module and container, its keys in the order first seen by a patch (kept while
