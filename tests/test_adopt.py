@@ -353,6 +353,25 @@ def test_module_first_imported_by_the_patch_is_put_back_and_stays_imported(make_
     assert f"{name}.Norm: rebound" in adoption.changes
 
 
+def test_a_modeling_module_replaced_whole_is_put_back_on_its_package_too() -> None:
+    """A function that puts another module object in ``sys.modules`` and on its
+    package (a patched copy of the modeling module) is undone in both places: the
+    package's name for the module was left pointing at the copy."""
+    import transformers.models.llama as package
+
+    def replace_module() -> None:
+        copy = types.ModuleType(modeling_llama.__name__)
+        copy.__dict__.update(modeling_llama.__dict__)
+        sys.modules[modeling_llama.__name__] = copy
+        package.modeling_llama = copy
+
+    adoption = layerswap.adopt(replace_module, prove=False)
+    assert package.modeling_llama is not modeling_llama
+    adoption.undo()
+    assert sys.modules[modeling_llama.__name__] is modeling_llama
+    assert package.modeling_llama is modeling_llama
+
+
 def test_submodule_bound_by_an_import_stays(make_module, tmp_path) -> None:
     package = make_module("package", "")
     (tmp_path / f"{package}.py").unlink()

@@ -332,7 +332,7 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
     back (by name)."""
     changes: list[Change] = []
     for owner in list(snapshot.owners.values()):
-        changes.extend(_owner_changes(owner))
+        changes.extend(_owner_changes(owner, snapshot.modules))
     for contents in list(snapshot.contents.values()):
         if not contents.unchanged():
             kind = ItemChange if ItemChange.expressible(contents) else ContentsChange
@@ -352,7 +352,7 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
     return changes, unrecordable
 
 
-def _owner_changes(owner: Owner) -> list[Change]:
+def _owner_changes(owner: Owner, modules: dict[str, Any]) -> list[Change]:
     obj = owner.obj
     try:
         now = dict(object.__getattribute__(obj, "__dict__"))
@@ -362,7 +362,7 @@ def _owner_changes(owner: Owner) -> list[Change]:
     before = owner.entries
     for name in [*before, *(key for key in now if key not in before)]:
         old, new = before.get(name, NOTSET), now.get(name, NOTSET)
-        if old is new or name in _BOOKKEEPING or _import_binding(obj, name, new):
+        if old is new or name in _BOOKKEEPING or _import_binding(obj, name, new, modules):
             continue
         if new is NOTSET:
             found.append(Deletion(obj, name, old, owner.where))
@@ -373,10 +373,16 @@ def _owner_changes(owner: Owner) -> list[Change]:
     return found
 
 
-def _import_binding(owner: Any, name: str, value: Any) -> bool:
+def _import_binding(owner: Any, name: str, value: Any, modules: dict[str, Any]) -> bool:
     """Whether ``owner.name = value`` is the import system's: a package given its
     submodule on import (taken back, ``owner.name`` would fail while the module is in
-    ``sys.modules``)."""
+    ``sys.modules``). Not where the function put that module in ``sys.modules`` in place
+    of another (``modules``: ``sys.modules`` before it): the package's name for it is
+    then the function's change too, taken back with the table's."""
     if not isinstance(owner, types.ModuleType) or not isinstance(value, types.ModuleType):
         return False
-    return sys.modules.get(f"{owner.__name__}.{name}") is value
+    full = f"{owner.__name__}.{name}"
+    if sys.modules.get(full) is not value:
+        return False
+    before = modules.get(full, NOTSET)
+    return before is NOTSET or before is value
