@@ -372,6 +372,32 @@ def test_a_modeling_module_replaced_whole_is_put_back_on_its_package_too() -> No
     assert package.modeling_llama is modeling_llama
 
 
+def test_code_changed_inside_a_decorator_or_on_tensor_is_recorded() -> None:
+    """What a decorator wraps (``inspect.unwrap(LlamaModel.forward)``, reached only
+    through ``__wrapped__``) and ``torch.Tensor``'s methods are watched: a patch changing
+    the inner function's defaults, or rebinding a tensor method, is listed and undone."""
+    import inspect
+
+    inner = inspect.unwrap(modeling_llama.LlamaModel.forward)
+    defaults = inner.__defaults__
+    assert inner is not modeling_llama.LlamaModel.forward and defaults is not None
+    softmax = torch.Tensor.softmax
+
+    def patch() -> None:
+        inner.__defaults__ = tuple(list(defaults))  # equal, and another object
+        torch.Tensor.softmax = lambda self, dim: softmax(self, dim)
+
+    with layerswap.adopt(patch, prove=False) as adoption:
+        assert torch.Tensor.softmax is not softmax
+    assert inner.__defaults__ is defaults and torch.Tensor.softmax is softmax
+    changes = "\n".join(adoption.changes)
+    assert any(
+        "LlamaModel.forward.__wrapped__" in line and line.endswith("__defaults__ replaced")
+        for line in adoption.changes
+    ), changes
+    assert "torch.Tensor.softmax: added" in changes, changes  # over TensorBase's
+
+
 def test_submodule_bound_by_an_import_stays(make_module, tmp_path) -> None:
     package = make_module("package", "")
     (tmp_path / f"{package}.py").unlink()

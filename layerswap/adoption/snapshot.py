@@ -53,6 +53,9 @@ __all__ = [
     "watched_packages",
 ]
 
+#: how many functions deep a decorated function's ``__wrapped__`` chain is followed
+_WRAPPED_DEPTH = 8
+
 #: the containers whose contents are compared item by item, and restored in place
 CONTAINERS = (dict, list, set)
 
@@ -213,6 +216,9 @@ class Snapshot:
         self.modules = dict(sys.modules)
         for name, module in list(self.modules.items()):
             self.add_module(name, module)
+        torch = self.modules.get("torch")
+        if torch is not None:  # a tensor method rebound is the model's code changed too
+            self.add_class(torch.Tensor)
         if self.model is not None:
             self._add_model(self.model)
         return self
@@ -260,10 +266,16 @@ class Snapshot:
                 )
             elif isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
-            if isinstance(value, types.FunctionType) and id(value) not in self.functions:
+            named = f"{where}.{key}"
+            # the functions a decorator wraps too (``inspect.unwrap``): a patch may change
+            # the code of the one inside
+            for _ in range(_WRAPPED_DEPTH):
+                if not isinstance(value, types.FunctionType) or id(value) in self.functions:
+                    break
                 self.functions[id(value)] = FunctionState(
-                    value, f"{where}.{key}", FunctionState.parts_of(value)
+                    value, named, FunctionState.parts_of(value)
                 )
+                value, named = getattr(value, "__wrapped__", None), f"{named}.__wrapped__"
 
     def _add_model(self, model: Any) -> None:
         self._add_configs(model)
