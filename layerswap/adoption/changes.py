@@ -212,10 +212,16 @@ class ItemChange(Change):
     def adopt(self) -> None:
         # the stacks must see the items from before the function as the ones below
         _refill(self.obj, self.before, self._after)
-        self._layers = [
-            push(ItemSite(self.obj, key), value, None, self, create=True)
-            for key, value in self._sets
-        ]
+        layers: list[Layer] = []
+        try:
+            for key, value in self._sets:
+                layers.append(push(ItemSite(self.obj, key), value, None, self, create=True))
+        except BaseException:
+            for layer in reversed(layers):  # none left on the stacks: taken back raw
+                remove(layer)
+            _refill(self.obj, self._after, self.before)
+            raise
+        self._layers = layers
 
     def revert(self) -> None:
         if self._layers is None:  # the function failed half-way: nothing was adopted
@@ -229,8 +235,9 @@ class ItemChange(Change):
         if self._layers is None:
             _refill(self.obj, self._after, self.before)
             return
+        positions = self._positions or [None] * len(self._sets)
         layers = []
-        for (key, value), position in zip(self._sets, self._positions or (), strict=False):
+        for (key, value), position in zip(self._sets, positions, strict=True):
             layer = push(ItemSite(self.obj, key), value, None, self, create=True)
             if position is not None:
                 move_to(layer, position)
