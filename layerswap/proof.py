@@ -17,7 +17,7 @@ the same weights:
    the original's layout), in training mode where the original's training pass is
    deterministic (else in eval mode, once the replacement is seen random in training too),
 6. for a model computing in bfloat16 or float16, the padded forward again in that dtype,
-   no farther from the original's float32 outputs than twice the original's own rounding
+   judged against the original's own rounding as :func:`layerswap.verify` judges it
    (:func:`~layerswap.comparison.first_difference.rounding_differs`),
 
 each run and judged as :func:`layerswap.verify` runs and judges
