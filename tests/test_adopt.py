@@ -920,6 +920,57 @@ def test_suspended_windows_nest_and_two_threads_take_turns() -> None:
     assert modeling_llama.LlamaMLP.forward is original
 
 
+@pytest.mark.parametrize("other", ["another adoption's undo", "an engine patch"])
+def test_a_change_made_by_another_thread_during_a_recording_is_not_credited_to_it(
+    other: str,
+) -> None:
+    """While a patch function is being recorded, another thread undoes an adoption or
+    starts an engine patch: that waits for the recording, and is not taken for the
+    function's own change (it was, and the undone adoption's items stayed for good)."""
+    import threading
+
+    items = list(dict.items(ACT2FN))
+    silu = modeling_llama.LlamaMLP.forward
+
+    def other_items() -> None:
+        ACT2FN["relu"] = nn.Identity
+        ACT2FN["other_act"] = nn.Identity
+
+    earlier = layerswap.adopt(other_items, prove=False)
+    engine = layerswap.patch(modeling_llama.LlamaMLP, "forward", lambda self, x: x)
+    inside, go = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        ACT2FN["gelu"] = nn.Tanh
+        inside.set()
+        go.wait(5)
+
+    adopted: list[Any] = []
+    recorder = threading.Thread(target=lambda: adopted.append(layerswap.adopt(slow, prove=False)))
+    recorder.start()
+    assert inside.wait(5)
+    if other == "an engine patch":
+        acting = threading.Thread(target=engine.start)
+    else:
+        acting = threading.Thread(target=earlier.undo)
+    acting.start()
+    acting.join(0.2)
+    assert acting.is_alive()  # waiting for the recording
+    go.set()
+    recorder.join(5)
+    acting.join(5)
+    try:
+        (change,) = adopted[0].changes  # ACT2FN's 'gelu', and nothing else
+        assert "'gelu'" in str(change) and "relu" not in str(change), str(change)
+    finally:
+        adopted[0].undo()
+        earlier.undo()
+        if engine.is_active:
+            engine.stop()
+    assert [(k, id(v)) for k, v in dict.items(ACT2FN)] == [(k, id(v)) for k, v in items]
+    assert modeling_llama.LlamaMLP.forward is silu
+
+
 def test_a_patch_of_two_model_types_says_which_one_the_proof_did_not_run() -> None:
     """Proven on a Llama model, a function that also rebinds Qwen 2's norm is not proven
     for Qwen 2: adopting it says so (a wrong Qwen 2 patch was reported proven)."""

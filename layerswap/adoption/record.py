@@ -24,12 +24,15 @@ from typing import Any
 from layerswap.adoption.changes import Change, find_changes
 from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_packages
 from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
+from layerswap.patching import stack
 from layerswap.patching.undo import UndoLog
 
 __all__ = ["Recording", "exclusive", "record"]
 
-# one recording, or one suspended window, at a time: two functions running at once would
-# be credited each other's changes, and a window's re-application would land in another
+# one recording, one suspended window or one undo at a time: two functions running at
+# once would be credited each other's changes, and a window's re-application or another
+# adoption's undo would land in the recording under way. Taken before the engine's lock
+# (a recording holds both), never after it.
 _RECORDING = threading.RLock()
 
 
@@ -68,8 +71,10 @@ class Recording:
         )
 
     def undo(self) -> None:
-        """Take every change back, newest first (a second call does nothing)."""
-        self._log.undo()
+        """Take every change back, newest first (a second call does nothing). Waits for a
+        recording under way in another thread, which would take this undo for its own."""
+        with _RECORDING:
+            self._log.undo()
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -117,7 +122,9 @@ def record(
     """
     __tracebackhide__ = True
     name = getattr(fn, "__qualname__", None) or repr(fn)
-    with _RECORDING:
+    # the engine's lock too: another thread's patch starting or stopping while the
+    # function runs would be found changed and credited to it
+    with _RECORDING, stack.LOCK:
         snapshot = Snapshot(watched_packages(fn, packages), model).take()
         try:
             with SnapshotOnImport(snapshot):
