@@ -22,6 +22,7 @@ from layerswap.errors import (
     AdoptionError,
     PatchConflictWarning,
     PatchDivergenceError,
+    PatchError,
     UnrecordableChangeError,
     VerificationError,
 )
@@ -311,6 +312,60 @@ def test_two_adoptions_of_one_registry_end_in_any_order(order: str) -> None:
         older.undo()
     assert [key for key, _ in ACT2FN.items()] == [key for key, _ in items]
     assert all(a[1] is b[1] for a, b in zip(ACT2FN.items(), items, strict=True))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "adopt, patch_dict, undo, stop",
+        "patch_dict, adopt, stop, undo",
+        "patch_dict of the same key, adopt, stop, undo",
+    ],
+)
+def test_an_adoption_and_a_patch_dict_of_one_registry_end_in_any_order(case: str) -> None:
+    """An adoption changing registry items and a ``patch_dict`` of the same registry,
+    ended in either order, leave it exactly as it was (the dict patch's snapshot put the
+    ended adoption's items back for good, or the adoption's end put back the dict
+    patch's value)."""
+    items = list(dict.items(ACT2FN))
+
+    def change() -> None:
+        ACT2FN["silu"] = nn.Identity
+        ACT2FN["adopted_act"] = nn.Identity
+        del ACT2FN["gelu_new"]
+
+    key = "silu" if case.startswith("patch_dict of the same key") else "relu"
+    dict_patch = layerswap.patch_dict(ACT2FN, {key: nn.Tanh})
+    try:
+        if case.startswith("adopt"):
+            adoption = layerswap.adopt(change, prove=False)
+            dict_patch.start()
+            adoption.undo()
+            assert dict.get(ACT2FN, "relu") is nn.Tanh and "adopted_act" not in ACT2FN
+            dict_patch.stop()
+        else:
+            dict_patch.start()
+            adoption = layerswap.adopt(change, prove=False)
+            dict_patch.stop()
+            assert dict.get(ACT2FN, "silu") is nn.Identity and "gelu_new" not in ACT2FN
+            adoption.undo()
+    finally:
+        if dict_patch.is_active:
+            dict_patch.stop()
+    assert [(k, id(v)) for k, v in dict.items(ACT2FN)] == [(k, id(v)) for k, v in items]
+
+
+def test_a_patch_dict_setting_an_adopted_key_is_refused_changing_nothing() -> None:
+    items = list(dict.items(ACT2FN))
+
+    def change() -> None:
+        ACT2FN["silu"] = nn.Identity
+
+    with layerswap.adopt(change, prove=False):
+        with pytest.raises(PatchError, match=r"'silu'.*held by live patches"):
+            layerswap.patch_dict(ACT2FN, {"relu": nn.Tanh, "silu": nn.Tanh}).start()
+        assert dict.get(ACT2FN, "relu") is dict(items)["relu"]
+    assert [(k, id(v)) for k, v in dict.items(ACT2FN)] == [(k, id(v)) for k, v in items]
 
 
 def test_two_adoptions_replacing_one_child_module_end_in_any_order(model: nn.Module) -> None:

@@ -15,6 +15,12 @@ any order:
   other changes made while it was the newest stay until the patches above it stop,
   and the one just above it now restores the state from before the stopped one;
 * so when the last one stops, the mapping is exactly as it was before the first.
+
+Keys that the engine's item layers hold (an adoption's change of a registry entry,
+:class:`~layerswap.patching.sites.ItemSite`) are theirs: a dict patch refuses to set
+one, and leaves them to their stacks when it stops. A stack started on a key while a
+dict patch was live takes that patch's snapshot as the key's value before it, so that
+ending the two in either order leaves the mapping as it was.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from layerswap.errors import TargetTypeError
+from layerswap.errors import PatchError, TargetTypeError
 from layerswap.patching import stack as _stack
 from layerswap.patching.scoped import Scoped
-from layerswap.patching.sites import DELETED, NOTSET, _same_value
+from layerswap.patching.sites import DELETED, NOTSET, _raw_item, _same_value
 from layerswap.patching.target import ParsedTarget
 
 __all__ = ["DictPatch", "patch_dict"]
@@ -51,6 +57,7 @@ class DictPatch(Scoped):
         self._mapping: Any = None
         self._before: list[tuple[Any, Any]] = []  # the snapshot, in insertion order
         self._written: dict[Any, Any] = {}  # what this patch set (DELETED: removed)
+        self._held: set[Any] = set()  # keys engine item layers held at start
 
     def _label(self) -> str:
         if self._parsed is not None:
@@ -95,6 +102,14 @@ class DictPatch(Scoped):
             if self._clear:
                 written = dict.fromkeys((key for key, _ in before), DELETED)
             written.update(self._values)
+            held = _stack.held_items(mapping)
+            taken = [key for key in written if key in held]
+            if taken:
+                raise PatchError(
+                    f"cannot start {self._label()}: {_stack._short(taken)} of this mapping "
+                    "are held by live patches of single items (an adoption's registry "
+                    "change); stop those first, or leave those keys out"
+                )
             try:
                 for key, value in written.items():
                     if value is DELETED:
@@ -108,7 +123,7 @@ class DictPatch(Scoped):
             if entry is None:
                 entry = _STACKS[id(mapping)] = (mapping, [])
             entry[1].append(self)
-        self._mapping, self._before, self._written = mapping, before, written
+        self._mapping, self._before, self._written, self._held = mapping, before, written, held
 
     def _revert(self) -> None:
         mapping = self._mapping
@@ -117,23 +132,30 @@ class DictPatch(Scoped):
             live = entry[1] if entry is not None else [self]
             index = live.index(self) if self in live else len(live) - 1
             above = live[index + 1 :]
+            held = _stack.held_items(mapping)
             if not above:
-                _restore(mapping, self._before)
+                for key in held - self._held:  # started on what this patch showed
+                    _stack.rebase_item(mapping, key, self._before)
+                _restore(mapping, self._before, self._held | held)
             else:
-                self._take_back_own_values(mapping, above)
+                self._take_back_own_values(mapping, above, held)
                 self._forget_in_snapshots_above(above)
                 above[0]._before = self._before
+                above[0]._held |= self._held
             if self in live:
                 live.remove(self)
             if entry is not None and not live:
                 del _STACKS[id(mapping)]
-        self._mapping, self._before, self._written = None, [], {}
+        self._mapping, self._before, self._written, self._held = None, [], {}, set()
 
-    def _take_back_own_values(self, mapping: Any, above: list[DictPatch]) -> None:
+    def _take_back_own_values(self, mapping: Any, above: list[DictPatch], held: set[Any]) -> None:
         before = dict(self._before)
         for key, value in self._written.items():
             if any(key in later._written for later in above):
                 continue  # a newer patch decides what this key shows
+            if key in held:  # an item layer started on this patch's value: it shows
+                _stack.rebase_item(mapping, key, self._before)
+                continue
             current = _get(mapping, key)
             if value is DELETED:
                 if current is not NOTSET:
@@ -181,12 +203,17 @@ def _snapshot(mapping: Any) -> list[tuple[Any, Any]]:
     return [(key, mapping[key]) for key in list(iter(mapping))]
 
 
-def _restore(mapping: Any, before: list[tuple[Any, Any]]) -> None:
-    """Make ``mapping`` hold exactly ``before``: keys, values (by identity) and order."""
+def _restore(
+    mapping: Any, before: list[tuple[Any, Any]], held: set[Any] | frozenset[Any] = frozenset()
+) -> None:
+    """Make ``mapping`` hold exactly ``before``: keys, values (by identity) and order;
+    the ``held`` keys (live item layers') are left as and where they are."""
     wanted = dict(before)
-    for key in [key for key in list(iter(mapping)) if key not in wanted]:
+    for key in [key for key in list(iter(mapping)) if key not in wanted and key not in held]:
         del mapping[key]
     for key, value in before:
+        if key in held:
+            continue
         current = _get(mapping, key)
         # the very object back; equal is enough only for strings, which a mapping such as
         # os.environ decodes afresh on every read
@@ -194,17 +221,20 @@ def _restore(mapping: Any, before: list[tuple[Any, Any]]) -> None:
             isinstance(value, (str, bytes)) and _same_value(current, value)
         ):
             mapping[key] = value
-    order = [key for key, _ in before]
     keys = list(iter(mapping))
-    if keys == order:
+    # the held keys stay at their places; the others fill the rest in the snapshot's order
+    order = iter([key for key, _ in before if key not in held])
+    target = [key if key in held else next(order) for key in keys]
+    if keys == target:
         return
     # Re-insert only from the first key out of place, so that a long mapping
     # (sys.modules) is never emptied while other threads may read it.
-    first = next(i for i, (a, b) in enumerate(zip(keys, order, strict=False)) if a != b)
+    first = next(i for i, (a, b) in enumerate(zip(keys, target, strict=False)) if a != b)
+    values = {key: _raw_item(mapping, key) if key in held else wanted[key] for key in keys[first:]}
     for key in keys[first:]:
         del mapping[key]
-    for key in order[first:]:
-        mapping[key] = wanted[key]
+    for key in target[first:]:
+        mapping[key] = values[key]
 
 
 def _duck_mapping(obj: Any) -> bool:

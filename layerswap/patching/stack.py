@@ -36,7 +36,7 @@ from layerswap.errors import (
 from layerswap.patching.sites import NOTSET, DictSite, Original, Site
 from layerswap.patching.target import suggest
 
-__all__ = ["LOCK", "Layer", "push", "remove", "stack_depth"]
+__all__ = ["LOCK", "Layer", "held_items", "push", "rebase_item", "remove", "stack_depth"]
 
 LOCK = threading.RLock()
 
@@ -286,6 +286,37 @@ def rebase_originals(replaced: dict[int, Any], restored: Any, keep: Callable[[Si
                 stack.original.container, stack.original.value = None, NOTSET
             else:
                 stack.original.value = restored
+
+
+def held_items(mapping: Any) -> set[Any]:
+    """The keys of ``mapping`` that live item layers hold (an adoption's change of a
+    registry entry): a :func:`~layerswap.patching.dicts.patch_dict` of the same mapping
+    leaves them to their stacks. The caller holds :data:`LOCK`."""
+    own = id(mapping)
+    return {
+        name[1]
+        for (owner, name), stack in _STACKS.items()
+        if owner == own
+        and type(name) is tuple
+        and name[0] == "item"
+        and stack.site.owner is mapping
+    }
+
+
+def rebase_item(mapping: Any, key: Any, before: list[tuple[Any, Any]]) -> None:
+    """The item ``mapping[key]``'s stack, started on a value a ``patch_dict`` that is
+    ending had put there, takes what ``before`` (that patch's snapshot, in order) held
+    for it as its value before every layer: absent, or that value at that place. The
+    caller holds :data:`LOCK`."""
+    stack = _STACKS.get((id(mapping), ("item", key)))
+    if stack is None:
+        return
+    keys = [name for name, _ in before]
+    if key not in keys:
+        stack.original = Original(None, NOTSET)
+    else:
+        index = keys.index(key)
+        stack.original = Original("item", before[index][1], tuple(keys[:index]))
 
 
 def position_of(layer: Layer) -> int | None:
