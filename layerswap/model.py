@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "decoder_layers",
+    "dropout_fields",
     "family_of",
     "layer_config",
     "locate",
@@ -196,6 +198,25 @@ def layer_config(config: PreTrainedConfig) -> PreTrainedConfig:
         layer_config(llava.config) is llava.config.text_config   # True
     """
     return hf_internals.text_config_of(config)
+
+
+_DROPOUT = re.compile(r"dropout|pdrop", re.IGNORECASE)
+
+
+def dropout_fields(config: PreTrainedConfig) -> list[str]:
+    """The fields of ``config``'s text config that set a dropout probability above 0.
+
+    Example::
+
+        dropout_fields(Phi3Config(attention_dropout=0.1, resid_pdrop=0.1))
+        # ["attention_dropout", "resid_pdrop"]
+    """
+    values = layer_config(config).to_dict()
+    return sorted(
+        name
+        for name, value in values.items()
+        if _DROPOUT.search(name) and isinstance(value, float) and 0.0 < value < 1.0
+    )
 
 
 def locate(root: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -15,7 +15,8 @@ the same weights:
 4. the same with a static cache,
 5. a backward pass (the loss and every parameter's gradient, the replacement's mapped to
    the original's layout), in training mode where the original's training pass is
-   deterministic (else in eval mode, once the replacement is seen random in training too),
+   deterministic (else in eval mode, once the replacement is seen random in training too,
+   each dropout the config sets tried alone),
 6. for a model computing in bfloat16 or float16, the padded forward again in that dtype,
    judged against the original's own rounding as :func:`layerswap.verify` judges it
    (:func:`~layerswap.comparison.first_difference.rounding_differs`),
@@ -40,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 import hashlib
 import json
@@ -56,13 +58,18 @@ import torch
 from torch import nn
 
 from layerswap import sources, verdicts, zero3
-from layerswap.comparison.first_difference import CHECKS, first_difference, rounding_differs
+from layerswap.comparison.first_difference import (
+    CHECKS,
+    first_difference,
+    random_in_training,
+    rounding_differs,
+)
 from layerswap.comparison.gradients import gradients_to_original
 from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import normal_tensors
-from layerswap.model import layer_config
+from layerswap.model import dropout_fields, layer_config
 from layerswap.placement import Placement
 from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
@@ -369,6 +376,8 @@ def _prove(
                 candidate_context=sub.parts.slot.proof_context(sub),
                 to_original=lambda model, grads: gradients_to_original(model, grads, sub),
             )
+            if check is None:
+                check, detail = _dropout_left_out(sub, proven, batch, device) or (None, detail)
             if check is None and dtype in LOW_PRECISION:
                 check, detail = _rounding(reference, candidate, batch, dtype) or (None, detail)
     return Verdict(
@@ -384,6 +393,40 @@ def _prove(
         attention=getattr(proven, "_attn_implementation", None),
         dtype=dtype_name(dtype) if dtype in LOW_PRECISION else None,
     )
+
+
+def _dropout_left_out(
+    sub: Substitution,
+    config: PreTrainedConfig,
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+) -> tuple[str, str] | None:
+    """Where ``config`` sets two dropouts or more: each alone (the others at 0), the
+    original random in training and the replacement not, as ``(check, detail)``. The
+    backward check sees the model as a whole: one dropout the replacement keeps (a
+    residual dropout) hides another it leaves out (the attention's)."""
+    fields = dropout_fields(config)
+    if len(fields) < 2:
+        return None
+    family, slot = sub.parts.family, sub.parts.slot
+    for kept in fields:
+        alone = copy.deepcopy(config)
+        text = layer_config(alone)
+        for field in fields:
+            if field != kept:
+                setattr(text, field, 0.0)
+        torch.manual_seed(0)
+        reference = _original_model(family, sub, alone, device)
+        candidate = slot.proof_candidate(reference, sub, alone)
+        if random_in_training(reference, batch) and not random_in_training(
+            candidate, batch, slot.proof_context(sub)
+        ):
+            return (
+                "backward",
+                f"with only {kept} set, the original computes at random in training and "
+                "the swapped model does not: it leaves that dropout out",
+            )
+    return None
 
 
 def _rounding(

@@ -268,6 +268,29 @@ def test_a_replacement_leaving_out_the_originals_dropout_is_refused(proofs: Path
     assert proof.prove("llama.decoder.fused", config).passed
 
 
+def test_a_dropout_left_out_beside_one_kept_is_refused_naming_it(proofs: Path) -> None:
+    """Phi-3 with an attention dropout and a residual dropout: a replacement that keeps
+    the residual one and leaves the attention's out is still random in training, which
+    hid the missing dropout (proven). Each dropout is tried alone; the one left out is
+    named. The fused layer, which keeps both, is proven."""
+    import dataclasses
+
+    base = get("phi3.decoder.fused")
+    fused = base.replacement_class()
+
+    class NoAttentionDropout(fused):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            self.self_attn.attention_dropout = 0.0
+
+    sub = dataclasses.replace(base, name="phi3.decoder.no_dropout", replacement=NoAttentionDropout)
+    config = get_family("phi3").tiny_config(attention_dropout=0.1, resid_pdrop=0.1)
+    verdict = proof.prove(sub, config)
+    assert not verdict.passed and verdict.check == "backward", verdict.detail
+    assert "only attention_dropout" in verdict.detail, verdict.detail
+    assert proof.prove(base, config).passed
+
+
 def _wrong_in_bfloat16() -> Any:
     import dataclasses
 
