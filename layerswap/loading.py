@@ -25,6 +25,7 @@ from layerswap.model import layer_config, substitution_of
 from layerswap.parallel import tp_plan_of
 from layerswap.peft_targets import hold as hold_peft_targets
 from layerswap.placement import Placement
+from layerswap.placement_guard import guard
 from layerswap.substitution import Substitution
 
 __all__ = [
@@ -125,6 +126,7 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
         for _, layer in fresh:
             adopt_layer(layer, sub, config)
             hf_internals.capture_like_original(layer, model, original_cls)
+        guard(model, sub, config, proven=False)  # built on the meta device: proven at use
         hold_peft_targets(model)  # while it exists, a new PEFT adapter cannot miss fused modules
     if model in _ADOPTED:
         return  # nested use() of the same substitution: done once

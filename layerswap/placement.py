@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Placement"]
+__all__ = ["COMPUTE_DTYPES", "LOW_PRECISION", "Placement"]
 
 #: the dtypes a model's weights compute in (a quantized weight's storage is none of them)
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: the dtypes a model may compute in that a proof runs in besides float32
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class Placement:
         dtypes: Counter[torch.dtype] = Counter()
         devices: Counter[torch.device] = Counter()
         for param in model.parameters():
-            if param.dtype in _COMPUTE_DTYPES:
+            if param.dtype in COMPUTE_DTYPES:
                 dtypes[param.dtype] += param.numel()
                 devices[param.device] += param.numel()
         device = devices.most_common(1)[0][0] if devices else None

@@ -70,7 +70,7 @@ from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
 from layerswap.layers import normal_tensors
 from layerswap.model import dropout_fields, layer_config
-from layerswap.placement import Placement
+from layerswap.placement import LOW_PRECISION, Placement
 from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.substitution import Substitution
@@ -177,10 +177,6 @@ class Verdict:
 def original_module(sub: Substitution) -> str:
     """The transformers module the original of ``sub`` lives in (its source is proven)."""
     return sub.original.partition(":")[0]
-
-
-#: the dtypes a model may compute in that the proof runs besides float32
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def proof_key(

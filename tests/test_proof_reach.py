@@ -323,6 +323,45 @@ def test_a_model_computing_in_bfloat16_is_proven_in_bfloat16(proofs: Path) -> No
     assert Placement.of(model) == Placement(torch.bfloat16, torch.device("cpu"))
 
 
+def test_a_model_cast_after_its_swap_is_proven_in_its_new_dtype_before_it_runs(
+    proofs: Path,
+) -> None:
+    """Swapped in float32, then cast to bfloat16: its next forward pass proves the
+    replacement in bfloat16 first, and is refused where it computes otherwise there (it
+    ran unproven). Undone, the model runs as the original, with no hook left."""
+    model = tiny_llama()
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    handle = layerswap.swap(model, _wrong_in_bfloat16())
+    model(**batch)  # float32: proven at the swap
+    model.to(torch.bfloat16)
+    with pytest.raises(UpstreamDriftError, match=r"(?s)forward in bfloat16 differs.*since"):
+        model(**batch)
+    with pytest.raises(UpstreamDriftError):  # refused every time, not once
+        model(**batch)
+    handle.undo()
+    assert not model._forward_pre_hooks
+    model(**batch)
+
+    right = tiny_llama()
+    with layerswap.swap(right, "llama.decoder.fused"):
+        right.to(torch.bfloat16)
+        right(**batch)
+        dtypes = [v.dtype for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"]
+        assert dtypes.count("bfloat16") == 1, dtypes
+
+
+def test_a_model_built_inside_use_and_cast_is_proven_where_it_runs(proofs: Path) -> None:
+    """``use()`` proves at construction (on the meta device inside ``from_pretrained``);
+    a model cast after it is proven in its dtype at its first forward pass."""
+    config = tiny_llama().config
+    with layerswap.use(_wrong_in_bfloat16()):
+        model = LlamaForCausalLM(config)
+    model(input_ids=torch.arange(3, 11).reshape(1, 8))
+    model.to(torch.bfloat16)
+    with pytest.raises(UpstreamDriftError, match="bfloat16"):
+        model(input_ids=torch.arange(3, 11).reshape(1, 8))
+
+
 def test_a_models_placement_is_what_most_of_its_weights_hold() -> None:
     """The dtype and device most floating-point weights hold, by element count: a norm
     kept in float32 beside bfloat16 projections leaves the model a bfloat16 one, and a

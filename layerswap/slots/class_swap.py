@@ -33,6 +33,7 @@ from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
 from layerswap.handle import SwapHandle
 from layerswap.patching.undo import UndoLog
 from layerswap.placement import Placement
+from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot, get_slot, slot_names
 from layerswap.trials import not_built
@@ -488,6 +489,7 @@ class ClassSwapSlot(Slot):
         with _SWAP_LOCK:
             plan = self._checked_plan(model, sub)
             try:
+                changes.record(guard(model, sub, config, proven=True))
                 _apply(plan, changes)
             except BaseException:
                 changes.undo()
@@ -527,6 +529,7 @@ class ClassSwapSlot(Slot):
                         self.prepare(sub, instance.config, Placement.of(instance))
                         prepared.append(True)
                     _apply(plan, UndoLog())  # kept: a built model has no handle
+                    guard(instance, sub, instance.config, proven=False)
                 elif not plan.taken:  # built, and nothing of it swapped
                     overlap = _decoder_overlap(instance, self, plan)
                     if overlap is not None:  # the two requests overlap: refused

@@ -59,6 +59,7 @@ from layerswap.patching import patch, wrap
 from layerswap.patching.undo import UndoLog
 from layerswap.peft_targets import hold as hold_peft_targets
 from layerswap.placement import Placement
+from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
 from layerswap.quantized import check_quantized_load
 from layerswap.slots import ModelParts, Slot
@@ -387,6 +388,7 @@ class DecoderSlot(Slot):
         records: list[_LayerRecord] = []
         changes = UndoLog()
         try:
+            changes.record(guard(target, sub, config, proven=True))
             for position, (name, layer) in enumerate(layers):
                 record = _swap_layer(target, name, layer, position, sub, config)
                 records.append(record)

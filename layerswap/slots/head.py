@@ -31,6 +31,7 @@ from layerswap.errors import SubstitutionError
 from layerswap.handle import SwapHandle
 from layerswap.patching.undo import UndoLog
 from layerswap.placement import Placement
+from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
 from layerswap.slots import ModelParts, Slot
 from layerswap.slots.class_swap import instance_forward
@@ -172,6 +173,7 @@ class HeadSlot(Slot):
         original = type(model)
         replacement = _check_swappable(model, sub)
         changes = UndoLog()
+        changes.record(guard(model, sub, model.config, proven=True))
         changes.set_attribute(model, _HEAD_BY, sub.name)
         changes.set_class(model, replacement)
         return HeadSwapHandle(model, sub, original, changes)
@@ -206,6 +208,7 @@ class HeadSlot(Slot):
                     checked.append(True)
                 instance.__dict__[_HEAD_BY] = sub.name
                 instance.__class__ = replacement
+                guard(instance, sub, instance.config, proven=False)
             return result
 
         return [wrap(hf_internals.POST_INIT_TARGET, adopt)]

@@ -1,0 +1,130 @@
+"""A swapped model cast or moved after its swap is proven where it now computes, before its
+next forward pass.
+
+The first-use proof runs in the model's :class:`~layerswap.placement.Placement` when it is
+swapped, or when :func:`layerswap.use` builds it (on the meta device, inside
+``from_pretrained``). A model swapped in float32 and then cast
+(``model.to(torch.bfloat16)``), or loaded and then moved to a GPU, computes where that
+proof never ran. :func:`guard` gives the model one forward pre-hook. While the dtype and
+device of its first floating-point weight are ones each substitution in effect was proven
+in, the hook only compares them. When they change, the placement is read again
+(:meth:`Placement.of <layerswap.placement.Placement.of>`) and each substitution is
+prepared there (contract, structure, proof: ``slot.prepare``), once per placement; where
+one fails, the forward pass is refused with the proof's error.
+
+The hook does nothing while ``torch.compile`` traces (a compiled model is proven where it
+was swapped), and a copy of the model (``copy.deepcopy``) is not guarded: the hook looks
+the model up, and holds nothing of its own.
+
+Example::
+
+    handle = layerswap.swap(model, "llama.decoder.fused")    # proven in float32
+    model.to(torch.bfloat16)
+    model(**batch)                   # proven in bfloat16 first, or refused saying so
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from layerswap.errors import LayerswapError
+from layerswap.placement import COMPUTE_DTYPES, Placement
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from layerswap.substitution import Substitution
+
+__all__ = ["guard"]
+
+#: (dtype, device) of a model's first floating-point weight
+Probe = tuple[torch.dtype, torch.device]
+
+_LOCK = threading.RLock()
+
+
+class _Guard:
+    """The substitutions in effect on one model, each with the probes it was proven at."""
+
+    __slots__ = ("entries", "handle")
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+        # substitution name -> (substitution, config it was prepared with, probes proven)
+        self.entries: dict[str, tuple[Substitution, Any, set[Probe | None]]] = {}
+
+
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, _Guard] = weakref.WeakKeyDictionary()
+
+
+def _probe(model: nn.Module) -> Probe | None:
+    for param in model.parameters():
+        if param.dtype in COMPUTE_DTYPES:
+            return param.dtype, param.device
+    return None
+
+
+def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> Callable[[], None]:
+    """Prove ``sub`` again before a forward pass of ``model`` wherever ``model`` has moved
+    to since; the function that stops it (a swap's undo calls it).
+
+    ``proven``: ``sub`` was just prepared in ``model``'s placement as it is (a swap);
+    ``False`` where it was prepared for another (a model ``use()`` builds on the meta
+    device), so the first forward pass prepares it where the model is then.
+    """
+    with _LOCK:
+        state = _GUARDS.get(model)
+        if state is None:
+            state = _Guard(model.register_forward_pre_hook(_check))
+            _GUARDS[model] = state
+        state.entries[sub.name] = (sub, config, {_probe(model)} if proven else set())
+
+    def stop() -> None:
+        with _LOCK:
+            current = _GUARDS.get(model)
+            if current is None or current.entries.pop(sub.name, None) is None:
+                return
+            if not current.entries:
+                current.handle.remove()
+                del _GUARDS[model]
+
+    return stop
+
+
+def _check(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    state = _GUARDS.get(module)
+    if state is None:
+        return
+    now = _probe(module)
+    for _, _, probes in state.entries.values():
+        if now not in probes:
+            _prepare_again(module, state, now)
+            return
+
+
+def _prepare_again(model: nn.Module, state: _Guard, now: Probe | None) -> None:
+    """Each substitution not yet prepared at ``now`` prepared in ``model``'s placement."""
+    with _LOCK:
+        placement = Placement.of(model)
+        for sub, config, probes in list(state.entries.values()):
+            if now in probes:
+                continue
+            try:
+                sub.parts.slot.prepare(sub, config, placement)
+            except LayerswapError as error:
+                where = ", ".join(
+                    str(part) for part in (placement.dtype, placement.device) if part is not None
+                )
+                raise type(error)(
+                    f"{error}\n(this {type(model).__name__} computes in {where} since "
+                    f"{sub.name} was swapped: its forward pass is refused there)"
+                ) from error
+            probes.add(now)
