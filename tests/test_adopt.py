@@ -656,6 +656,36 @@ def test_a_wrong_epsilon_is_refused_naming_the_first_layer() -> None:
     assert differences(before, state_of()) == []
 
 
+def _norm_off_in_bfloat16(model: Any = None) -> None:
+    original = modeling_llama.LlamaRMSNorm.forward
+
+    def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = original(self, hidden_states)
+        return out * 1.5 if hidden_states.dtype == torch.bfloat16 else out
+
+    modeling_llama.LlamaRMSNorm.forward = forward
+
+
+@pytest.mark.parametrize("given", ["model", "config"])
+def test_a_patch_wrong_only_in_the_models_bfloat16_is_refused(given: str) -> None:
+    """A patch computing otherwise only in bfloat16, adopted for a model in bfloat16 (or
+    a config saying so), is proven in bfloat16 too and refused naming it; adopted for a
+    float32 model it passes (the float32 checks cannot see it)."""
+    model = layerswap.get_family("llama").build(seed=0)
+    config = layerswap.get_family("llama").tiny_config()
+    config.dtype = torch.bfloat16
+    where = {"model": model.to(torch.bfloat16)} if given == "model" else {"config": config}
+    model(input_ids=torch.arange(3, 9).reshape(1, 6))  # transformers' lazy registries filled
+    before = state_of()
+    with pytest.raises(PatchDivergenceError, match="forward in bfloat16") as refused:
+        layerswap.adopt(_norm_off_in_bfloat16, **where)
+    assert refused.value.check == "forward in bfloat16"
+    assert differences(before, state_of()) == []
+    adoption = layerswap.adopt(_norm_off_in_bfloat16, model=layerswap.get_family("llama").build())
+    assert "forward in bfloat16" not in adoption.checks
+    adoption.undo()
+
+
 class _DoubledWeightGradient(torch.autograd.Function):
     """``w * x / rms(x)`` with a hand-written backward (as Liger's kernels have) whose
     weight gradient is twice what it should be; the input gradient is right."""

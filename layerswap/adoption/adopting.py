@@ -32,8 +32,9 @@ from layerswap.adoption.proving import check_patch, family_for, tiny_config
 from layerswap.adoption.record import Recording, exclusive, record
 from layerswap.adoption.verifying import verify_adopted
 from layerswap.errors import AdoptionError, SwapWarning
-from layerswap.model import family_of
+from layerswap.model import family_of, layer_config
 from layerswap.patching.scoped import caller_outside
+from layerswap.placement import Placement
 
 if TYPE_CHECKING:
     from torch import nn
@@ -231,7 +232,9 @@ def adopt(
     if model is not None:
         kwargs["model"] = model
         if family is not None:
-            checks = _prove_on_copy(fn, args, kwargs, family, config or model.config)
+            checks = _prove_on_copy(
+                fn, args, kwargs, family, config or model.config, Placement.of(model).dtype
+            )
         recording, result = record(fn, args, kwargs, model=model)
         if family is not None:
             _warn_unproven(recording, family)
@@ -248,7 +251,7 @@ def adopt(
     if family is not None:
         try:
             _refuse_unreached(recording, family)
-            checks = _prove_in_place(recording, family, config)
+            checks = _prove_in_place(recording, family, config, _dtype_of(config))
         except BaseException:
             recording.undo()
             raise
@@ -335,8 +338,20 @@ def _changed_family(recording: Recording) -> Family | None:
     return family_for(found.pop())
 
 
+def _dtype_of(config: PreTrainedConfig | None) -> torch.dtype | None:
+    """The dtype ``config`` says its model's weights are in (its text config's
+    ``dtype``), or ``None``."""
+    value = None if config is None else getattr(layer_config(config), "dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
 def _prove_in_place(
-    recording: Recording, family: Family, config: PreTrainedConfig | None
+    recording: Recording,
+    family: Family,
+    config: PreTrainedConfig | None,
+    dtype: torch.dtype | None,
 ) -> tuple[str, ...]:
     """Prove the class-level changes of ``recording``: the tiny original built with them
     taken back, the candidate built with them, holding the original's weights."""
@@ -352,7 +367,7 @@ def _prove_in_place(
                 f"{recording.name}: a model built with the patch does not hold the "
                 f"original's weights ({exc}); it cannot be proven against the original"
             ) from exc
-        return check_patch(recording, reference, candidate)
+        return check_patch(recording, reference, candidate, dtype)
 
 
 def _prove_on_copy(
@@ -361,6 +376,7 @@ def _prove_on_copy(
     kwargs: dict[str, Any],
     family: Family,
     config: PreTrainedConfig,
+    dtype: torch.dtype | None,
 ) -> tuple[str, ...]:
     """Prove ``fn`` applied to a tiny model (in place of the user's): recorded, checked
     against an untouched copy, taken back."""
@@ -369,6 +385,6 @@ def _prove_on_copy(
     recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
     try:
         with exclusive():
-            return check_patch(recording, reference, candidate)
+            return check_patch(recording, reference, candidate, dtype)
     finally:
         recording.undo()

@@ -36,12 +36,14 @@ import torch
 from torch import nn
 
 from layerswap.comparison.compare import diff
-from layerswap.comparison.first_difference import CHECKS, first_difference
+from layerswap.comparison.first_difference import CHECKS, first_difference, rounding_differs
 from layerswap.comparison.forward import ContextFactory, forward
 from layerswap.comparison.inputs import default_inputs, pad_token_id
+from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import PatchDivergenceError, RequirementError, UnknownSubstitutionError
 from layerswap.model import layer_config
+from layerswap.placement import LOW_PRECISION
 from layerswap.registry import get_family
 from layerswap.shrink import shrunk_config
 
@@ -97,12 +99,17 @@ def _batch(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def check_patch(
-    recording: Recording, reference: nn.Module, candidate: nn.Module
+    recording: Recording,
+    reference: nn.Module,
+    candidate: nn.Module,
+    dtype: torch.dtype | None = None,
 ) -> tuple[str, ...]:
     """Run :data:`CHECKS` on ``reference`` (the original code: ``recording`` taken back for
     each of its passes) and ``candidate`` (the patched code); the checks run, or
     :class:`PatchDivergenceError` at the first that differs, :class:`RequirementError`
-    where the patched code cannot run here."""
+    where the patched code cannot run here. With ``dtype`` bfloat16 or float16 (the
+    user's model computes in it), the padded forward in that dtype after them, judged as
+    the first-use proof judges it (both models are cast in place)."""
     device = next(reference.parameters()).device
     tolerance = _tolerance(device)
     batch = _batch(reference, device)
@@ -120,7 +127,15 @@ def check_patch(
         to_original=lambda model, gradients: gradients,
     )
     if check is None:
-        return CHECKS
+        if dtype not in LOW_PRECISION:
+            return CHECKS
+        low = f"forward in {dtype_name(dtype)}"
+        rounding = rounding_differs(reference, candidate, batch, dtype, reference_context=original)
+        if rounding is None:
+            return (*CHECKS, low)
+        raise PatchDivergenceError(
+            f"{recording.name} differs from the original in {low}: {rounding}", check=low
+        )
     _refuse_requirement(recording.name, None, problem)
     layer = first_divergent_layer(reference, candidate, batch, tolerance, original)
     raise PatchDivergenceError(

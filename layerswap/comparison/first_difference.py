@@ -235,7 +235,12 @@ def gradients_differ(
 
 
 def rounding_differs(
-    reference: nn.Module, candidate: nn.Module, batch: Batch, dtype: torch.dtype
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: Batch,
+    dtype: torch.dtype,
+    *,
+    reference_context: ContextFactory = contextlib.nullcontext,
 ) -> str | None:
     """How ``candidate`` run in ``dtype`` (bfloat16, float16: the dtype a model computes
     in) is farther from the original's float32 outputs than the original's own run in
@@ -249,11 +254,14 @@ def rounding_differs(
     original's own routing was a near-tie, and what it reaches after, is left out, as
     :func:`layerswap.verify` leaves it out (:mod:`layerswap.comparison.excused`).
 
+    ``reference_context``: what the original's passes run in (an adopted patch taken back).
     Both models are cast to ``dtype`` in place: the proof's own, discarded after."""
-    exact = forward(reference, batch, routing=False, layer_outputs=False).logits
+    exact = forward(
+        reference, batch, routing=False, layer_outputs=False, context=reference_context
+    ).logits
     reference.to(dtype)
     candidate.to(dtype)
-    own = forward(reference, batch, layer_outputs=False)
+    own = forward(reference, batch, layer_outputs=False, context=reference_context)
     swapped = forward(candidate, batch, layer_outputs=False)
     excused = excused_rows(own.routing, swapped.routing, batch["attention_mask"].bool())
     kept = slice(None) if excused is None else ~excused.after_last_layer.to(exact.device)
