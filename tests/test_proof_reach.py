@@ -350,6 +350,20 @@ def test_a_model_cast_after_its_swap_is_proven_in_its_new_dtype_before_it_runs(
         assert dtypes.count("bfloat16") == 1, dtypes
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_moved_to_cuda_after_its_swap_is_proven_on_cuda_before_it_runs(
+    proofs: Path,
+) -> None:
+    model = tiny_llama()
+    with layerswap.swap(model, "llama.decoder.fused"):
+        model.cuda()(input_ids=torch.arange(3, 11, device="cuda").reshape(1, 8))
+    cuda_key = proof.proof_key(
+        get("llama.decoder.fused"), tiny_llama().config, torch.device("cuda")
+    )
+    assert cuda_key in proof._MEMO
+
+
 def test_a_model_built_inside_use_and_cast_is_proven_where_it_runs(proofs: Path) -> None:
     """``use()`` proves at construction (on the meta device inside ``from_pretrained``);
     a model cast after it is proven in its dtype at its first forward pass."""
