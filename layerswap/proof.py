@@ -18,7 +18,7 @@ the same weights:
    deterministic (else in eval mode, once the replacement is seen random in training too,
    each dropout the config sets tried alone),
 6. for a model computing in bfloat16 or float16, the padded forward again in that dtype,
-   judged against the original's own rounding as :func:`layerswap.verify` judges it
+   held to twice the original's own rounding error against float32
    (:func:`~layerswap.comparison.first_difference.rounding_differs`),
 
 each run and judged as :func:`layerswap.verify` runs and judges

@@ -323,6 +323,32 @@ def test_a_model_computing_in_bfloat16_is_proven_in_bfloat16(proofs: Path) -> No
     assert Placement.of(model) == Placement(torch.bfloat16, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.bfloat16, 1.02), (torch.float16, 1.01)])
+def test_a_norm_a_little_off_only_in_low_precision_is_refused(
+    proofs: Path, dtype: torch.dtype, scale: float
+) -> None:
+    """Held to twice the original's own rounding error, not the dtype's default relative
+    tolerance, which on the proof's tiny model is several times it (a norm 4% off in
+    bfloat16 was proven)."""
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class NormOff(fused):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            norm = self.input_layernorm
+            forward = norm.forward
+            norm.forward = lambda x: forward(x) * (1.0 if x.dtype == torch.float32 else scale)
+
+    sub = dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.norm_off", replacement=NormOff
+    )
+    verdict = proof.prove(sub, tiny_llama().config, dtype=dtype)
+    assert not verdict.passed and verdict.check.startswith("forward in "), verdict.detail
+    assert proof.prove("llama.decoder.fused", tiny_llama().config, dtype=dtype).passed
+
+
 def test_a_model_cast_after_its_swap_is_proven_in_its_new_dtype_before_it_runs(
     proofs: Path,
 ) -> None:
