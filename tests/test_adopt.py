@@ -1056,6 +1056,34 @@ def test_a_change_made_by_another_thread_during_a_recording_is_not_credited_to_i
     assert modeling_llama.LlamaMLP.forward is silu
 
 
+def test_a_garbage_collection_during_the_recording_is_not_credited_to_it(make_module) -> None:
+    """A garbage-collector callback (a profiler's, a test runner's) rebinding a module
+    global while the patch function runs is not the function's change: it was recorded,
+    and the adoption's undo set the callback's global back."""
+    import gc
+
+    counter = importlib.import_module(make_module("gc_ticks", "ticks = 0"))
+
+    def tick(phase: str, info: dict[str, Any]) -> None:
+        counter.ticks += 1
+
+    def allocates() -> None:
+        ACT2FN["gc_test_act"] = nn.Identity
+        for _ in range(20_000):  # enough cyclic garbage for several automatic collections
+            cycle: list[Any] = []
+            cycle.append(cycle)
+
+    gc.callbacks.append(tick)
+    try:
+        with layerswap.adopt(allocates, prove=False) as adoption:
+            assert not any("ticks" in change for change in adoption.changes), adoption.changes
+            ticks = counter.ticks
+        assert counter.ticks >= ticks  # the callback's global was not set back
+    finally:
+        gc.callbacks.remove(tick)
+    assert "gc_test_act" not in ACT2FN
+
+
 def test_a_patch_of_two_model_types_says_which_one_the_proof_did_not_run() -> None:
     """Proven on a Llama model, a function that also rebinds Qwen 2's norm is not proven
     for Qwen 2: adopting it says so (a wrong Qwen 2 patch was reported proven)."""

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -123,8 +124,9 @@ def record(
     __tracebackhide__ = True
     name = getattr(fn, "__qualname__", None) or repr(fn)
     # the engine's lock too: another thread's patch starting or stopping while the
-    # function runs would be found changed and credited to it
-    with _RECORDING, stack.LOCK:
+    # function runs would be found changed and credited to it; and no garbage collection,
+    # whose callbacks (a profiler's, a test runner's) rebind module globals of their own
+    with _RECORDING, stack.LOCK, _no_garbage_collection():
         snapshot = Snapshot(watched_packages(fn, packages), model).take()
         try:
             with SnapshotOnImport(snapshot):
@@ -150,6 +152,17 @@ def record(
                 "not change a model's weights in place"
             )
         return Recording(name, changes), result
+
+
+@contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _take_back(changes: list[Change]) -> list[str]:
