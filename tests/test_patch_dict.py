@@ -134,3 +134,23 @@ def test_the_very_value_objects_come_back():
         data["opt"] = dict(config)
     assert data["a"] is entry and data["opt"] is config
     assert list(data) == ["a", "opt", "s"]
+
+
+def test_an_older_patch_of_a_computing_mapping_stopped_first_takes_back_its_value():
+    """A mapping whose ``__getitem__`` builds an object (transformers' ``ACT2FN`` returns
+    an instance of the class it holds): an older dict patch stopped while a newer one is
+    live took its value for someone else's (the instance is not the class it wrote) and
+    left it in place for good; it is taken back, and the newer one's stop restores the
+    rest."""
+    from torch import nn
+    from transformers.activations import ACT2FN
+
+    items = [(key, id(value)) for key, value in dict.items(ACT2FN)]
+    older = layerswap.patch_dict(ACT2FN, {"relu": nn.Tanh, "dict_patch_new": nn.Tanh})
+    newer = layerswap.patch_dict(ACT2FN, {"silu": nn.Identity})
+    older.start()
+    newer.start()
+    older.stop()
+    assert dict.get(ACT2FN, "relu") is not nn.Tanh and "dict_patch_new" not in ACT2FN
+    newer.stop()
+    assert [(key, id(value)) for key, value in dict.items(ACT2FN)] == items

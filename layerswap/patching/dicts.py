@@ -190,6 +190,10 @@ class DictPatch(Scoped):
 
 
 def _get(mapping: Any, key: Any) -> Any:
+    """``mapping[key]`` as stored (a dict's own lookup, past a subclass's ``__getitem__``,
+    which may build an object: transformers' ``ACT2FN``), or NOTSET."""
+    if isinstance(mapping, dict):
+        return dict.get(mapping, key, NOTSET)
     try:
         return mapping[key]
     except KeyError:
