@@ -25,15 +25,13 @@ from typing import Any
 from layerswap.adoption.changes import Change, find_changes
 from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_packages
 from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
-from layerswap.patching import stack
 from layerswap.patching.undo import UndoLog
 
 __all__ = ["Recording", "exclusive", "record"]
 
 # one recording, one suspended window or one undo at a time: two functions running at
 # once would be credited each other's changes, and a window's re-application or another
-# adoption's undo would land in the recording under way. Taken before the engine's lock
-# (a recording holds both), never after it.
+# adoption's undo would land in the recording under way
 _RECORDING = threading.RLock()
 
 
@@ -123,10 +121,11 @@ def record(
     """
     __tracebackhide__ = True
     name = getattr(fn, "__qualname__", None) or repr(fn)
-    # the engine's lock too: another thread's patch starting or stopping while the
-    # function runs would be found changed and credited to it; and no garbage collection,
-    # whose callbacks (a profiler's, a test runner's) rebind module globals of their own
-    with _RECORDING, stack.LOCK, _no_garbage_collection():
+    # no garbage collection, whose callbacks (a profiler's, a test runner's) rebind module
+    # globals of their own. Not the engine's lock: a function may start a patch in a
+    # worker thread and wait for it (another thread's engine patch started meanwhile is
+    # seen as the function's change; its stop then warns of the rebinding)
+    with _RECORDING, _no_garbage_collection():
         snapshot = Snapshot(watched_packages(fn, packages), model).take()
         try:
             with SnapshotOnImport(snapshot):
