@@ -5,16 +5,24 @@ The first-use proof runs in the model's :class:`~layerswap.placement.Placement` 
 swapped, or when :func:`layerswap.use` builds it (on the meta device, inside
 ``from_pretrained``). A model swapped in float32 and then cast
 (``model.to(torch.bfloat16)``), or loaded and then moved to a GPU, computes where that
-proof never ran. :func:`guard` gives the model one forward pre-hook. While the dtype and
-device of its first floating-point weight are ones each substitution in effect was proven
-in, the hook only compares them. When they change, the placement is read again
-(:meth:`Placement.of <layerswap.placement.Placement.of>`) and each substitution is
-prepared there (contract, structure, proof: ``slot.prepare``), once per placement; where
-one fails, the forward pass is refused with the proof's error.
+proof never ran. :func:`guard` watches the model two ways:
 
-The hook does nothing while ``torch.compile`` traces (a compiled model is proven where it
-was swapped), and a copy of the model (``copy.deepcopy``) is not guarded: the hook looks
-the model up, and holds nothing of its own.
+* its cast or move (``model.to``, ``.half()``, ``.cuda()``: the model's ``_apply``,
+  wrapped on the instance): once the model is cast, each substitution is prepared where
+  it now computes, and the call raises the proof's error where one fails (the model
+  stays cast);
+* one forward pre-hook: while the dtype and device of its first floating-point weight
+  are ones each substitution in effect was proven in, the hook only compares them (a
+  few microseconds); when they change (a model loaded, dispatched or cast part by
+  part), the same preparation runs before the pass, refusing it where one fails.
+
+Preparing is ``slot.prepare`` (contract, structure, proof) in
+:meth:`Placement.of <layerswap.placement.Placement.of>`, once per placement. The hook does
+nothing while ``torch.compile`` traces: a model cast after its swap was proven at the
+cast, but one whose first weight alone says nothing of a change (only some of its layers
+cast) and then compiled is proven where it was swapped. A copy of the model
+(``copy.deepcopy``) is not guarded: the guard looks the model up, and holds nothing of
+its own.
 
 Example::
 
@@ -25,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -83,6 +92,8 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
         if state is None:
             state = _Guard(model.register_forward_pre_hook(_check))
             _GUARDS[model] = state
+            # the instance's own: a cast of a model holding it (PEFT's wrapper) calls it too
+            model.__dict__["_apply"] = functools.partial(_apply_then_prepare, model)
         state.entries[sub.name] = (sub, config, {_probe(model)} if proven else set())
 
     def stop() -> None:
@@ -93,6 +104,7 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
             if not current.entries:
                 current.handle.remove()
                 del _GUARDS[model]
+                model.__dict__.pop("_apply", None)
 
     return stop
 
@@ -101,12 +113,25 @@ def _check(module: nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():
         return
     state = _GUARDS.get(module)
-    if state is None:
-        return
-    now = _probe(module)
-    for _, _, probes in state.entries.values():
+    if state is not None:
+        _prepare_where_moved(module, state)
+
+
+def _apply_then_prepare(model: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``model._apply``: the class's, then each substitution prepared where it moved."""
+    apply: Any = type(model)._apply
+    result = apply(model, fn, *args, **kwargs)
+    state = _GUARDS.get(model)
+    if state is not None:
+        _prepare_where_moved(model, state)
+    return result
+
+
+def _prepare_where_moved(model: nn.Module, state: _Guard) -> None:
+    now = _probe(model)
+    for _, _, probes in list(state.entries.values()):
         if now not in probes:
-            _prepare_again(module, state, now)
+            _prepare_again(model, state, now)
             return
 
 
@@ -125,6 +150,7 @@ def _prepare_again(model: nn.Module, state: _Guard, now: Probe | None) -> None:
                 )
                 raise type(error)(
                     f"{error}\n(this {type(model).__name__} computes in {where} since "
-                    f"{sub.name} was swapped: its forward pass is refused there)"
+                    f"{sub.name} was swapped, where it is not proven: cast it back, or "
+                    "undo the swap)"
                 ) from error
             probes.add(now)

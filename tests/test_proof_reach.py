@@ -359,13 +359,13 @@ def test_a_model_cast_after_its_swap_is_proven_in_its_new_dtype_before_it_runs(
     batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
     handle = layerswap.swap(model, _wrong_in_bfloat16())
     model(**batch)  # float32: proven at the swap
-    model.to(torch.bfloat16)
     with pytest.raises(UpstreamDriftError, match=r"(?s)forward in bfloat16 differs.*since"):
-        model(**batch)
-    with pytest.raises(UpstreamDriftError):  # refused every time, not once
-        model(**batch)
+        model.to(torch.bfloat16)  # proven at the cast (compiled next, it would run unproven)
+    for _ in range(2):  # then refused at every forward pass, not once
+        with pytest.raises(UpstreamDriftError, match="bfloat16"):
+            model(**batch)
     handle.undo()
-    assert not model._forward_pre_hooks
+    assert not model._forward_pre_hooks and "_apply" not in vars(model)
     model(**batch)
 
     right = tiny_llama()
@@ -397,7 +397,9 @@ def test_a_model_built_inside_use_and_cast_is_proven_where_it_runs(proofs: Path)
     with layerswap.use(_wrong_in_bfloat16()):
         model = LlamaForCausalLM(config)
     model(input_ids=torch.arange(3, 11).reshape(1, 8))
-    model.to(torch.bfloat16)
+    for layer in model.model.layers:  # cast layer by layer: seen at the forward pass
+        layer.to(torch.bfloat16)
+    model.model.embed_tokens.to(torch.bfloat16)
     with pytest.raises(UpstreamDriftError, match="bfloat16"):
         model(input_ids=torch.arange(3, 11).reshape(1, 8))
 
