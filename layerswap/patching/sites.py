@@ -382,29 +382,13 @@ class ItemSite(Site):
             _put_back(owner, name, value, original.position)
 
     def restore(self, original: Original) -> None:
-        owner, name = self.owner, self.name
         if original.container is None:
-            _mapping_base(owner).pop(owner, name, None)
-            return
-        if name in owner and not _at_place(owner, name, original.position):
-            # moved meanwhile (a dict patch put the mapping back around it): taken out,
-            # to be put back where it sat
-            _mapping_base(owner).pop(owner, name, None)
-        self.write(original.value, original)
+            _mapping_base(self.owner).pop(self.owner, self.name, None)
+        else:
+            self.write(original.value, original)
 
     def describe(self) -> str:
         return f"<{type(self.owner).__qualname__} at {id(self.owner):#x}>[{self.name!r}]"
-
-
-def _at_place(mapping: Any, key: Any, position: int | tuple[Any, ...]) -> bool:
-    """Whether ``key`` sits right after the last of the keys that preceded it
-    (``position``) that is there now, as :func:`_put_back` would put it."""
-    keys = list(mapping)
-    others = [name for name in keys if name != key]
-    present = set(others)
-    before = position if isinstance(position, tuple) else ()
-    anchor = next((name for name in reversed(before) if name in present), None)
-    return keys.index(key) == (0 if anchor is None else others.index(anchor) + 1)
 
 
 def _mapping_base(mapping: Any) -> Any:
