@@ -33,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -93,7 +92,7 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
             state = _Guard(model.register_forward_pre_hook(_check))
             _GUARDS[model] = state
             # the instance's own: a cast of a model holding it (PEFT's wrapper) calls it too
-            model.__dict__["_apply"] = functools.partial(_apply_then_prepare, model)
+            model.__dict__["_apply"] = _GuardedApply(model)
         state.entries[sub.name] = (sub, config, {_probe(model)} if proven else set())
 
     def stop() -> None:
@@ -117,14 +116,33 @@ def _check(module: nn.Module, args: Any) -> None:
         _prepare_where_moved(module, state)
 
 
-def _apply_then_prepare(model: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``model._apply``: the class's, then each substitution prepared where it moved."""
-    apply: Any = type(model)._apply
-    result = apply(model, fn, *args, **kwargs)
-    state = _GUARDS.get(model)
-    if state is not None:
-        _prepare_where_moved(model, state)
-    return result
+class _GuardedApply:
+    """A guarded model's ``_apply``: the class's, then each substitution prepared where the
+    model moved. It holds the model weakly (a strong reference from the model's own
+    ``__dict__`` would keep a deleted model, its weights with it, until a garbage
+    collection), and a deep copy or a pickle of the model gets one of its own."""
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        assert model is not None  # called through the model, which is alive
+        apply: Any = type(model)._apply
+        result = apply(model, fn, *args, **kwargs)
+        state = _GUARDS.get(model)
+        if state is not None:
+            _prepare_where_moved(model, state)
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copied = memo.get(id(self._model()))
+        return _GuardedApply(copied) if copied is not None else self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_GuardedApply, (self._model(),))
 
 
 def _prepare_where_moved(model: nn.Module, state: _Guard) -> None:
@@ -148,9 +166,14 @@ def _prepare_again(model: nn.Module, state: _Guard, now: Probe | None) -> None:
                 where = ", ".join(
                     str(part) for part in (placement.dtype, placement.device) if part is not None
                 )
-                raise type(error)(
+                said = (
                     f"{error}\n(this {type(model).__name__} computes in {where} since "
                     f"{sub.name} was swapped, where it is not proven: cast it back, or "
                     "undo the swap)"
-                ) from error
+                )
+                try:
+                    refusal = type(error)(said)
+                except TypeError:  # an error type taking more than its message
+                    raise error from None
+                raise refusal from error
             probes.add(now)

@@ -390,6 +390,32 @@ def test_a_model_moved_to_cuda_after_its_swap_is_proven_on_cuda_before_it_runs(
     assert cuda_key in proof._MEMO
 
 
+def test_a_guarded_model_is_freed_when_deleted_and_its_copies_cast_themselves(
+    proofs: Path,
+) -> None:
+    """The guard refers to the model weakly: a swapped model deleted is freed at once, not
+    at the next garbage collection (its weights held on, and a GPU ran out of memory);
+    a deep copy's or an unpickled copy's cast casts the copy, not the original."""
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    model = tiny_llama()
+    layerswap.swap(model, "llama.decoder.fused")
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        twin.to(torch.float64)
+        assert next(twin.parameters()).dtype == torch.float64
+        assert next(model.parameters()).dtype == torch.float32
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 def test_a_model_built_inside_use_and_cast_is_proven_where_it_runs(proofs: Path) -> None:
     """``use()`` proves at construction (on the meta device inside ``from_pretrained``);
     a model cast after it is proven in its dtype at its first forward pass."""
