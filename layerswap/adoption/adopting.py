@@ -32,6 +32,7 @@ from layerswap.adoption.proving import check_patch, family_for, tiny_config
 from layerswap.adoption.record import Recording, exclusive, record
 from layerswap.adoption.verifying import verify_adopted
 from layerswap.errors import AdoptionError, SwapWarning
+from layerswap.hf_internals import torch_dtype_of
 from layerswap.model import family_of, layer_config
 from layerswap.patching.scoped import caller_outside
 from layerswap.placement import Placement
@@ -251,7 +252,8 @@ def adopt(
     if family is not None:
         try:
             _refuse_unreached(recording, family)
-            checks = _prove_in_place(recording, family, config, _dtype_of(config))
+            dtype = None if config is None else torch_dtype_of(layer_config(config))
+            checks = _prove_in_place(recording, family, config, dtype)
         except BaseException:
             recording.undo()
             raise
@@ -336,15 +338,6 @@ def _changed_family(recording: Recording) -> Family | None:
     if len(found) != 1:
         return None
     return family_for(found.pop())
-
-
-def _dtype_of(config: PreTrainedConfig | None) -> torch.dtype | None:
-    """The dtype ``config`` says its model's weights are in (its text config's
-    ``dtype``), or ``None``."""
-    value = None if config is None else getattr(layer_config(config), "dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) else None
 
 
 def _prove_in_place(
