@@ -23,15 +23,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import re
 import string
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from layerswap.decoder_shape import FLAT, GROUPS
 from layerswap.family import Family
 
-__all__ = ["DESCRIPTIONS", "Capability", "refusal"]
+__all__ = ["DESCRIPTIONS", "FIELDS", "Capability", "refusal"]
 
 _NORM_KINDS = {
     "rms": "an RMSNorm",
@@ -42,18 +42,45 @@ _NORM_KINDS = {
 #: what a reason may name besides a family's fields: its values described in words
 DESCRIPTIONS: dict[str, Callable[[Family], str]] = {
     # "attn_out, mlp_out"
-    "norm_places": lambda family: ", ".join(place for place, _ in family.norms),
+    "norm_places": lambda family: ", ".join(place for place, _ in family.normalization.places),
     # "query_layernorm/key_layernorm, after it"
     "qk_norms": lambda family: (
-        "/".join(family.qk_norm_modules) + (", after it" if family.qk_norm_after_rotary else "")
+        "/".join(family.attention.qk_norm_modules)
+        + (", after it" if family.attention.qk_norm_after_rotary else "")
     ),
     # "a LayerNorm without a bias"
-    "norm_kind": lambda family: _NORM_KINDS.get(family.norm, family.norm),
+    "norm_kind": lambda family: _NORM_KINDS.get(
+        family.normalization.kind, family.normalization.kind
+    ),
     # "q_proj, k_proj, v_proj, gate_proj, up_proj, down_proj"
-    "projections": lambda family: ", ".join((*family.qkv_modules, *family.mlp_modules)),
+    "projections": lambda family: ", ".join(
+        (*family.attention.qkv_modules, *family.feed_forward.modules)
+    ),
 }
 
-_FIELDS = frozenset(field.name for field in dataclasses.fields(Family))
+#: what a row may name: a Family field (a group: ``rope``), a feature by its flat name
+#: (``rotary``) or by its place in a group (``rope.layout``)
+FIELDS = frozenset(
+    (
+        *(field.name for field in dataclasses.fields(Family)),
+        *FLAT,
+        *(
+            f"{group}.{field.name}"
+            for group, cls in GROUPS.items()
+            for field in dataclasses.fields(cls)
+        ),
+    )
+)
+
+
+def _value(family: Family, name: str) -> Any:
+    """``family``'s value of the field or feature ``name`` (see :data:`FIELDS`)."""
+    if name in FLAT:
+        name = ".".join(FLAT[name])
+    value: Any = family
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
 @dataclass(frozen=True)
@@ -71,6 +98,8 @@ class Capability:
     in the reason that a family does not have is an error here, when the table is written.
     """
 
+    #: a :class:`Family` field, a feature's flat name (``"rotary"``, as declared) or its
+    #: place in a group (``"rope.layout"``)
     field: str
     reason: str
     expresses: tuple[Any, ...] | None = None
@@ -78,15 +107,15 @@ class Capability:
     test: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
-        if self.field not in _FIELDS:
-            raise ValueError(f"Family has no field {self.field!r} (its fields: {sorted(_FIELDS)})")
+        if self.field not in FIELDS:
+            raise ValueError(f"Family has no field {self.field!r} (its fields: {sorted(FIELDS)})")
         given = [self.expresses is not None, self.refuses is not None, self.test is not None]
         if sum(given) != 1:
             raise ValueError(
                 f"Capability({self.field!r}) takes one of expresses=, refuses= or test= "
                 f"(given: {sum(given)})"
             )
-        unknown = sorted(set(_named(self.reason)) - _FIELDS - set(DESCRIPTIONS))
+        unknown = sorted(set(_named(self.reason)) - FIELDS - set(DESCRIPTIONS))
         if unknown:
             raise ValueError(
                 f"Capability({self.field!r})'s reason names {', '.join(unknown)}, neither a "
@@ -95,7 +124,7 @@ class Capability:
 
     def met(self, family: Family) -> bool:
         """Whether the layer computes ``family``'s value of :attr:`field`."""
-        value = getattr(family, self.field)
+        value = _value(family, self.field)
         if self.expresses is not None:
             return value in self.expresses
         if self.refuses is not None:
@@ -123,10 +152,11 @@ def refusal(table: Sequence[Capability], family: Family) -> str | None:
 
 
 def _named(template: str) -> Iterator[str]:
-    """The names a format template reads (``{norm_switch[0]}`` reads ``norm_switch``)."""
+    """The names a format template reads (``{normalization.switch[0]}`` reads
+    ``normalization.switch``)."""
     for _, name, _, _ in string.Formatter().parse(template):
         if name:
-            yield re.split(r"[.\[]", name, maxsplit=1)[0]
+            yield name.split("[", 1)[0]
 
 
 class _Facts(Mapping[str, Any]):
@@ -138,12 +168,12 @@ class _Facts(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         if name in DESCRIPTIONS:
             return DESCRIPTIONS[name](self._family)
-        if name in _FIELDS:
-            return getattr(self._family, name)
+        if name in FIELDS:
+            return _value(self._family, name)
         raise KeyError(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter((*_FIELDS, *DESCRIPTIONS))
+        return iter((*FIELDS, *DESCRIPTIONS))
 
     def __len__(self) -> int:
-        return len(_FIELDS) + len(DESCRIPTIONS)
+        return len(FIELDS) + len(DESCRIPTIONS)

@@ -277,7 +277,7 @@ def _bare_refusal(model_type: str, backend: Backend, slot: str) -> str | None:
 
 
 def _kept(family: Family) -> str | None:
-    return f"{family.kept_layers} stay the original's" if family.kept_layers else None
+    return f"{family.layer.kept_layers} stay the original's" if family.layer.kept_layers else None
 
 
 def _language_model_type(model_type: str) -> str | None:

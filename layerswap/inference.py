@@ -79,11 +79,11 @@ def _report(family: Family, where: str, sub: Any) -> VerificationReport:
     # the structure and the forward and backward passes; decoding is proven at first
     # use (layerswap.proof), once per versions, not here for every model type
     report = verify(family.build(seed=0), sub, backward=True, generate=0)
-    if report.passed and family.residual_dropout is not None:
+    if report.passed and family.layer.residual_dropout is not None:
         _prove_training_dropout(family, where, sub)
-    if report.passed and family.clip_qkv is not None:
+    if report.passed and family.attention.clip_qkv is not None:
         # the default config leaves the bound unset: prove the clamp where it bites
-        bound = {family.clip_qkv: CLAMP_THAT_BITES}
+        bound = {family.attention.clip_qkv: CLAMP_THAT_BITES}
         report = verify(
             family.build(family.tiny_config(**bound), seed=0), sub, backward=True, generate=0
         )
@@ -95,7 +95,7 @@ def _prove_training_dropout(family: Family, where: str, sub: Any) -> None:
     (one layer, attention dropout off, the residual dropout at 0.3, one seed)."""
     from layerswap.layers import convert_layer
 
-    config = family.tiny_config(**{family.residual_dropout or "": 0.3})
+    config = family.tiny_config(**{family.layer.residual_dropout or "": 0.3})
     if "attention_dropout" in config.to_dict():
         config.attention_dropout = 0.0
     config._attn_implementation = "sdpa"
@@ -105,7 +105,7 @@ def _prove_training_dropout(family: Family, where: str, sub: Any) -> None:
     actual = training_output(replacement, config, seed=7)
     if not torch.allclose(actual, expected, atol=1e-5, rtol=1e-5):
         raise UnsupportedFamilyError(
-            f"{where}: {family.residual_dropout} drops elsewhere in the original layer than "
+            f"{where}: {family.layer.residual_dropout} drops elsewhere in the original layer than "
             "after the attention's and the MLP's output projections (training outputs "
             f"differ by {float((actual - expected).abs().max()):.3g})"
         )

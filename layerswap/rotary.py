@@ -1,12 +1,12 @@
 """Rotary position embeddings, in every layout a family may use: the one rotation.
 
 The fused layer rotates queries and keys with :func:`rotate`; family inference reads a
-family's layout (:attr:`layerswap.Family.rotary`) by comparing its
+family's layout (:attr:`layerswap.decoder_shape.Rope.layout`) by comparing its
 ``apply_rotary_pos_emb`` with :func:`rotate` in each of :data:`ROTARY_LAYOUTS`.
 
 Example::
 
-    query = rotate(query, cos, sin, family.rotary)   # bhsd states, (batch, seq, dim) cos/sin
+    query = rotate(query, cos, sin, family.rope.layout)   # bhsd states, (batch, seq, dim) cos/sin
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["ROTARY_LAYOUTS", "rotate", "rotate_half", "rotate_interleaved"]
 
-#: the rotary layouts a family may have (:attr:`layerswap.Family.rotary`); the last one
+#: the rotary layouts a family may have (:attr:`layerswap.decoder_shape.Rope.layout`); the last one
 #: takes cos/sin for half a head
 ROTARY_LAYOUTS = ("half", "half_reversed", "interleaved", "interleaved_from_half", "half_narrow")
 
@@ -54,7 +54,7 @@ def rotate(
 
     Partial rotary (``partial_rotary_factor`` < 1, Phi-3, GLM): cos/sin are narrower than
     a head, and only its first dims rotate; the rest pass through, as in transformers.
-    ``layout`` is the family's :attr:`~layerswap.Family.rotary`: rotate halves (by the
+    ``layout`` is the family's :attr:`~layerswap.decoder_shape.Rope.layout`: rotate halves (by the
     angle, or by its negative: nanochat), or
     interleaved pairs with cos/sin as given (Cohere) or from their first half (GLM), or
     halves with cos/sin given for one half (gpt-oss).

@@ -28,57 +28,69 @@ def features(family: Family) -> str:
     """The structural features a declaration names, in words."""
     found = []
     norm = {"rms": "RMSNorm", "layer": "LayerNorm with bias", "layer_nobias": "bias-free LayerNorm"}
-    kind = norm.get(family.norm, family.norm)
-    if not family.norm_scale:
-        kind = {"rms": "RMSNorm", "layer_nobias": "LayerNorm"}.get(family.norm, kind)
+    kind = norm.get(family.normalization.kind, family.normalization.kind)
+    if not family.normalization.scale:
+        kind = {"rms": "RMSNorm", "layer_nobias": "LayerNorm"}.get(family.normalization.kind, kind)
         kind += " without a weight (no parameters)"
-    found.append(f"{kind} scaling by `1 + weight`" if family.norm_offset == 1.0 else kind)
+    found.append(f"{kind} scaling by `1 + weight`" if family.normalization.offset == 1.0 else kind)
     if family.composite:
         text = family.tiny.get("text_config", {})
         sections = (text.get("rope_parameters") or {}).get("mrope_section")
         found.insert(
             0, f"the text decoder of `{family.causal_lm}`" + (" (M-RoPE)" if sections else "")
         )
-    if family.norm_switch is not None:
-        field, switched = family.norm_switch
+    if family.normalization.switch is not None:
+        field, switched = family.normalization.switch
         found[-1] += f" (a {norm.get(switched, switched)} where `{field}` is unset)"
-    if family.norms != PRE_NORMS:
-        places = ", ".join(f"`{name}` ({place})" for place, name in family.norms)
+    if family.normalization.places != PRE_NORMS:
+        places = ", ".join(f"`{name}` ({place})" for place, name in family.normalization.places)
         found.append(f"norms: {places}")
-    if family.parallel:
+    if family.layer.parallel:
         found.append("attention and MLP in parallel")
     qk = {True: "q/k norms per head", "across": "q/k norms across heads"}
-    if family.qk_norm:
-        text = qk.get(family.qk_norm, "q/k norms with a weight per head")
-        found.append(text + (f" (`{family.qk_norm_switch}`)" if family.qk_norm_switch else ""))
-    if family.mlp == "original":
-        where = "" if family.mlp_name == "mlp" else f" as `{family.mlp_name}`"
-        found.append(f"the original's `{family.mlp_class}`{where} (mixture of experts)")
-    elif family.mlp != "gated":
-        found.append(f"plain MLP `{'`/`'.join(family.mlp_modules)}`")
-    elif family.mlp_modules != GATED_MLP:
-        found.append(f"its own `{family.mlp_modules[0]}`")
-    if family.qkv_modules != SEPARATE_QKV:
-        found.append(f"its own `{family.qkv_modules[0]}`")
-    if family.rotary != "half":
-        found.append(f"rotary `{family.rotary}`")
-    if family.rotary_layers != "all":
-        found.append(f"rotary on some layers only (`{family.rotary_layers}`)")
-    if family.attention_sinks:
+    if family.attention.qk_norm:
+        text = qk.get(family.attention.qk_norm, "q/k norms with a weight per head")
+        found.append(
+            text
+            + (f" (`{family.attention.qk_norm_switch}`)" if family.attention.qk_norm_switch else "")
+        )
+    if family.feed_forward.kind == "original":
+        where = (
+            ""
+            if family.feed_forward.attribute == "mlp"
+            else f" as `{family.feed_forward.attribute}`"
+        )
+        found.append(
+            f"the original's `{family.feed_forward.module_class}`{where} (mixture of experts)"
+        )
+    elif family.feed_forward.kind != "gated":
+        found.append(f"plain MLP `{'`/`'.join(family.feed_forward.modules)}`")
+    elif family.feed_forward.modules != GATED_MLP:
+        found.append(f"its own `{family.feed_forward.modules[0]}`")
+    if family.attention.qkv_modules != SEPARATE_QKV:
+        found.append(f"its own `{family.attention.qkv_modules[0]}`")
+    if family.rope.layout != "half":
+        found.append(f"rotary `{family.rope.layout}`")
+    if family.rope.layers != "all":
+        found.append(f"rotary on some layers only (`{family.rope.layers}`)")
+    if family.attention.sinks:
         found.append("attention sinks (`self_attn.sinks`)")
-    if family.residual_dropout is not None:
-        found.append(f"dropout `{family.residual_dropout}` after the output projections")
-    if family.qk_norm_modules != ("q_norm", "k_norm"):
-        found.append(f"q/k norms `{'`/`'.join(family.qk_norm_modules)}`")
-    if family.qk_norm_after_rotary:
+    if family.layer.residual_dropout is not None:
+        found.append(f"dropout `{family.layer.residual_dropout}` after the output projections")
+    if family.attention.qk_norm_modules != ("q_norm", "k_norm"):
+        found.append(f"q/k norms `{'`/`'.join(family.attention.qk_norm_modules)}`")
+    if family.attention.qk_norm_after_rotary:
         found.append("q/k norms after the rotary embedding")
-    if family.query_scale is not None:
-        found.append(f"queries scaled by position (`{family.query_scale}`)")
-    if family.clip_qkv is not None:
-        found.append(f"q/k/v clamped where `{family.clip_qkv}` is set")
+    if family.attention.query_scale is not None:
+        found.append(f"queries scaled by position (`{family.attention.query_scale}`)")
+    if family.attention.clip_qkv is not None:
+        found.append(f"q/k/v clamped where `{family.attention.clip_qkv}` is set")
     biases = []
-    for name, label in (("qkv_bias", "q/k/v"), ("o_bias", "output"), ("mlp_bias", "MLP")):
-        value = getattr(family, name)
+    for value, label in (
+        (family.attention.qkv_bias, "q/k/v"),
+        (family.attention.o_bias, "output"),
+        (family.feed_forward.bias, "MLP"),
+    ):
         if value is True:
             biases.append(f"{label} biases")
         elif isinstance(value, str):

@@ -10,9 +10,7 @@ import pytest
 
 import layerswap
 from layerswap.backends import builtin_modules
-from layerswap.capabilities import Capability, refusal
-
-FIELDS = {field.name for field in dataclasses.fields(layerswap.Family)}
+from layerswap.capabilities import FIELDS, Capability, refusal
 
 TABLE = (
     Capability(

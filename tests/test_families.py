@@ -46,58 +46,79 @@ def test_every_verified_model_type_is_a_builtin_family() -> None:
 
 def test_inference_reads_norm_placement_qk_norms_offsets_and_bias_switches() -> None:
     olmo2 = infer_family("olmo2", verify=False)
-    assert olmo2.norms == (
+    assert olmo2.normalization.places == (
         ("attn_out", "post_attention_layernorm"),
         ("mlp_out", "post_feedforward_layernorm"),
     )
-    assert olmo2.qk_norm == "across" and olmo2.norm_offset == 0.0
+    assert olmo2.attention.qk_norm == "across" and olmo2.normalization.offset == 0.0
     gemma3 = infer_family("gemma3_text", verify=False)
-    assert [place for place, _ in gemma3.norms] == ["attn_in", "attn_out", "mlp_in", "mlp_out"]
-    assert gemma3.qk_norm is True and gemma3.norm_offset == 1.0
-    assert gemma3.activation == "hidden_activation"
+    assert [place for place, _ in gemma3.normalization.places] == [
+        "attn_in",
+        "attn_out",
+        "mlp_in",
+        "mlp_out",
+    ]
+    assert gemma3.attention.qk_norm is True and gemma3.normalization.offset == 1.0
+    assert gemma3.feed_forward.activation == "hidden_activation"
     starcoder2 = infer_family("starcoder2", verify=False)
-    assert (starcoder2.norm, starcoder2.norm_offset, starcoder2.mlp) == ("layer", 0.0, "plain")
-    assert starcoder2.mlp_modules == ("c_fc", "c_proj")
+    assert (
+        starcoder2.normalization.kind,
+        starcoder2.normalization.offset,
+        starcoder2.feed_forward.kind,
+    ) == ("layer", 0.0, "plain")
+    assert starcoder2.feed_forward.modules == ("c_fc", "c_proj")
     nemotron = infer_family("nemotron", verify=False)
-    assert (nemotron.norm, nemotron.norm_offset) == ("layer", 1.0)  # LayerNorm1P: 1 + weight
+    assert (nemotron.normalization.kind, nemotron.normalization.offset) == (
+        "layer",
+        1.0,
+    )  # LayerNorm1P: 1 + weight
     granite = infer_family("granite", verify=False)
-    assert (granite.qkv_bias, granite.mlp_bias) == ("attention_bias", "mlp_bias")
+    assert (granite.attention.qkv_bias, granite.feed_forward.bias) == ("attention_bias", "mlp_bias")
     arcee = infer_family("arcee", verify=False)  # down(relu2(up(x))), no gate
-    assert (arcee.mlp, arcee.mlp_modules, arcee.mlp_bias) == (
+    assert (arcee.feed_forward.kind, arcee.feed_forward.modules, arcee.feed_forward.bias) == (
         "plain",
         ("up_proj", "down_proj"),
         "mlp_bias",
     )
     phi3 = infer_family("phi3", verify=False)  # fuses q/k/v and gate/up itself
-    assert (phi3.qkv_modules, phi3.mlp_modules) == (("qkv_proj",), ("gate_up_proj", "down_proj"))
+    assert (phi3.attention.qkv_modules, phi3.feed_forward.modules) == (
+        ("qkv_proj",),
+        ("gate_up_proj", "down_proj"),
+    )
 
 
 def test_inference_reads_parallel_blocks_bias_free_layernorms_and_per_head_qk_weights() -> None:
     cohere = infer_family("cohere", verify=False)
     # x + attn(norm(x)) + mlp(norm(x)): one norm feeds both branches
-    assert cohere.parallel is True
-    assert cohere.norms == (("attn_in", "input_layernorm"), ("mlp_in", "input_layernorm"))
+    assert cohere.layer.parallel is True
+    assert cohere.normalization.places == (
+        ("attn_in", "input_layernorm"),
+        ("mlp_in", "input_layernorm"),
+    )
     # CohereLayerNorm has a weight and no bias, yet centres: a LayerNorm, not an RMSNorm
-    assert (cohere.norm, cohere.norm_offset) == ("layer_nobias", 0.0)
+    assert (cohere.normalization.kind, cohere.normalization.offset) == ("layer_nobias", 0.0)
     # its q/k norms, (heads, head_dim) weights, exist where use_qk_norm switches them on
-    assert (cohere.qk_norm, cohere.qk_norm_switch) == ("head_weights", "use_qk_norm")
-    assert cohere.rotary == "interleaved"  # its rotary module hands interleaved cos/sin
-    assert infer_family("llama", verify=False).parallel is False
+    assert (cohere.attention.qk_norm, cohere.attention.qk_norm_switch) == (
+        "head_weights",
+        "use_qk_norm",
+    )
+    assert cohere.rope.layout == "interleaved"  # its rotary module hands interleaved cos/sin
+    assert infer_family("llama", verify=False).layer.parallel is False
 
 
 def test_inference_reads_the_rotary_layout_and_renamed_norm_places() -> None:
     glm4 = infer_family("glm4", verify=False)
-    assert glm4.norms == (
+    assert glm4.normalization.places == (
         ("attn_in", "input_layernorm"),
         ("attn_out", "post_self_attn_layernorm"),
         ("mlp_in", "post_attention_layernorm"),
         ("mlp_out", "post_mlp_layernorm"),
     )
-    assert (glm4.qkv_bias, glm4.o_bias) == ("attention_bias", False)
-    assert glm4.mlp_modules == ("gate_up_proj", "down_proj")
+    assert (glm4.attention.qkv_bias, glm4.attention.o_bias) == ("attention_bias", False)
+    assert glm4.feed_forward.modules == ("gate_up_proj", "down_proj")
     # cos/sin arrive in rotate-half layout; GLM repeats their first half over pairs
-    assert glm4.rotary == "interleaved_from_half"
-    assert [infer_family(t, verify=False).rotary for t in ("helium", "llama")] == [
+    assert glm4.rope.layout == "interleaved_from_half"
+    assert [infer_family(t, verify=False).rope.layout for t in ("helium", "llama")] == [
         "interleaved_from_half",
         "half",
     ]
@@ -107,23 +128,34 @@ def test_inference_reads_norms_without_parameters_and_the_reversed_rotation() ->
     """nanochat: RMSNorms without a weight everywhere (q/k norms too), rotate_half as
     (x2, -x1); OLMo: a LayerNorm without weight or bias, and clip_qkv."""
     nanochat = infer_family("nanochat", verify=False)
-    assert (nanochat.norm, nanochat.norm_scale, nanochat.qk_norm) == ("rms", False, True)
-    assert nanochat.rotary == "half_reversed"
-    assert (nanochat.mlp, nanochat.mlp_modules) == ("plain", ("fc1", "fc2"))
+    assert (
+        nanochat.normalization.kind,
+        nanochat.normalization.scale,
+        nanochat.attention.qk_norm,
+    ) == ("rms", False, True)
+    assert nanochat.rope.layout == "half_reversed"
+    assert (nanochat.feed_forward.kind, nanochat.feed_forward.modules) == ("plain", ("fc1", "fc2"))
     olmo = infer_family("olmo", verify=False)
-    assert (olmo.norm, olmo.norm_scale, olmo.clip_qkv) == ("layer_nobias", False, "clip_qkv")
-    assert infer_family("llama", verify=False).norm_scale is True
+    assert (olmo.normalization.kind, olmo.normalization.scale, olmo.attention.clip_qkv) == (
+        "layer_nobias",
+        False,
+        "clip_qkv",
+    )
+    assert infer_family("llama", verify=False).normalization.scale is True
 
 
 def test_inference_reads_q_k_norms_under_other_names_and_after_the_rotation() -> None:
     """HunYuan normalises the rotated queries and keys, with a weight, under its own
     names; Qwen3 normalises the projections before the rotation."""
     hunyuan = infer_family("hunyuan_v1_dense", verify=False)
-    assert hunyuan.qk_norm_modules == ("query_layernorm", "key_layernorm")
-    assert hunyuan.qk_norm_after_rotary is True
+    assert hunyuan.attention.qk_norm_modules == ("query_layernorm", "key_layernorm")
+    assert hunyuan.attention.qk_norm_after_rotary is True
     qwen3 = infer_family("qwen3", verify=False)
-    assert (qwen3.qk_norm_modules, qwen3.qk_norm_after_rotary) == (("q_norm", "k_norm"), False)
-    assert infer_family("nanochat", verify=False).qk_norm_after_rotary is True
+    assert (qwen3.attention.qk_norm_modules, qwen3.attention.qk_norm_after_rotary) == (
+        ("q_norm", "k_norm"),
+        False,
+    )
+    assert infer_family("nanochat", verify=False).attention.qk_norm_after_rotary is True
 
 
 def test_q_k_norms_with_a_weight_after_the_rotation_are_not_the_same_before_it() -> None:
@@ -200,7 +232,7 @@ def test_an_activation_with_learned_parameters_is_built_in_the_models_dtype(
     fused MLP builds them as the original does: loaded inside ``use()``, non-default
     values come through exactly."""
     apertus = get_family("apertus")
-    assert apertus.activation_dtype and apertus.mlp == "plain"
+    assert apertus.feed_forward.activation_dtype and apertus.feed_forward.kind == "plain"
     model = apertus.build(seed=0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -248,7 +280,10 @@ def test_a_mixture_of_experts_block_under_its_own_name_is_kept_there() -> None:
     """GraniteMoE's layer holds its block as ``block_sparse_moe``: the swapped layer keeps
     it under that name, so the checkpoint's keys and the model's logits stay the same."""
     granitemoe = get_family("granitemoe")
-    assert (granitemoe.mlp, granitemoe.mlp_name) == ("original", "block_sparse_moe")
+    assert (granitemoe.feed_forward.kind, granitemoe.feed_forward.attribute) == (
+        "original",
+        "block_sparse_moe",
+    )
     model = granitemoe.build(seed=0)
     before = set(model.state_dict())
     ids = torch.randint(1, text_vocab(granitemoe.tiny_config()), (2, 9))
@@ -266,14 +301,21 @@ def test_a_mixture_of_experts_block_under_its_own_name_is_kept_there() -> None:
 
 def test_inference_keeps_a_mixture_of_experts_block_as_the_original_has_it() -> None:
     mixtral = infer_family("mixtral", verify=False)
-    assert (mixtral.mlp, mixtral.mlp_class, mixtral.mlp_modules) == (
+    assert (
+        mixtral.feed_forward.kind,
+        mixtral.feed_forward.module_class,
+        mixtral.feed_forward.modules,
+    ) == (
         "original",
         "MixtralSparseMoeBlock",
         (),
     )
     assert (mixtral.tiny["num_local_experts"], mixtral.tiny["num_experts_per_tok"]) == (4, 2)
-    assert infer_family("qwen2_moe", verify=False).mlp_class == "Qwen2MoeSparseMoeBlock"
-    assert infer_family("llama", verify=False).mlp_class is None
+    assert (
+        infer_family("qwen2_moe", verify=False).feed_forward.module_class
+        == "Qwen2MoeSparseMoeBlock"
+    )
+    assert infer_family("llama", verify=False).feed_forward.module_class is None
 
 
 def test_inference_gives_the_same_declaration_on_every_call() -> None:
@@ -282,7 +324,7 @@ def test_inference_gives_the_same_declaration_on_every_call() -> None:
     # to call between "sliding" and "all" (a wrong declaration then failed verification)
     first, second = (infer_family("cohere2_moe", verify=False) for _ in range(2))
     assert first == second
-    assert first.rotary_layers == "sliding_or_forced"
+    assert first.rope.layers == "sliding_or_forced"
 
 
 def test_a_dense_first_layer_that_forces_the_rotary_embedding_is_proven() -> None:
@@ -291,7 +333,7 @@ def test_a_dense_first_layer_that_forces_the_rotary_embedding_is_proven() -> Non
     # the family's tiny config has all three kinds, and a user's config with two dense
     # layers is proven and computes as the original (the "sliding" rule was refused)
     family = layerswap.get_family("cohere2_moe")
-    assert family.rotary_layers == "sliding_or_forced"
+    assert family.rope.layers == "sliding_or_forced"
     config = family.tiny_config(first_k_dense_replace=2, num_hidden_layers=6)
     model = family.build(config, seed=3)
     kinds = [
@@ -346,7 +388,7 @@ def test_a_family_whose_structure_fits_but_computes_otherwise_is_refused() -> No
     wrong = dataclasses.replace(infer_family("exaone4", verify=False), rotary_layers="all")
     with pytest.raises(UnsupportedFamilyError, match="does not compute what the original does"):
         prove_inferred(wrong, "exaone4 (declared to rotate every layer)")
-    assert families()["exaone4"].rotary_layers == "sliding_or_unwindowed"  # left as it was
+    assert families()["exaone4"].rope.layers == "sliding_or_unwindowed"  # left as it was
 
 
 @pytest.mark.slow
@@ -559,7 +601,7 @@ def test_layers_that_skip_the_rotary_embedding_skip_it_in_the_fused_layer_too(
 ) -> None:
     family = families()[name]
     model = tiny_model(name, seed=6)
-    assert family.rotary_layers == rule
+    assert family.rope.layers == rule
     with layerswap.swap(model, backend="fused"):
         skipped = [i for i, layer in enumerate(model.model.layers) if not layer.self_attn.rotates]
     assert skipped == skipping
@@ -578,8 +620,8 @@ def test_a_norm_a_config_field_switches_is_declared_and_followed() -> None:
     from layerswap.verify import verify
 
     family = get_family("cohere2_moe")
-    assert family.norm_switch == ("rms_norm_eps", "layer_nobias")
-    assert infer_family("llama", verify=False).norm_switch is None
+    assert family.normalization.switch == ("rms_norm_eps", "layer_nobias")
+    assert infer_family("llama", verify=False).normalization.switch is None
     for eps, expected in ((None, FusedLayerNorm), (1e-5, FusedRMSNorm)):
         model = family.build(family.tiny_config(rms_norm_eps=eps), seed=0)
         report = verify(model, "cohere2_moe.decoder.fused", generate=4)

@@ -211,7 +211,7 @@ def test_bfloat16_is_as_close_to_float32_as_the_original(name: str) -> None:
         original = _relative_error(model(ids).logits, exact)
         with layerswap.swap(model, backend="fused"):
             swapped = _relative_error(model(ids).logits, exact)
-    routed = layerswap.registry.families()[name].mlp == "original"
+    routed = layerswap.registry.families()[name].feed_forward.kind == "original"
     bound = max(2 * original + 1e-3, 0.1 if routed else 0.0)
     assert swapped <= bound, (swapped, original)
 
@@ -311,7 +311,7 @@ def test_attention_sinks_join_the_softmax_as_gpt_oss_takes_them() -> None:
     from layerswap.verify import verify
 
     family = get_family("gpt_oss")
-    assert family.attention_sinks and family.rotary == "half_narrow"
+    assert family.attention.sinks and family.rope.layout == "half_narrow"
     model = family.build(family.tiny_config(sliding_window=4), seed=0)
     report = verify(model, "gpt_oss.decoder.fused", generate=4)
     assert report.passed, report.summary()
@@ -354,7 +354,7 @@ def test_attention_sinks_with_grouped_keys_on_the_expanding_path(
     assert report.passed, report.summary()
 
 
-CLAMPED = sorted(name for name, family in layerswap.families().items() if family.clip_qkv)
+CLAMPED = sorted(name for name, family in layerswap.families().items() if family.attention.clip_qkv)
 
 
 def test_the_families_that_clamp_q_k_v_are_declared_so() -> None:
@@ -397,7 +397,7 @@ def test_a_norm_without_parameters_has_its_epsilon_read_off_its_output() -> None
     assert probed_eps(torch.nn.LayerNorm(32, eps=3e-5, elementwise_affine=False), 32) == 3e-5
 
 
-DROPPING = sorted(n for n, f in layerswap.families().items() if f.residual_dropout)
+DROPPING = sorted(n for n, f in layerswap.families().items() if f.layer.residual_dropout)
 
 
 def test_the_families_that_drop_after_the_output_projections_are_declared_so() -> None:
@@ -410,7 +410,7 @@ def test_training_drops_what_the_original_drops(name: str) -> None:
     swapped model drops the same elements as the original (same places, same draws), so
     a training step is the same step."""
     family = layerswap.get_family(name)
-    config = family.tiny_config(**{family.residual_dropout or "": 0.3}, attention_dropout=0.0)
+    config = family.tiny_config(**{family.layer.residual_dropout or "": 0.3}, attention_dropout=0.0)
     model = family.build(config, seed=0).train()
     ids = tokens(text_vocab(config), seed=2)
 

@@ -42,7 +42,7 @@ from layerswap.weights import Converter, qkv_concat
 
 def test_builtin_families_are_declared() -> None:
     assert set(FAMILIES) <= set(layerswap.families())
-    assert get_family("qwen3").qk_norm and not get_family("llama").qk_norm
+    assert get_family("qwen3").attention.qk_norm and not get_family("llama").attention.qk_norm
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -333,11 +333,11 @@ def test_glm4v_layers_read_the_rotary_layout_of_the_installed_release(monkeypatc
     from layerswap import hf_internals
 
     family = layerswap.get_family("glm4v")
-    assert family.rotary == "interleaved"
-    assert hf_internals.rotary_layout("glm4v", family.rotary) == "interleaved"  # 5.24
+    assert family.rope.layout == "interleaved"
+    assert hf_internals.rotary_layout("glm4v", family.rope.layout) == "interleaved"  # 5.24
     assert hf_internals.rotary_layout("llama", "half") == "half"  # no change recorded
     monkeypatch.setattr(hf_internals, "transformers_version", lambda: "5.16.1")
-    assert hf_internals.rotary_layout("glm4v", family.rotary) == "interleaved_from_half"
+    assert hf_internals.rotary_layout("glm4v", family.rope.layout) == "interleaved_from_half"
     layer = layerswap.get("glm4v.decoder.fused").replacement_class()(
         family.tiny_config().text_config, 0
     )

@@ -158,7 +158,9 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         self._rotary_sections = hf_internals.rotary_sections(config)
         # the call-time keywords this layer takes besides the contract's: its call options
         # and what the family's original ignores (Mllama's cross-attention inputs)
-        self._accepted = self.call_options | frozenset(self.declared_family().ignored_arguments)
+        self._accepted = self.call_options | frozenset(
+            self.declared_family().layer.ignored_arguments
+        )
 
     def forward(
         self,
@@ -203,7 +205,7 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
                 call.cache,
                 output_attentions=weights_asked,
             )
-            if self.declared_family().parallel:
+            if self.declared_family().layer.parallel:
                 # both branches read the layer's input (Cohere): x + attn(...) + mlp(...)
                 return hidden_states + attended + self._feed_forward(hidden_states)
             hidden_states = hidden_states + attended
@@ -249,7 +251,7 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
         kept mixture-of-experts block may return (output, router scores): the output is
         taken, as the original layer takes it.
         """
-        mlp = self.get_submodule(self.declared_family().mlp_name)
+        mlp = self.get_submodule(self.declared_family().feed_forward.attribute)
         mixed = mlp(self._norm("mlp_in", hidden_states))
         if isinstance(mixed, tuple):
             mixed = mixed[0]

@@ -40,7 +40,7 @@ class OriginalNumbers:
     attn_logit_softcapping: float | None = None
     #: the epsilon of the layer's norms (its config field's name differs by family)
     norm_eps: float | None = None
-    #: whether the layer applies the rotary embedding (:attr:`Family.rotary_layers`)
+    #: whether the layer applies the rotary embedding (:attr:`~layerswap.decoder_shape.Rope.layers`)
     rotary: bool = True
     #: whether its attention is causal where the model passes no mask: the original's own
     #: ``is_causal`` (Gemma 3 reads ``use_bidirectional_attention``; Llama keeps it causal
@@ -58,7 +58,7 @@ def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -
         scaling = float(getattr(attention, "head_dim", 0) or 1) ** -0.5
     softcap = getattr(attention, "attn_logit_softcapping", None)
     eps = None
-    for _, name in family.norms:
+    for _, name in family.normalization.places:
         norm = layer.get_submodule(name)
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
         if eps is None and stateless(norm):

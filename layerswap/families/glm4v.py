@@ -10,8 +10,6 @@ have biases.
 
 from __future__ import annotations
 
-import dataclasses
-
 from layerswap.families._inferred import INFERRED
 from layerswap.families._tiny import TINY, tiny_qwen_vl
 
@@ -35,8 +33,7 @@ _TINY = tiny_qwen_vl(
 )
 _TINY.update(video_start_token_id=TINY["vocab_size"] - 6, video_end_token_id=TINY["vocab_size"] - 5)
 
-FAMILY = dataclasses.replace(
-    GLM4,
+FAMILY = GLM4.replace(
     name="glm4v",
     model_type="glm4v",
     module="transformers.models.glm4v.modeling_glm4v",

@@ -5,8 +5,6 @@ vision-language wrapper: its M-RoPE sections, q/k/v with biases, no q/k norms (s
 
 from __future__ import annotations
 
-import dataclasses
-
 from layerswap.families import glm4v
 from layerswap.families._inferred import INFERRED
 
@@ -26,8 +24,7 @@ _TINY = {
     },
 }
 
-FAMILY = dataclasses.replace(
-    GLM4_MOE,
+FAMILY = GLM4_MOE.replace(
     name="glm4v_moe",
     model_type="glm4v_moe",
     module="transformers.models.glm4v_moe.modeling_glm4v_moe",

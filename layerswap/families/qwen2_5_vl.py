@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from layerswap.families._tiny import TINY, tiny_qwen_vl
 from layerswap.families.qwen2 import FAMILY as QWEN2
 
-FAMILY = dataclasses.replace(
-    QWEN2,
+FAMILY = QWEN2.replace(
     name="qwen2_5_vl",
     model_type="qwen2_5_vl",
     module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",

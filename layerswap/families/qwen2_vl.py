@@ -8,13 +8,10 @@ layer applies the cos/sin it is given, as Qwen2's does.
 
 from __future__ import annotations
 
-import dataclasses
-
 from layerswap.families._tiny import TINY, tiny_qwen_vl
 from layerswap.families.qwen2 import FAMILY as QWEN2
 
-FAMILY = dataclasses.replace(
-    QWEN2,
+FAMILY = QWEN2.replace(
     name="qwen2_vl",
     model_type="qwen2_vl",
     module="transformers.models.qwen2_vl.modeling_qwen2_vl",

@@ -6,13 +6,10 @@ layers' outputs (DeepStack) between layers, outside the decoder layer.
 
 from __future__ import annotations
 
-import dataclasses
-
 from layerswap.families._tiny import TINY, tiny_qwen_vl
 from layerswap.families.qwen3 import FAMILY as QWEN3
 
-FAMILY = dataclasses.replace(
-    QWEN3,
+FAMILY = QWEN3.replace(
     name="qwen3_vl",
     model_type="qwen3_vl",
     module="transformers.models.qwen3_vl.modeling_qwen3_vl",

@@ -3,15 +3,12 @@ inside a vision-language wrapper (see ``qwen3_vl``)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from layerswap.families._inferred import INFERRED
 from layerswap.families._tiny import TINY, tiny_qwen_vl
 
 QWEN3_MOE = next(family for family in INFERRED if family.name == "qwen3_moe")
 
-FAMILY = dataclasses.replace(
-    QWEN3_MOE,
+FAMILY = QWEN3_MOE.replace(
     name="qwen3_vl_moe",
     model_type="qwen3_vl_moe",
     module="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",

@@ -361,7 +361,7 @@ ROTARY_LAYOUT_CHANGES: Mapping[str, tuple[tuple[int, ...], str]] = {
 
 
 def rotary_layout(family: str, declared: str) -> str:
-    """The rotary layout (:attr:`~layerswap.Family.rotary`) ``family``'s layers receive on
+    """The rotary layout (:attr:`Rope.layout <layerswap.decoder_shape.Rope.layout>`) ``family``'s layers receive on
     the installed transformers: ``declared``, or the earlier one of
     :data:`ROTARY_LAYOUT_CHANGES` on a release before the change."""
     change = ROTARY_LAYOUT_CHANGES.get(family)

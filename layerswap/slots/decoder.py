@@ -201,16 +201,18 @@ def _swap_left_out(layers: list[tuple[str, nn.Module]], family: Family) -> tuple
     """A module inside the blocks a replacement layer builds anew from the original's classes
     (``mlp="original"``: a mixture-of-experts block) whose class another substitution
     swapped, and which one: the replacement's block would not carry that swap."""
-    if family.mlp != "original":
+    if family.feed_forward.kind != "original":
         return None
     for name, layer in layers:
-        block = getattr(layer, family.mlp_name, None)
+        block = getattr(layer, family.feed_forward.attribute, None)
         if not isinstance(block, nn.Module):
             continue
         for inner, module in block.named_modules():
             owner = getattr(type(module), "_layerswap_swapped_by", None)
             if isinstance(owner, str):
-                return ".".join(part for part in (name, family.mlp_name, inner) if part), owner
+                return ".".join(
+                    part for part in (name, family.feed_forward.attribute, inner) if part
+                ), owner
     return None
 
 
@@ -325,7 +327,7 @@ def _refuse_unswappable(
         where, swapper = left_out
         raise SubstitutionError(
             f"{sub.name}: {where} is swapped by {swapper}, and this substitution builds "
-            f"each layer's {sub.parts.family.mlp_name} block anew from the original's "
+            f"each layer's {sub.parts.family.feed_forward.attribute} block anew from the original's "
             f"classes, which would leave {swapper} out while the layers are swapped; undo "
             f"{swapper} first, or build the model inside use() of both"
         )
@@ -516,14 +518,17 @@ class DecoderSlot(Slot):
 
     def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
         family, layers = parts.family, parts.layers
-        if family.mlp != "original":
+        if family.feed_forward.kind != "original":
             return (parts.layers_text,), parts.outside
         # a mixture-of-experts block stays the original's module inside the replacement
         blocks = sorted(
-            {type(layer.get_submodule(family.mlp_name)).__name__ for _, layer in layers}
+            {
+                type(layer.get_submodule(family.feed_forward.attribute)).__name__
+                for _, layer in layers
+            }
         )
         span = parts.layers_text.partition(" (")[0]
-        kept = f"{span}.{family.mlp_name} ({', '.join(blocks)}, the original's, inside the replacement)"
+        kept = f"{span}.{family.feed_forward.attribute} ({', '.join(blocks)}, the original's, inside the replacement)"
         return (f"{parts.layers_text}: attention and norms",), (kept, *parts.outside)
 
 

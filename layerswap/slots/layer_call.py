@@ -95,7 +95,8 @@ def check_layer_call(sub: Substitution, config: PreTrainedConfig | None = None) 
         return  # a subclass of the original hands its call to the original's forward
     handled = handled_parameters(replacement)
     declared = getattr(replacement, "family", None)  # a backend's per-family class
-    ignored = frozenset(getattr(declared, "ignored_arguments", ()))
+    shape = getattr(declared, "layer", None)
+    ignored = frozenset(getattr(shape, "ignored_arguments", ()))
     callees: list[type] = [original]
     if getattr(replacement, "replaces_attention", False):
         attention = _attention_class(original, config)

@@ -75,8 +75,8 @@ CONVERTER = Converter(
 def converter_for(family: Family) -> Converter:
     """:data:`CONVERTER` without the concatenations ``family``'s original needs none of: its
     own fused ``qkv_proj``/``gate_up_proj`` (Phi-3), a plain MLP's two projections."""
-    qkv = CONVERTER.rules[:2] if len(family.qkv_modules) == 3 else ()
-    gate_up = CONVERTER.rules[2:] if len(family.mlp_modules) == 3 else ()
+    qkv = CONVERTER.rules[:2] if len(family.attention.qkv_modules) == 3 else ()
+    gate_up = CONVERTER.rules[2:] if len(family.feed_forward.modules) == 3 else ()
     return CONVERTER if qkv and gate_up else Converter((*qkv, *gate_up))
 
 
@@ -181,10 +181,12 @@ def _family_norm(
 ) -> nn.Module:
     eps = float(config.rms_norm_eps) if eps is None else eps
     kind = family.norm_for(config)
-    scale = family.norm_scale
+    scale = family.normalization.scale
     if kind in ("layer", "layer_nobias"):
-        return FusedLayerNorm(size, eps, family.norm_offset, bias=kind == "layer", scale=scale)
-    return FusedRMSNorm(size, eps, family.norm_offset, scale=scale)
+        return FusedLayerNorm(
+            size, eps, family.normalization.offset, bias=kind == "layer", scale=scale
+        )
+    return FusedRMSNorm(size, eps, family.normalization.offset, scale=scale)
 
 
 class FusedAttention(nn.Module):
@@ -213,28 +215,28 @@ class FusedAttention(nn.Module):
         q_norm: nn.Module | None = None
         k_norm: nn.Module | None = None
         # per head (Qwen3), per head with a weight each (Cohere), or over all heads (OLMo 2)
-        self.qk_norm_across = family.qk_norm == "across"
-        self.qk_norm_after_rotary = family.qk_norm_after_rotary
-        self.rotary = hf_internals.rotary_layout(family.name, family.rotary)
+        self.qk_norm_across = family.attention.qk_norm == "across"
+        self.qk_norm_after_rotary = family.attention.qk_norm_after_rotary
+        self.rotary = hf_internals.rotary_layout(family.name, family.rope.layout)
         if family.flag("qk_norm", config):
             heads = [size // self.head_dim for size in self.sizes[:2]]
             q_size, k_size = (
                 (self.sizes[0], self.sizes[1])
                 if self.qk_norm_across
                 else ((heads[0], self.head_dim), (heads[1], self.head_dim))
-                if family.qk_norm == "head_weights"
+                if family.attention.qk_norm == "head_weights"
                 else (self.head_dim, self.head_dim)
             )
             q_norm = _family_norm(q_size, config, family, numbers.norm_eps)
             k_norm = _family_norm(k_size, config, family, numbers.norm_eps)
         # under the original's names (q_norm, k_norm; HunYuan's query_layernorm, ...), so
         # their weights keep their names
-        self.qk_norm_names = family.qk_norm_modules
+        self.qk_norm_names = family.attention.qk_norm_modules
         for name, norm in zip(self.qk_norm_names, (q_norm, k_norm), strict=True):
             self.add_module(name, norm)
         # gpt-oss: one learned logit per head, a key every query sees, whose value is zero
         self.sinks: nn.Parameter | None = None
-        if family.attention_sinks:
+        if family.attention.sinks:
             self.sinks = nn.Parameter(torch.empty(self.sizes[0] // self.head_dim))
         # OLMo, OLMoE: q, k and v clamped to [-bound, bound] where the config sets clip_qkv
         self.qkv_bound = family.qkv_bound(config)
@@ -430,17 +432,17 @@ class FusedMLP(nn.Module):
         bias = family.flag("mlp_bias", config)
         hidden, size = config.hidden_size, config.intermediate_size
         self.intermediate_size = size
-        self.gated = family.mlp == "gated"
+        self.gated = family.feed_forward.kind == "gated"
         self.up_name, self.down_name = (
-            ("gate_up_proj", "down_proj") if self.gated else family.mlp_modules
+            ("gate_up_proj", "down_proj") if self.gated else family.feed_forward.modules
         )
         width = 2 * size if self.gated else size
         self.add_module(self.up_name, nn.Linear(hidden, width, bias=bias))
         self.add_module(self.down_name, nn.Linear(size, hidden, bias=bias))
-        name = getattr(config, family.activation)
+        name = getattr(config, family.feed_forward.activation)
         self.act_fn = (
             hf_internals.activation_in_dtype(name, config)
-            if family.activation_dtype
+            if family.feed_forward.activation_dtype
             else ACT2FN[name]
         )
         # Seed-OSS: dropout on the down projection's result, in training
@@ -469,7 +471,7 @@ def original_mlp(family: Family, config: PreTrainedConfig, layer_idx: int) -> nn
     (on the meta device) that costs nothing, and otherwise one layer's attention weights
     for a moment.
     """
-    mlp = family.decoder_class()(config, layer_idx).get_submodule(family.mlp_name)
+    mlp = family.decoder_class()(config, layer_idx).get_submodule(family.feed_forward.attribute)
     if type(mlp).__module__ != family.module:
         raise UpstreamDriftError(
             f"{family.name}: the original layer's mlp is a {type(mlp).__qualname__} from "
@@ -499,14 +501,14 @@ class FusedDecoderLayer(_layer.DecoderLayer):
         self.self_attn = FusedAttention(config, layer_idx, family)
         # under the original's name (GraniteMoE's block_sparse_moe), so weights keep theirs
         self.add_module(
-            family.mlp_name,
+            family.feed_forward.attribute,
             original_mlp(family, config, layer_idx)
-            if family.mlp == "original"
+            if family.feed_forward.kind == "original"
             else FusedMLP(config, family),
         )
         # the norms under the original's names, wherever the family puts them
         numbers = original_numbers(family, config, layer_idx)
-        for name in dict.fromkeys(name for _, name in family.norms):
+        for name in dict.fromkeys(name for _, name in family.normalization.places):
             self.add_module(
                 name, _family_norm(config.hidden_size, config, family, numbers.norm_eps)
             )

@@ -25,7 +25,7 @@ __all__ = ["BACKEND", "EXPRESSES", "mlp_names", "qkv_names", "unsupported"]
 _PROJECTIONS = (
     # fused as the original fuses them (Phi-3's qkv_proj, gate_up_proj), or separate
     "the liger layer keeps q/k/v and the MLP as one or three projections "
-    "(this family: {qkv_modules}, {mlp_modules})"
+    "(this family: {attention.qkv_modules}, {feed_forward.modules})"
 )
 _QK_NORMS = (
     "the liger layer's q/k norms are q_norm/k_norm before the rotary embedding "
@@ -36,81 +36,85 @@ _QK_NORMS = (
 #: row a family does not meet is the reason it is refused (:func:`unsupported`)
 EXPRESSES: tuple[Capability, ...] = (
     Capability(
-        "attention_sinks",
+        "attention.sinks",
         expresses=(False,),
         reason="the liger layer's attention has no attention sinks (this family's self_attn.sinks)",
     ),
     Capability(
-        "norm_switch",
+        "normalization.switch",
         expresses=(None,),
         reason="the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm "
-        "where {norm_switch[0]} is unset)",
+        "where {normalization.switch[0]} is unset)",
     ),
     Capability(
-        "norm",
+        "normalization.kind",
         expresses=("rms",),
         reason="the liger layer uses Liger's RMSNorm kernel (this family's norm is a LayerNorm)",
     ),
     Capability(
-        "parallel",
+        "layer.parallel",
         expresses=(False,),
         reason="the liger layer runs attention, then the MLP (this family runs them in parallel)",
     ),
     Capability(
-        "rotary",
+        "rope.layout",
         expresses=("half",),
         reason="Liger's RoPE kernel rotates halves of each head by the angle (this family's "
-        "rotary layout is {rotary})",
+        "rotary layout is {rope.layout})",
     ),
     Capability(
-        "rotary_layers",
+        "rope.layers",
         expresses=("all",),
         reason="the liger layer applies Liger's RoPE kernel on every layer (this family skips "
-        "it on some: {rotary_layers})",
+        "it on some: {rope.layers})",
     ),
     Capability(
-        "qk_norm",
+        "attention.qk_norm",
         refuses=("head_weights",),
         reason="the liger layer's q/k norms have one weight for all heads (this family's: one "
         "per head)",
     ),
     Capability(
-        "qk_norm_switch",
+        "attention.qk_norm_switch",
         expresses=(None,),
         reason="the liger layer's q/k norms are fixed per family (this family's follow "
-        "{qk_norm_switch})",
+        "{attention.qk_norm_switch})",
     ),
     Capability(
-        "mlp",
+        "feed_forward.kind",
         refuses=("original",),
         reason="Liger's SwiGLU/GeGLU kernels compute dense gated MLPs; this family keeps the "
-        "original's {mlp_class}, a mixture-of-experts block",
+        "original's {feed_forward.module_class}, a mixture-of-experts block",
     ),
     Capability(
-        "mlp",
+        "feed_forward.kind",
         expresses=("gated",),
-        reason="Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is {mlp!r}",
+        reason="Liger's SwiGLU/GeGLU kernels compute gated MLPs; this family's MLP is {feed_forward.kind!r}",
     ),
-    Capability("qkv_modules", test=lambda names: len(names) in (1, 3), reason=_PROJECTIONS),
-    Capability("mlp_modules", test=lambda names: len(names) in (2, 3), reason=_PROJECTIONS),
     Capability(
-        "norm_scale",
+        "attention.qkv_modules", test=lambda names: len(names) in (1, 3), reason=_PROJECTIONS
+    ),
+    Capability(
+        "feed_forward.modules", test=lambda names: len(names) in (2, 3), reason=_PROJECTIONS
+    ),
+    Capability(
+        "normalization.scale",
         expresses=(True,),
         reason="Liger's RMSNorm kernel scales by a learned weight (this family's norms have none)",
     ),
-    Capability("qk_norm_after_rotary", expresses=(False,), reason=_QK_NORMS),
-    Capability("qk_norm_modules", expresses=(("q_norm", "k_norm"),), reason=_QK_NORMS),
+    Capability("attention.qk_norm_after_rotary", expresses=(False,), reason=_QK_NORMS),
+    Capability("attention.qk_norm_modules", expresses=(("q_norm", "k_norm"),), reason=_QK_NORMS),
     Capability(
-        "query_scale",
+        "attention.query_scale",
         expresses=(None,),
         reason="the liger layer does not scale queries by their position (this family's "
-        "{query_scale} attention temperature)",
+        "{attention.query_scale} attention temperature)",
     ),
     Capability(
-        "clip_qkv",
+        "attention.clip_qkv",
         expresses=(None,),
         reason="the liger layer does not clamp q, k and v (this family clamps them where "
-        "{clip_qkv} is set)",
+        "{attention.clip_qkv} is set)",
     ),
 )
 
@@ -135,12 +139,12 @@ def unsupported(family: Family) -> str | None:
 
 def qkv_names(family: Family) -> tuple[str, ...]:
     """The original's q/k/v projections: three, or one where it fuses them (Phi-3)."""
-    return family.qkv_modules
+    return family.attention.qkv_modules
 
 
 def mlp_names(family: Family) -> tuple[str, ...]:
     """The original's MLP projections: gate, up, down, or gate_up, down (Phi-3)."""
-    return family.mlp_modules
+    return family.feed_forward.modules
 
 
 #: the ``liger`` backend: its decoder layer (where :func:`unsupported` finds nothing) and head

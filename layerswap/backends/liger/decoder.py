@@ -106,10 +106,10 @@ def _config_problem(
     family: Family, config: PreTrainedConfig, numbers: OriginalNumbers
 ) -> str | None:
     """Why Liger's layer cannot compute ``family``'s layer with ``config`` and ``numbers``."""
-    activation = getattr(config, family.activation, None)
+    activation = getattr(config, family.feed_forward.activation, None)
     if gated_kernel(activation) is None:
         return (
-            f"Liger has no gated-MLP kernel for {family.activation}={activation!r} (it has "
+            f"Liger has no gated-MLP kernel for {family.feed_forward.activation}={activation!r} (it has "
             "SwiGLU for silu and GeGLU for the tanh-approximated GELU)"
         )
     if numbers.attn_logit_softcapping is not None:
@@ -121,7 +121,7 @@ def _config_problem(
     if dropout:
         return (
             "the liger layer applies no dropout after the output projections (this config's "
-            f"{family.residual_dropout}={dropout}; set it to 0 to train with liger)"
+            f"{family.layer.residual_dropout}={dropout}; set it to 0 to train with liger)"
         )
     return None
 
@@ -178,7 +178,7 @@ class LigerRMSNorm(nn.Module):
 def _family_norm(
     size: int, config: PreTrainedConfig, family: Family, *, in_place: bool = False
 ) -> LigerRMSNorm:
-    return LigerRMSNorm(size, config.rms_norm_eps, family.norm_offset, in_place=in_place)
+    return LigerRMSNorm(size, config.rms_norm_eps, family.normalization.offset, in_place=in_place)
 
 
 class LigerAttention(nn.Module):
@@ -207,8 +207,8 @@ class LigerAttention(nn.Module):
         self.q_norm: LigerRMSNorm | None = None
         self.k_norm: LigerRMSNorm | None = None
         # per head (Qwen3, Gemma 3) or over all heads at once (OLMo 2)
-        self.qk_norm_across = family.qk_norm == "across"
-        if family.qk_norm:
+        self.qk_norm_across = family.attention.qk_norm == "across"
+        if family.attention.qk_norm:
             sizes = (q_size, kv_size) if self.qk_norm_across else (self.head_dim, self.head_dim)
             self.q_norm = _family_norm(sizes[0], config, family)
             self.k_norm = _family_norm(sizes[1], config, family)
@@ -281,7 +281,7 @@ class LigerMLP(nn.Module):
     def __init__(self, config: PreTrainedConfig, family: Family) -> None:
         super().__init__()
         bias = family.flag("mlp_bias", config)
-        activation = getattr(config, family.activation, None)
+        activation = getattr(config, family.feed_forward.activation, None)
         kernel = gated_kernel(activation)
         if kernel is None:  # LigerDecoderLayer checks first; this guards direct use
             raise RequirementError(f"Liger has no gated-MLP kernel for {activation!r}")
@@ -331,11 +331,11 @@ class LigerDecoderLayer(_layer.DecoderLayer):
                 f"{family.name}.decoder.liger cannot build this layer: {problem}"
             )
         self.self_attn = LigerAttention(config, layer_idx, family, numbers)
-        self.add_module(family.mlp_name, LigerMLP(config, family))
+        self.add_module(family.feed_forward.attribute, LigerMLP(config, family))
         # the norms under the original's names, wherever the family puts them; a norm
         # before attention or the MLP feeds projections only, so its backward may work in
         # place (Liger's default); one after joins the residual stream, so it may not
-        for place, name in family.norms:
+        for place, name in family.normalization.places:
             in_place = place in ("attn_in", "mlp_in")
             self.add_module(
                 name, _family_norm(config.hidden_size, config, family, in_place=in_place)

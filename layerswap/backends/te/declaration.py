@@ -34,104 +34,104 @@ _QK_NORMS = (
 #: attention, then the MLP, and rotates halves of each head.
 EXPRESSES: tuple[Capability, ...] = (
     Capability(
-        "attention_sinks",
+        "attention.sinks",
         expresses=(False,),
         reason="TransformerEngine's attention has no attention sinks (this family's "
         "self_attn.sinks)",
     ),
     Capability(
-        "norm_switch",
+        "normalization.switch",
         expresses=(None,),
         reason="the te layer maps RMSNorm only (this family's norm is a LayerNorm where "
-        "{norm_switch[0]} is unset)",
+        "{normalization.switch[0]} is unset)",
     ),
     Capability(
-        "parallel",
+        "layer.parallel",
         expresses=(False,),
         reason="the te layer runs attention, then the MLP (this family runs them in parallel)",
     ),
     Capability(
-        "rotary",
+        "rope.layout",
         expresses=("half",),
         reason="the te layer applies the rotate-half rotary embedding (this family's rotary "
-        "layout is {rotary})",
+        "layout is {rope.layout})",
     ),
     Capability(
-        "rotary_layers",
+        "rope.layers",
         expresses=("all",),
         reason="the te layer applies the rotary embedding on every layer (this family skips it "
-        "on some: {rotary_layers})",
+        "on some: {rope.layers})",
     ),
     Capability(
-        "norms",
+        "normalization.places",
         expresses=(PRE_NORMS,),
         reason="TransformerEngine's layer has norms before attention and the MLP only (this "
         "family: {norm_places})",
     ),
     Capability(
-        "qk_norm",
+        "attention.qk_norm",
         refuses=("across",),
         reason="TransformerEngine's q/k norm is per head; this family normalises across heads",
     ),
     Capability(
-        "qk_norm",
+        "attention.qk_norm",
         refuses=("head_weights",),
         reason="TransformerEngine's q/k norm has one weight for all heads; this family's has "
         "one per head",
     ),
     Capability(
-        "qk_norm_switch",
+        "attention.qk_norm_switch",
         expresses=(None,),
         reason="the te layer's q/k norms are fixed per family (this family's follow "
-        "{qk_norm_switch})",
+        "{attention.qk_norm_switch})",
     ),
     Capability(
-        "norm",
+        "normalization.kind",
         expresses=("rms",),
         reason="the te layer maps RMSNorm only (this family's norm is {norm_kind})",
     ),
     Capability(
-        "mlp",
+        "feed_forward.kind",
         refuses=("original",),
         reason="the te layer maps gated MLPs only (this family keeps the original's "
-        "{mlp_class}, a mixture-of-experts block)",
+        "{feed_forward.module_class}, a mixture-of-experts block)",
     ),
     Capability(
-        "mlp",
+        "feed_forward.kind",
         # TE's LayerNormMLP has ungated activations, but the te layer and converter map
         # the gated MLP only
         expresses=("gated",),
-        reason="the te layer maps gated MLPs only (this family's MLP is {mlp})",
+        reason="the te layer maps gated MLPs only (this family's MLP is {feed_forward.kind})",
     ),
-    Capability("qkv_modules", expresses=(SEPARATE_QKV,), reason=_PROJECTIONS),
-    Capability("mlp_modules", expresses=(GATED_MLP,), reason=_PROJECTIONS),
+    Capability("attention.qkv_modules", expresses=(SEPARATE_QKV,), reason=_PROJECTIONS),
+    Capability("feed_forward.modules", expresses=(GATED_MLP,), reason=_PROJECTIONS),
     Capability(
-        "norm_scale",
+        "normalization.scale",
         expresses=(True,),
         reason="TransformerEngine's norms have a learned weight (this family's norms have none)",
     ),
-    Capability("qk_norm_after_rotary", expresses=(False,), reason=_QK_NORMS),
-    Capability("qk_norm_modules", expresses=(("q_norm", "k_norm"),), reason=_QK_NORMS),
+    Capability("attention.qk_norm_after_rotary", expresses=(False,), reason=_QK_NORMS),
+    Capability("attention.qk_norm_modules", expresses=(("q_norm", "k_norm"),), reason=_QK_NORMS),
     Capability(
-        "query_scale",
+        "attention.query_scale",
         expresses=(None,),
         reason="the te layer does not scale queries by their position (this family's "
-        "{query_scale} attention temperature)",
+        "{attention.query_scale} attention temperature)",
     ),
     Capability(
-        "clip_qkv",
+        "attention.clip_qkv",
         expresses=(None,),
         reason="the te layer does not clamp q, k and v (this family clamps them where "
-        "{clip_qkv} is set)",
+        "{attention.clip_qkv} is set)",
     ),
 )
 
 #: TE's RMSNorm scales by ``weight`` or ``1 + weight`` (``zero_centered_gamma``)
 NORM_OFFSET = Capability(
-    "norm_offset",
+    "normalization.offset",
     expresses=(0.0, 1.0),
     reason="TransformerEngine's RMSNorm scales by weight or 1 + weight; this family's norm "
-    "offset is {norm_offset}",
+    "offset is {normalization.offset}",
 )
 
 
@@ -155,7 +155,7 @@ def unsupported(family: Family) -> str | None:
     """
     if not NORM_OFFSET.met(family):
         return NORM_OFFSET.why_not(family)
-    if family.residual_dropout is not None:
+    if family.layer.residual_dropout is not None:
         # judged on the family's default configuration; a config you bring is checked
         # again when a layer is built (TELayerSpec.for_layer)
         reason = answered("te-decoder", family, "layerswap.backends.te.layout:tiny_config_dropout")

@@ -115,7 +115,7 @@ def te_converter(family: Family) -> Converter:
         Rename("mlp.down_proj.weight", "layernorm_mlp.fc2_weight"),
         Rename("mlp.down_proj.bias", "layernorm_mlp.fc2_bias", optional=True),
     ]
-    if family.qk_norm:
+    if family.attention.qk_norm:
         rules += [
             Rename("self_attn.q_norm.weight", "self_attention.q_norm.weight"),
             Rename("self_attn.k_norm.weight", "self_attention.k_norm.weight"),
@@ -181,12 +181,12 @@ class TELayerSpec:
         """The spec of decoder layer ``layer_idx`` of a ``family`` model with ``config``."""
         if not NORM_OFFSET.met(family):
             raise SubstitutionError(f"{family.name}: {NORM_OFFSET.why_not(family)}")
-        hidden_act = getattr(config, family.activation, None)
+        hidden_act = getattr(config, family.feed_forward.activation, None)
         activation = TE_ACTIVATIONS.get(str(hidden_act))
         if activation is None:
             raise SubstitutionError(
                 f"{family.name}: TransformerEngine has no gated activation equal to "
-                f"{family.activation}={hidden_act!r} (it has {sorted(TE_ACTIVATIONS)})"
+                f"{family.feed_forward.activation}={hidden_act!r} (it has {sorted(TE_ACTIVATIONS)})"
             )
         reason = unexpressible(family)
         if reason is not None:
@@ -197,7 +197,7 @@ class TELayerSpec:
         if dropout:
             raise SubstitutionError(
                 f"{family.name}: the te layer applies no dropout after the output projections "
-                f"(this config's {family.residual_dropout}={dropout}; set it to 0 to use te)"
+                f"(this config's {family.layer.residual_dropout}={dropout}; set it to 0 to use te)"
             )
         if numbers.attn_logit_softcapping is not None:
             raise SubstitutionError(
@@ -217,8 +217,8 @@ class TELayerSpec:
             qkv_bias=family.flag("qkv_bias", config),
             o_bias=family.flag("o_bias", config),
             mlp_bias=family.flag("mlp_bias", config),
-            qk_norm=bool(family.qk_norm),  # per head: unexpressible() refuses "across"
-            zero_centered_norm=family.norm_offset == 1.0,
+            qk_norm=bool(family.attention.qk_norm),  # per head: unexpressible() refuses "across"
+            zero_centered_norm=family.normalization.offset == 1.0,
             causal=numbers.is_causal,
             sliding_window=_sliding_window(config, layer_idx),
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
@@ -253,5 +253,5 @@ def tiny_config_dropout(family: Family) -> str | None:
         return None
     return (
         "the te layer applies no dropout after the output projections (this "
-        f"family's default {family.residual_dropout}={dropout}; set it to 0 to use te)"
+        f"family's default {family.layer.residual_dropout}={dropout}; set it to 0 to use te)"
     )
