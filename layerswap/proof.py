@@ -67,7 +67,12 @@ from layerswap.comparison.first_difference import (
 from layerswap.comparison.gradients import gradients_to_original
 from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
-from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
+from layerswap.errors import (
+    LayerswapError,
+    SwapWarning,
+    UnsupportedFamilyError,
+    UpstreamDriftError,
+)
 from layerswap.layers import normal_tensors
 from layerswap.model import dropout_fields, layer_config
 from layerswap.placement import LOW_PRECISION, Placement
@@ -351,6 +356,8 @@ def _prove(
         reference: nn.Module | None
         try:
             reference = _original_model(family, sub, proven, device)
+        except LayerswapError:
+            raise  # another substitution's use() refused the build: no verdict of this one
         except Exception:
             # the shrunk config does not build (a size the shrink broke): the family's tiny
             proven, kind = family.tiny_config(), "family"
@@ -358,6 +365,8 @@ def _prove(
         try:
             if reference is None:
                 reference = _original_model(family, sub, proven, device)
+        except LayerswapError:
+            raise
         except Exception as exc:  # nothing can be proven here: refused, with the reason
             check, detail = "building the tiny original model", f"{type(exc).__name__}: {exc}"
         else:

@@ -617,6 +617,31 @@ def test_use_of_the_decoder_and_mlp_slots_together_is_refused_at_build(decoder_f
         assert _mlps(family.build(seed=0))
 
 
+def test_a_proof_refused_by_another_use_leaves_no_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``use("llama.mlp.fused")`` the decoder's first-use proof could not build its
+    tiny original (the mlp slot refuses a model whose layers are fused): that was taken
+    for a failed proof of ``llama.decoder.fused``, named so ("does not behave like the
+    original") and kept, so every later swap in the process was refused. The mlp slot's
+    own error is raised, and the decoder is proven at its next use."""
+    from layerswap import proof
+
+    monkeypatch.setenv("LAYERSWAP_CACHE", str(tmp_path / "proofs"))
+    monkeypatch.setattr(proof, "_MEMO", {})
+    family = layerswap.get_family("llama")
+    with (
+        layerswap.use("llama.mlp.fused"),
+        pytest.raises(SubstitutionError) as refused,
+        layerswap.use("llama.decoder.fused"),
+    ):
+        family.build(seed=0)
+    assert not isinstance(refused.value, UpstreamDriftError), refused.value
+    assert "llama.mlp.fused inside use()" in str(refused.value)
+    assert proof._MEMO == {}
+    layerswap.swap(family.build(seed=0), "llama.decoder.fused").undo()
+
+
 def test_the_first_use_proof_catches_a_wrong_kernel() -> None:
     """A backend whose kernel forgets the activation's gradient: its proof fails and the
     swap is refused before the model changes."""
