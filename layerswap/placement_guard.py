@@ -11,10 +11,11 @@ proof never ran. :func:`guard` watches the model two ways:
   wrapped on the instance): once the model is cast, each substitution is prepared where
   it now computes, and the call raises the proof's error where one fails (the model
   stays cast);
-* one forward pre-hook: while the dtype and device of its first floating-point weight
-  are ones each substitution in effect was proven in, the hook only compares them (a
-  few microseconds); when they change (a model loaded, dispatched or cast part by
-  part), the same preparation runs before the pass, refusing it where one fails.
+* one forward pre-hook: while the dtype and device of its first floating-point weight,
+  and the ``torch.autocast`` dtype in effect there, are ones each substitution in effect
+  was proven in, the hook only compares them (a few microseconds); when they change (a
+  model loaded, dispatched or cast part by part, or run under Trainer's ``bf16=True``
+  autocast), the same preparation runs before the pass, refusing it where one fails.
 
 Preparing is ``slot.prepare`` (contract, structure, proof) in
 :meth:`Placement.of <layerswap.placement.Placement.of>`, once per placement. The hook does
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import LayerswapError
-from layerswap.placement import COMPUTE_DTYPES, Placement
+from layerswap.placement import COMPUTE_DTYPES, Placement, autocast_dtype
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -51,8 +52,9 @@ if TYPE_CHECKING:
 
 __all__ = ["guard"]
 
-#: (dtype, device) of a model's first floating-point weight
-Probe = tuple[torch.dtype, torch.device]
+#: (dtype, device) of a model's first floating-point weight, and the dtype torch.autocast
+#: runs it in there (``None``: off)
+Probe = tuple[torch.dtype, torch.device, "torch.dtype | None"]
 
 _LOCK = threading.RLock()
 
@@ -74,7 +76,7 @@ _GUARDS: weakref.WeakKeyDictionary[nn.Module, _Guard] = weakref.WeakKeyDictionar
 def _probe(model: nn.Module) -> Probe | None:
     for param in model.parameters():
         if param.dtype in COMPUTE_DTYPES:
-            return param.dtype, param.device
+            return param.dtype, param.device, autocast_dtype(param.device)
     return None
 
 
@@ -166,6 +168,8 @@ def _prepare_again(model: nn.Module, state: _Guard, now: Probe | None) -> None:
                 where = ", ".join(
                     str(part) for part in (placement.dtype, placement.device) if part is not None
                 )
+                if placement.autocast is not None:
+                    where += f" under autocast to {placement.autocast}"
                 said = (
                     f"{error}\n(this {type(model).__name__} computes in {where} since "
                     f"{sub.name} was swapped, where it is not proven: cast it back, or "

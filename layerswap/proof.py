@@ -75,7 +75,7 @@ from layerswap.errors import (
 )
 from layerswap.layers import normal_tensors
 from layerswap.model import dropout_fields, layer_config
-from layerswap.placement import LOW_PRECISION, Placement
+from layerswap.placement import LOW_PRECISION, Placement, without_autocast
 from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.substitution import Substitution
@@ -131,6 +131,9 @@ class Verdict:
     #: the low-precision dtype the model computes in, proven besides float32
     #: (``"bfloat16"``, ``"float16"``), ``None`` for a float32 model
     dtype: str | None = None
+    #: the dtype ``torch.autocast`` runs the model's passes in, proven besides float32
+    #: (Trainer's ``bf16=True``), ``None`` where the model runs without autocast
+    autocast: str | None = None
 
     def changed_since(self) -> bool:
         """Whether the transformers source this verdict proved has changed since (an install
@@ -163,6 +166,8 @@ class Verdict:
             on += f", attn_implementation={self.attention!r}"
         if self.dtype:
             on += f", in float32 and {self.dtype}"
+        if self.autocast:
+            on += f", and under autocast to {self.autocast}"
         if self.passed:
             return f"{self.substitution}: proven equal to the original on {on}"
         return (
@@ -189,13 +194,15 @@ def proof_key(
     config: PreTrainedConfig | None,
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
 ) -> str:
     """The verdict's key: versions, the transformers source the original runs (its files,
     and what this process binds: a function rebound at run time is other code), the
     substitution, its replacement class and converter and (outside layerswap) their code,
     the device the proof runs on (``device``, else the one it would run on), the config's
     kind (its attention implementation included), and the low-precision ``dtype`` the
-    model computes in (:data:`LOW_PRECISION`; a float32 model's key names none)."""
+    model computes in and the one ``autocast`` runs it in (:data:`LOW_PRECISION`; a
+    float32 model's key names none)."""
     replacement = sub.replacement
     named = replacement if isinstance(replacement, str) else replacement.__qualname__
     module = (
@@ -221,6 +228,8 @@ def proof_key(
     }
     if dtype in LOW_PRECISION:
         parts["dtype"] = dtype_name(dtype)
+    if autocast in LOW_PRECISION:
+        parts["autocast"] = dtype_name(autocast)
     encoded = json.dumps(parts, sort_keys=True).encode()
     safe = sub.name.replace("/", "_")
     return f"{safe}-{hashlib.sha256(encoded).hexdigest()[:20]}"
@@ -332,6 +341,7 @@ def _prove(
     config: PreTrainedConfig | None,
     device: torch.device,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Verdict:
     started = time.perf_counter()
     family = sub.parts.family
@@ -346,9 +356,12 @@ def _prove(
         proven, kind = family.tiny_config(), "family"
     # on ``device`` even inside from_pretrained, which builds under torch.device("meta"):
     # the proof's models, and every tensor their forward passes create
+    # and in float32 even inside the caller's torch.autocast (a proof at a forward pass
+    # under Trainer's bf16=True): the autocast run is a check of its own, at the end
     with (
         torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
         torch.device(device),
+        without_autocast(device),
         comparing(),
     ):
         torch.manual_seed(0)
@@ -383,8 +396,11 @@ def _prove(
             )
             if check is None:
                 check, detail = _dropout_left_out(sub, proven, batch, device) or (None, detail)
-            if check is None and dtype in LOW_PRECISION:
-                check, detail = _rounding(reference, candidate, batch, dtype) or (None, detail)
+            if check is None and (dtype in LOW_PRECISION or autocast in LOW_PRECISION):
+                check, detail = _rounding(reference, candidate, batch, dtype, autocast) or (
+                    None,
+                    detail,
+                )
     return Verdict(
         substitution=sub.name,
         passed=check is None,
@@ -397,6 +413,7 @@ def _prove(
         source=sources.digest(original_module(sub)),
         attention=getattr(proven, "_attn_implementation", None),
         dtype=dtype_name(dtype) if dtype in LOW_PRECISION else None,
+        autocast=dtype_name(autocast) if autocast in LOW_PRECISION else None,
     )
 
 
@@ -435,13 +452,28 @@ def _dropout_left_out(
 
 
 def _rounding(
-    reference: nn.Module, candidate: nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    autocast: torch.dtype | None,
 ) -> tuple[str, str] | None:
-    """The check in the model's low-precision ``dtype`` (after the float32 checks, which
-    it ends: both models are cast), as ``(check, detail)`` where it differs."""
-    check = f"forward in {dtype_name(dtype)}"
+    """The check in the model's low-precision ``dtype`` and under its ``autocast`` (after
+    the float32 checks, which it ends: both models are cast), as ``(check, detail)`` where
+    it differs."""
+    low = dtype if dtype in LOW_PRECISION else None
+    regime = [] if low is None else [f"in {dtype_name(low)}"]
+    if autocast in LOW_PRECISION:
+        regime.append(f"under autocast to {dtype_name(autocast)}")
+    check = f"forward {' '.join(regime)}"
     try:
-        problem = rounding_differs(reference, candidate, batch, dtype)
+        problem = rounding_differs(
+            reference,
+            candidate,
+            batch,
+            low,
+            autocast=autocast if autocast in LOW_PRECISION else None,
+        )
     except Exception as exc:
         problem = f"{type(exc).__name__}: {exc}"
     return None if problem is None else (check, problem)
@@ -454,21 +486,23 @@ def prove(
     force: bool = False,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Verdict:
     """The verdict for ``substitution`` and ``config``'s kind: stored, else proven now.
 
     ``config`` is the user's (its sizes are shrunk); ``None`` proves the family's tiny
     config. ``force`` proves again whatever is stored. ``dtype``, the dtype the user's
     model computes in: bfloat16 or float16 is proven too (:data:`LOW_PRECISION`), after
-    float32. ``device``, where it computes: the proof runs there where the substitution
-    runs there (else as :func:`ensure_proven` would run it). Example::
+    float32; ``autocast``, the one ``torch.autocast`` runs it in, likewise. ``device``,
+    where it computes: the proof runs there where the substitution runs there (else as
+    :func:`ensure_proven` would run it). Example::
 
         verdict = prove("qwen3.decoder.fused", model.config)
         assert verdict.passed, verdict.message()
     """
     # a name is the registry's to resolve; a substitution holds its parts already
     sub = substitution if isinstance(substitution, Substitution) else get(substitution)
-    placement = Placement(dtype, None if device is None else torch.device(device))
+    placement = Placement(dtype, None if device is None else torch.device(device), autocast)
     return _verdict(sub, config, force=force, placement=placement)
 
 
@@ -482,7 +516,8 @@ def _verdict(
     placement = placement or Placement()
     device = _device(sub, placement.device)  # the key names it, and the proof runs on it
     dtype = placement.dtype if placement.dtype in LOW_PRECISION else None
-    key = proof_key(sub, config, device, dtype)
+    autocast = placement.autocast if placement.autocast in LOW_PRECISION else None
+    key = proof_key(sub, config, device, dtype, autocast)
     with _LOCK:
         if not force:
             known = _MEMO.get(key)
@@ -493,7 +528,7 @@ def _verdict(
                 _MEMO[key] = known
                 return known
         with zero3.outside_partitioning():  # tiny models stay whole inside zero.Init
-            verdict = _prove(sub, config, device, dtype)
+            verdict = _prove(sub, config, device, dtype, autocast)
         _MEMO[key] = verdict
         if verdict.config == "family" and config is not None:
             warnings.warn(
@@ -505,7 +540,7 @@ def _verdict(
             )
             # stored for what it checked, the family's tiny config: never as this config's
             # verdict, which another process would then take for a proof of it
-            verdicts.write(proof_key(sub, None, device, dtype), verdict.to_dict())
+            verdicts.write(proof_key(sub, None, device, dtype, autocast), verdict.to_dict())
             return verdict
         verdicts.write(key, verdict.to_dict())
         return verdict

@@ -629,6 +629,31 @@ def test_an_equivalent_patch_is_proven_and_kept() -> None:
     assert modeling_llama.LlamaRMSNorm is not EquivalentRMSNorm
 
 
+def _gate_up_in_one_matmul(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # the fused layers' MLP: gate and up as one matmul; float32 rounds it as the original
+    # does to 1e-7, bfloat16 to its own last bit
+    weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+    gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
+    return self.down_proj(nn.functional.silu(gate) * up)
+
+
+def fuse_gate_up() -> None:
+    modeling_llama.LlamaMLP.forward = _gate_up_in_one_matmul
+
+
+def test_an_equivalent_patch_adopted_inside_autocast_is_proven_in_float32() -> None:
+    """Adopted inside the caller's ``torch.autocast`` (a training script's bf16 region):
+    the checks run with autocast off, so a patch equal to the original in float32 is
+    proven, not refused for the autocast dtype's rounding."""
+    config = layerswap.get_family("llama").tiny_config()
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        layerswap.adopt(fuse_gate_up, config=config) as adoption,
+    ):
+        assert adoption.proven == "llama"
+        assert torch.is_autocast_enabled("cpu")  # the caller's region, as it was
+
+
 def test_the_family_is_found_from_the_modeling_module_the_patch_changed() -> None:
     with layerswap.adopt(rebind_rms_norm) as adoption:
         assert adoption.proven == "llama"

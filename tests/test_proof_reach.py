@@ -376,6 +376,71 @@ def test_a_model_cast_after_its_swap_is_proven_in_its_new_dtype_before_it_runs(
         assert dtypes.count("bfloat16") == 1, dtypes
 
 
+def _wrong_under_autocast() -> Any:
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class OffUnderAutocast(fused):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(hidden_states, *args, **kwargs)
+            if not torch.is_autocast_enabled(hidden_states.device.type):
+                return out
+            return hidden_states + 1.5 * (out - hidden_states)  # the layer's update off by half
+
+    return dataclasses.replace(
+        get("llama.decoder.fused"),
+        name="llama.decoder.off_under_autocast",
+        replacement=OffUnderAutocast,
+    )
+
+
+def test_a_proof_run_inside_the_callers_autocast_compares_in_float32(proofs: Path) -> None:
+    """A proof started under the caller's ``torch.autocast`` (a swap, or the first forward
+    pass of a guarded model, inside Trainer's ``bf16=True``) ran its float32 checks in
+    bfloat16 and refused a correct layer (its embedding gradient 0.0046 off), a verdict
+    then stored for float32."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        verdict = proof.prove("llama.decoder.fused", tiny_llama().config, force=True)
+    assert verdict.passed, verdict.detail
+    assert verdict.autocast is None  # prove() asked for no autocast run
+
+
+def test_a_model_run_under_autocast_is_proven_under_autocast_before_it_runs(proofs: Path) -> None:
+    """Swapped in float32, then run under ``torch.autocast`` (its weights stay float32,
+    its matmuls run in bfloat16): the first pass under autocast proves the replacement
+    there, refused where it computes otherwise there; outside autocast it runs as
+    proven. A swap made under autocast proves it there at once."""
+    model = tiny_llama()
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    handle = layerswap.swap(model, _wrong_under_autocast())
+    model(**batch)  # float32: proven at the swap
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert Placement.of(model).autocast == torch.bfloat16
+        with pytest.raises(
+            UpstreamDriftError,
+            match=r"(?s)forward under autocast to bfloat16 differs.*under autocast",
+        ):
+            model(**batch)
+    assert Placement.of(model).autocast is None
+    model(**batch)
+    handle.undo()
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(UpstreamDriftError, match="under autocast to bfloat16"),
+    ):
+        layerswap.swap(tiny_llama(), _wrong_under_autocast())
+
+    right = tiny_llama()
+    with layerswap.swap(right, "llama.decoder.fused"), torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            right(**batch)
+    autocasts = [
+        v.autocast for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"
+    ]
+    assert autocasts.count("bfloat16") == 1, autocasts
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_model_moved_to_cuda_after_its_swap_is_proven_on_cuda_before_it_runs(

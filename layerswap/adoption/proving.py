@@ -43,7 +43,7 @@ from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import PatchDivergenceError, RequirementError, UnknownSubstitutionError
 from layerswap.model import layer_config
-from layerswap.placement import LOW_PRECISION
+from layerswap.placement import LOW_PRECISION, without_autocast
 from layerswap.registry import get_family
 from layerswap.shrink import shrunk_config
 
@@ -109,8 +109,20 @@ def check_patch(
     :class:`PatchDivergenceError` at the first that differs, :class:`RequirementError`
     where the patched code cannot run here. With ``dtype`` bfloat16 or float16 (the
     user's model computes in it), the padded forward in that dtype after them, judged as
-    the first-use proof judges it (both models are cast in place)."""
+    the first-use proof judges it (both models are cast in place). The checks run with
+    ``torch.autocast`` off, in a caller's autocast region too."""
     device = next(reference.parameters()).device
+    with without_autocast(device):
+        return _checked(recording, reference, candidate, dtype, device)
+
+
+def _checked(
+    recording: Recording,
+    reference: nn.Module,
+    candidate: nn.Module,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> tuple[str, ...]:
     tolerance = _tolerance(device)
     batch = _batch(reference, device)
     original = recording.suspended

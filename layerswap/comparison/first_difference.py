@@ -238,9 +238,10 @@ def rounding_differs(
     reference: nn.Module,
     candidate: nn.Module,
     batch: Batch,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     *,
     reference_context: ContextFactory = contextlib.nullcontext,
+    autocast: torch.dtype | None = None,
 ) -> str | None:
     """How ``candidate`` run in ``dtype`` (bfloat16, float16: the dtype a model computes
     in) is farther from the original's float32 outputs than the original's own run in
@@ -258,19 +259,34 @@ def rounding_differs(
     original's own routing was a near-tie, and what it reaches after, is left out, as
     :func:`layerswap.verify` leaves it out (:mod:`layerswap.comparison.excused`).
 
+    ``autocast``: the passes in ``dtype`` run under ``torch.autocast`` to it (a model
+    whose weights stay float32 while Trainer's ``bf16=True`` runs its matmuls in
+    bfloat16); ``dtype`` may then be ``None``. The float32 pass runs with autocast off.
+
     ``reference_context``: what the original's passes run in (an adopted patch taken back).
     Both models are cast to ``dtype`` in place: the proof's own, discarded after."""
+    device = batch["input_ids"].device
+    float32 = _autocast_factory(device, None)
     exact = forward(
-        reference, batch, routing=False, layer_outputs=False, context=reference_context
+        reference,
+        batch,
+        routing=False,
+        layer_outputs=False,
+        context=_nested(reference_context, float32),
     ).logits
-    reference.to(dtype)
-    candidate.to(dtype)
-    own = forward(reference, batch, layer_outputs=False, context=reference_context)
-    swapped = forward(candidate, batch, layer_outputs=False)
+    if dtype is not None:
+        reference.to(dtype)
+        candidate.to(dtype)
+    low = _autocast_factory(device, autocast)
+    own = forward(reference, batch, layer_outputs=False, context=_nested(reference_context, low))
+    swapped = forward(candidate, batch, layer_outputs=False, context=low)
     excused = excused_rows(own.routing, swapped.routing, batch["attention_mask"].bool())
     kept = slice(None) if excused is None else ~excused.after_last_layer.to(exact.device)
     floor = diff(exact[kept], own.logits[kept], rowwise=True)
-    tolerance = Tolerance.for_dtype(dtype).calibrated(
+    judged = autocast if autocast is not None else dtype
+    if judged is None:
+        raise ValueError("rounding_differs takes a low-precision dtype, an autocast one, or both")
+    tolerance = Tolerance.for_dtype(judged).calibrated(
         floor.max_rel_error, floor.cosine, FLOOR_FACTOR, FLOOR_SLACK
     )
     difference = diff(exact[kept], swapped.logits[kept], rowwise=True)
@@ -279,8 +295,34 @@ def rounding_differs(
     return (
         f"max abs difference {difference.max_abs_error:.3g} from the "
         f"original in float32 (cosine {difference.cosine:.6f}), where the original's own run "
-        f"in {dtype_name(dtype)} is {floor.max_abs_error:.3g} off (cosine {floor.cosine:.6f})"
+        f"{_regime(dtype, autocast)} is {floor.max_abs_error:.3g} off (cosine "
+        f"{floor.cosine:.6f})"
     )
+
+
+def _regime(dtype: torch.dtype | None, autocast: torch.dtype | None) -> str:
+    """``"in bfloat16"``, ``"under autocast to bfloat16"``, or both."""
+    parts = [] if dtype is None else [f"in {dtype_name(dtype)}"]
+    if autocast is not None:
+        parts.append(f"under autocast to {dtype_name(autocast)}")
+    return " ".join(parts)
+
+
+def _autocast_factory(device: torch.device, dtype: torch.dtype | None) -> ContextFactory:
+    """Passes on ``device`` under ``torch.autocast`` to ``dtype``, or with it off (``None``:
+    a caller's autocast region does not reach them)."""
+    if dtype is None:
+        return lambda: torch.autocast(device.type, enabled=False)
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def _nested(first: ContextFactory, second: ContextFactory) -> ContextFactory:
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        with first(), second():
+            yield
+
+    return entered
 
 
 #: the checks :func:`first_difference` runs, in order
