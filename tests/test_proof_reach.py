@@ -443,6 +443,29 @@ def test_a_model_run_under_autocast_is_proven_under_autocast_before_it_runs(proo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_model_run_under_autocast_is_proven_under_cuda_autocast(proofs: Path) -> None:
+    """Trainer's ``bf16=True`` on a GPU: float32 weights, CUDA autocast. The first pass under
+    it proves the replacement there (CUDA's bfloat16 kernels), refused where it computes
+    otherwise there; a correct one runs, proven once."""
+    batch = {"input_ids": torch.arange(3, 11, device="cuda").reshape(1, 8)}
+    model = tiny_llama().cuda()
+    with layerswap.swap(model, _wrong_under_autocast()):
+        model(**batch)
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16),
+            pytest.raises(UpstreamDriftError, match="under autocast to bfloat16"),
+        ):
+            model(**batch)
+    right = tiny_llama().cuda()
+    with layerswap.swap(right, "llama.decoder.fused"), torch.autocast("cuda", dtype=torch.bfloat16):
+        right(**batch)
+        right(**batch)
+    proven = [v for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"]
+    assert [v.autocast for v in proven].count("bfloat16") == 1, proven
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_model_moved_to_cuda_after_its_swap_is_proven_on_cuda_before_it_runs(
     proofs: Path,
 ) -> None:
