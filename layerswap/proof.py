@@ -458,16 +458,16 @@ def _rounding(
     dtype: torch.dtype | None,
     autocast: torch.dtype | None,
 ) -> tuple[str, str] | None:
-    """The check in the model's low-precision ``dtype`` and under its ``autocast`` (after
-    the float32 checks, which it ends: both models are cast), as ``(check, detail)`` where
-    it differs."""
+    """The checks in the model's low-precision ``dtype`` and under its ``autocast`` (after
+    the float32 checks, which they end: both models are cast), forward and backward, as
+    ``(check, detail)`` where one differs (``"forward in bfloat16"``)."""
     low = dtype if dtype in LOW_PRECISION else None
     regime = [] if low is None else [f"in {dtype_name(low)}"]
     if autocast in LOW_PRECISION:
         regime.append(f"under autocast to {dtype_name(autocast)}")
-    check = f"forward {' '.join(regime)}"
+    where = " ".join(regime)
     try:
-        problem = rounding_differs(
+        found = rounding_differs(
             reference,
             candidate,
             batch,
@@ -475,8 +475,10 @@ def _rounding(
             autocast=autocast if autocast in LOW_PRECISION else None,
         )
     except Exception as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    return None if problem is None else (check, problem)
+        return f"forward {where}", f"{type(exc).__name__}: {exc}"
+    if found.differs is None:
+        return None
+    return f"{found.differs[0]} {where}", found.differs[1]
 
 
 def prove(

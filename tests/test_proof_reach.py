@@ -349,6 +349,51 @@ def test_a_norm_a_little_off_only_in_low_precision_is_refused(
     assert proof.prove("llama.decoder.fused", tiny_llama().config, dtype=dtype).passed
 
 
+def _gradient_off_in_low_precision(scale: float) -> Any:
+    """The identity, whose backward scales the gradient by ``scale`` in bfloat16 or
+    float16 only (a kernel with a backward of its own per dtype, as Triton kernels have)."""
+
+    class Off(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.low = x.dtype != torch.float32
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad * scale if ctx.low else grad
+
+    return Off
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.bfloat16, 1.1), (torch.float16, 1.02)])
+def test_a_layer_whose_backward_is_off_only_in_low_precision_is_refused(
+    proofs: Path, dtype: torch.dtype, scale: float
+) -> None:
+    """The low-precision check takes the backward pass too: the gradients of the input
+    embeddings and the head, held to eight times the original's own error against
+    float32. Two layers each scaling their gradient by 1.1 only in bfloat16 (1.02 in
+    float16) ran their forward proven and their backward unchecked there."""
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+    off = _gradient_off_in_low_precision(scale)
+
+    class BackwardOff(fused):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return off.apply(super().forward(hidden_states, *args, **kwargs))
+
+    sub = dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.backward_off", replacement=BackwardOff
+    )
+    config = tiny_llama().config
+    verdict = proof.prove(sub, config, dtype=dtype)
+    assert not verdict.passed and verdict.check == f"backward in {verdict.dtype}", verdict
+    assert verdict.detail.startswith("embedding gradient"), verdict.detail
+    assert proof.prove(sub, config).passed  # in float32 it computes as the original
+    assert proof.prove("llama.decoder.fused", config, dtype=dtype).passed
+
+
 def test_a_model_cast_after_its_swap_is_proven_in_its_new_dtype_before_it_runs(
     proofs: Path,
 ) -> None:

@@ -141,12 +141,13 @@ def _checked(
     if check is None:
         if dtype not in LOW_PRECISION:
             return CHECKS
-        low = f"forward in {dtype_name(dtype)}"
         rounding = rounding_differs(reference, candidate, batch, dtype, reference_context=original)
-        if rounding is None:
-            return (*CHECKS, low)
+        if rounding.differs is None:
+            return (*CHECKS, *(f"{run} in {dtype_name(dtype)}" for run in rounding.compared))
+        low = f"{rounding.differs[0]} in {dtype_name(dtype)}"
         raise PatchDivergenceError(
-            f"{recording.name} differs from the original in {low}: {rounding}", check=low
+            f"{recording.name} differs from the original in {low}: {rounding.differs[1]}",
+            check=low,
         )
     _refuse_requirement(recording.name, None, problem)
     layer = first_divergent_layer(reference, candidate, batch, tolerance, original)
