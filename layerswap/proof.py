@@ -211,17 +211,14 @@ def proof_key(
     converter = sub.converter
     parts = {
         **verdicts.versions(),
-        "source": sources.digest(original_module(sub)),
-        "live_source": sources.live_digest(original_module(sub)),
+        # transformers' code, and a plugin's or the user's own layer's, as it is here
+        **sources.vouched_code(
+            original_module(sub), module, _live_replacement(sub), type(converter)
+        ),
         "substitution": sub.name,
         "replacement": named,
-        # a plugin's or the user's own layer: its code, as transformers' is
-        "replacement_source": sources.code_digest(module),
-        "replacement_live": _live_replacement(sub),
         # two converters under one name map the weights two ways
         "converter": _ADDRESS.sub("", repr(converter)),
-        "converter_source": sources.code_digest(type(converter).__module__),
-        "converter_live": sources.class_digest(type(converter)),
         # another device runs other kernels (SDPA's, a backend's)
         "device": (device or _device(sub)).type,
         "config": "family" if config is None else config_kind(layer_config(config)),
@@ -239,15 +236,14 @@ def proof_key(
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _live_replacement(sub: Substitution) -> str:
-    """:func:`~layerswap.sources.class_digest` of the replacement class, resolved (as the
-    proof would resolve it: the key is the same before and after its first import); ``""``
-    where it cannot be resolved here (a GPU backend's on a CPU machine)."""
+def _live_replacement(sub: Substitution) -> type | None:
+    """The replacement class, resolved (as the proof would resolve it: the key is the same
+    before and after its first import); ``None`` where it cannot be resolved here (a GPU
+    backend's on a CPU machine)."""
     try:
-        replacement = sub.replacement_class()
+        return sub.replacement_class()
     except Exception:
-        return ""
-    return sources.class_digest(replacement)
+        return None
 
 
 # --- the proof --------------------------------------------------------------------------

@@ -37,7 +37,15 @@ from typing import Any
 from layerswap.hf_internals import SHARED_SOURCES
 from layerswap.patching import unpatched
 
-__all__ = ["class_digest", "code_digest", "digest", "files", "live_digest", "package_root"]
+__all__ = [
+    "class_digest",
+    "code_digest",
+    "digest",
+    "files",
+    "live_digest",
+    "package_root",
+    "vouched_code",
+]
 
 
 def package_root() -> Path | None:
@@ -331,3 +339,26 @@ def _version_of(top: str) -> str:
         except metadata.PackageNotFoundError:
             continue
     return ""
+
+
+def vouched_code(
+    original: str, replacement: str, replacement_class: type | None, converter: type
+) -> dict[str, str]:
+    """The code a verdict vouches for, by digest: the ``original`` modeling module's files
+    and what this process binds of them, the ``replacement``'s module (outside layerswap:
+    a plugin's, the user's own) and its resolved class (``None``: it cannot be resolved
+    here, a GPU backend's on a CPU machine), and the ``converter`` class, likewise.
+
+    Example::
+
+        vouched_code("transformers.models.llama.modeling_llama",
+                     "layerswap.backends.fused.decoder", FusedLlamaDecoderLayer, Converter)
+    """
+    return {
+        "source": digest(original),
+        "live_source": live_digest(original),
+        "replacement_source": code_digest(replacement),
+        "replacement_live": "" if replacement_class is None else class_digest(replacement_class),
+        "converter_source": code_digest(converter.__module__),
+        "converter_live": class_digest(converter),
+    }
