@@ -62,6 +62,7 @@ from layerswap.comparison.first_difference import (
     CHECKS,
     first_difference,
     random_in_training,
+    regime,
     rounding_differs,
 )
 from layerswap.comparison.gradients import gradients_to_original
@@ -458,18 +459,10 @@ def _rounding(
     the float32 checks, which they end: both models are cast), forward and backward, as
     ``(check, detail)`` where one differs (``"forward in bfloat16"``)."""
     low = dtype if dtype in LOW_PRECISION else None
-    regime = [] if low is None else [f"in {dtype_name(low)}"]
-    if autocast in LOW_PRECISION:
-        regime.append(f"under autocast to {dtype_name(autocast)}")
-    where = " ".join(regime)
+    cast = autocast if autocast in LOW_PRECISION else None
+    where = regime(low, cast)
     try:
-        found = rounding_differs(
-            reference,
-            candidate,
-            batch,
-            low,
-            autocast=autocast if autocast in LOW_PRECISION else None,
-        )
+        found = rounding_differs(reference, candidate, batch, low, autocast=cast)
     except Exception as exc:
         return f"forward {where}", f"{type(exc).__name__}: {exc}"
     if found.differs is None:

@@ -711,6 +711,37 @@ def test_a_patch_wrong_only_in_the_models_bfloat16_is_refused(given: str) -> Non
     adoption.undo()
 
 
+def _norm_off_under_autocast(model: Any = None) -> None:
+    original = modeling_llama.LlamaRMSNorm.forward
+
+    def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = original(self, hidden_states)
+        return out * 1.5 if torch.is_autocast_enabled(hidden_states.device.type) else out
+
+    modeling_llama.LlamaRMSNorm.forward = forward
+
+
+@pytest.mark.parametrize("given", ["model", "config"])
+def test_a_patch_wrong_only_under_autocast_adopted_inside_autocast_is_refused(given: str) -> None:
+    """Adopted inside ``torch.autocast`` (for a model, or a config), a patch is proven
+    under autocast too and refused naming it, changing nothing; adopted outside, it
+    passes (the other checks run with autocast off and cannot see it)."""
+    model = layerswap.get_family("llama").build(seed=0)
+    where = {"model": model} if given == "model" else {"config": model.config}
+    model(input_ids=torch.arange(3, 9).reshape(1, 6))  # transformers' lazy registries filled
+    before = state_of()
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(PatchDivergenceError, match="under autocast to bfloat16") as refused,
+    ):
+        layerswap.adopt(_norm_off_under_autocast, **where)
+    assert refused.value.check == "forward under autocast to bfloat16"
+    assert differences(before, state_of()) == []
+    adoption = layerswap.adopt(_norm_off_under_autocast, **where)
+    assert not any("autocast" in check for check in adoption.checks), adoption.checks
+    adoption.undo()
+
+
 class _DoubledWeightGradient(torch.autograd.Function):
     """``w * x / rms(x)`` with a hand-written backward (as Liger's kernels have) whose
     weight gradient is twice what it should be; the input gradient is right."""

@@ -35,7 +35,7 @@ from layerswap.errors import AdoptionError, SwapWarning
 from layerswap.hf_internals import torch_dtype_of
 from layerswap.model import family_of, layer_config
 from layerswap.patching.scoped import caller_outside
-from layerswap.placement import Placement
+from layerswap.placement import Placement, autocast_dtype
 
 if TYPE_CHECKING:
     from torch import nn
@@ -234,7 +234,7 @@ def adopt(
         kwargs["model"] = model
         if family is not None:
             checks = _prove_on_copy(
-                fn, args, kwargs, family, config or model.config, Placement.of(model).dtype
+                fn, args, kwargs, family, config or model.config, Placement.of(model)
             )
         recording, result = record(fn, args, kwargs, model=model)
         if family is not None:
@@ -253,7 +253,8 @@ def adopt(
         try:
             _refuse_unreached(recording, family)
             dtype = None if config is None else torch_dtype_of(layer_config(config))
-            checks = _prove_in_place(recording, family, config, dtype)
+            placement = Placement(dtype, _device(), autocast_dtype(_device()))
+            checks = _prove_in_place(recording, family, config, placement)
         except BaseException:
             recording.undo()
             raise
@@ -344,10 +345,11 @@ def _prove_in_place(
     recording: Recording,
     family: Family,
     config: PreTrainedConfig | None,
-    dtype: torch.dtype | None,
+    placement: Placement,
 ) -> tuple[str, ...]:
     """Prove the class-level changes of ``recording``: the tiny original built with them
-    taken back, the candidate built with them, holding the original's weights."""
+    taken back, the candidate built with them, holding the original's weights; in
+    ``placement``'s dtype and under its autocast too."""
     tiny = tiny_config(family, config)
     with exclusive():
         with recording.suspended():
@@ -360,7 +362,7 @@ def _prove_in_place(
                 f"{recording.name}: a model built with the patch does not hold the "
                 f"original's weights ({exc}); it cannot be proven against the original"
             ) from exc
-        return check_patch(recording, reference, candidate, dtype)
+        return check_patch(recording, reference, candidate, placement.dtype, placement.autocast)
 
 
 def _prove_on_copy(
@@ -369,15 +371,16 @@ def _prove_on_copy(
     kwargs: dict[str, Any],
     family: Family,
     config: PreTrainedConfig,
-    dtype: torch.dtype | None,
+    placement: Placement,
 ) -> tuple[str, ...]:
     """Prove ``fn`` applied to a tiny model (in place of the user's): recorded, checked
-    against an untouched copy, taken back."""
+    against an untouched copy, taken back; in ``placement``'s dtype and under its
+    autocast too."""
     reference = family.build(tiny_config(family, config), seed=0).to(_device())
     candidate = copy.deepcopy(reference)
     recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
     try:
         with exclusive():
-            return check_patch(recording, reference, candidate, dtype)
+            return check_patch(recording, reference, candidate, placement.dtype, placement.autocast)
     finally:
         recording.undo()

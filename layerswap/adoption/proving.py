@@ -36,10 +36,14 @@ import torch
 from torch import nn
 
 from layerswap.comparison.compare import diff
-from layerswap.comparison.first_difference import CHECKS, first_difference, rounding_differs
+from layerswap.comparison.first_difference import (
+    CHECKS,
+    first_difference,
+    regime,
+    rounding_differs,
+)
 from layerswap.comparison.forward import ContextFactory, forward
 from layerswap.comparison.inputs import default_inputs, pad_token_id
-from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import PatchDivergenceError, RequirementError, UnknownSubstitutionError
 from layerswap.model import layer_config
@@ -103,24 +107,28 @@ def check_patch(
     reference: nn.Module,
     candidate: nn.Module,
     dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[str, ...]:
     """Run :data:`CHECKS` on ``reference`` (the original code: ``recording`` taken back for
     each of its passes) and ``candidate`` (the patched code); the checks run, or
     :class:`PatchDivergenceError` at the first that differs, :class:`RequirementError`
     where the patched code cannot run here. With ``dtype`` bfloat16 or float16 (the
-    user's model computes in it), the padded forward in that dtype after them, judged as
-    the first-use proof judges it (both models are cast in place). The checks run with
-    ``torch.autocast`` off, in a caller's autocast region too."""
+    user's model computes in it), or ``autocast`` (it runs under ``torch.autocast`` to
+    it), the padded forward and its backward in that dtype after them, judged as the
+    first-use proof judges them (both models are cast in place). The other checks run
+    with ``torch.autocast`` off, in a caller's autocast region too."""
     device = next(reference.parameters()).device
+    low = dtype if dtype in LOW_PRECISION else None
+    cast = autocast if autocast in LOW_PRECISION else None
     with without_autocast(device):
-        return _checked(recording, reference, candidate, dtype, device)
+        return _checked(recording, reference, candidate, (low, cast), device)
 
 
 def _checked(
     recording: Recording,
     reference: nn.Module,
     candidate: nn.Module,
-    dtype: torch.dtype | None,
+    precision: tuple[torch.dtype | None, torch.dtype | None],
     device: torch.device,
 ) -> tuple[str, ...]:
     tolerance = _tolerance(device)
@@ -139,15 +147,19 @@ def _checked(
         to_original=lambda model, gradients: gradients,
     )
     if check is None:
-        if dtype not in LOW_PRECISION:
+        low, cast = precision
+        if low is None and cast is None:
             return CHECKS
-        rounding = rounding_differs(reference, candidate, batch, dtype, reference_context=original)
+        rounding = rounding_differs(
+            reference, candidate, batch, low, reference_context=original, autocast=cast
+        )
+        where = regime(low, cast)
         if rounding.differs is None:
-            return (*CHECKS, *(f"{run} in {dtype_name(dtype)}" for run in rounding.compared))
-        low = f"{rounding.differs[0]} in {dtype_name(dtype)}"
+            return (*CHECKS, *(f"{run} {where}" for run in rounding.compared))
+        failed = f"{rounding.differs[0]} {where}"
         raise PatchDivergenceError(
-            f"{recording.name} differs from the original in {low}: {rounding.differs[1]}",
-            check=low,
+            f"{recording.name} differs from the original in {failed}: {rounding.differs[1]}",
+            check=failed,
         )
     _refuse_requirement(recording.name, None, problem)
     layer = first_divergent_layer(reference, candidate, batch, tolerance, original)

@@ -45,6 +45,7 @@ __all__ = [
     "gradients_differ",
     "outputs_differ",
     "random_in_training",
+    "regime",
     "GRADIENT_FACTOR",
     "Rounding",
     "rounding_differs",
@@ -307,13 +308,13 @@ def rounding_differs(
     swapped = forward(candidate, batch, layer_outputs=False, context=low)
     excused = excused_rows(own.routing, swapped.routing, batch["attention_mask"].bool())
     kept = slice(None) if excused is None else ~excused.after_last_layer.to(exact.device)
-    regime = _regime(dtype, autocast)
+    where = regime(dtype, autocast)
     problem = _beyond_floor(
         exact[kept],
         own.logits[kept],
         swapped.logits[kept],
         judged,
-        regime,
+        where,
         FLOOR_FACTOR,
         rowwise=True,
     )
@@ -330,7 +331,7 @@ def rounding_differs(
                 own_ends[label],
                 swapped_ends[label],
                 judged,
-                regime,
+                where,
                 GRADIENT_FACTOR,
                 rowwise=False,
             )
@@ -365,7 +366,7 @@ def _beyond_floor(
     )
 
 
-def _regime(dtype: torch.dtype | None, autocast: torch.dtype | None) -> str:
+def regime(dtype: torch.dtype | None, autocast: torch.dtype | None) -> str:
     """``"in bfloat16"``, ``"under autocast to bfloat16"``, or both."""
     parts = [] if dtype is None else [f"in {dtype_name(dtype)}"]
     if autocast is not None:
