@@ -61,6 +61,7 @@ def _written(family: Family) -> dict[str, Any]:
     """The fields ``inferred(...)`` is given for ``family``: those that differ from
     ``Family``'s defaults, the tiny config's beyond ``INFERRED_TINY``; not the description
     it derives."""
+    from layerswap.decoder_shape import FLAT, GROUPS
     from layerswap.families._tiny import INFERRED_TINY
 
     missing = sorted(set(INFERRED_TINY) - set(family.tiny))
@@ -76,6 +77,14 @@ def _written(family: Family) -> dict[str, Any]:
         elif field.name == "description":
             if value != f"inferred from {family.module}":
                 raise SystemExit(f"{family.name}: a description inferred() does not derive")
+        elif field.name in GROUPS:
+            # every group's features written flat at the first group, as declarations give
+            # them, in FLAT's order
+            if field.name == next(iter(GROUPS)):
+                for flat, (group, attr) in FLAT.items():
+                    held = getattr(getattr(family, group), attr)
+                    if held != getattr(GROUPS[group](), attr):
+                        fields[flat] = held
         elif value != _default(field):
             fields[field.name] = value
     return fields

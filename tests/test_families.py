@@ -38,6 +38,23 @@ def test_the_inferred_declarations_are_what_inference_gives_with_this_transforme
     assert [dict(f.tiny) for f in INFERRED] == [dict(f.tiny) for f in inferred]
 
 
+def test_the_generator_writes_declarations_that_build_the_inferred_families() -> None:
+    """``scripts/gen_families.py`` writes each family's features flat, as declarations
+    give them (a group written whole named a class the file does not import, and the
+    registry could not load it)."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gen_families.py"
+    render = runpy.run_path(str(script))["render"]
+    types = ["cohere", "flint", "gpt_oss", "olmo"]  # parallel, sinks, clip_qkv, norm_scale
+    namespace: dict[str, object] = {}
+    exec(render(types), namespace)
+    held = {family.name: family for family in INFERRED}
+    for written in namespace["INFERRED"]:  # type: ignore[attr-defined]
+        assert written == held[written.name], written.name
+        assert dict(written.tiny) == dict(held[written.name].tiny)
+
+
 def test_every_verified_model_type_is_a_builtin_family() -> None:
     registered = {family.model_type for family in families().values()}
     assert set(VERIFIED) <= registered
