@@ -30,6 +30,7 @@ from layerswap.families.infer import (
     seeded_layer,
     training_output,
 )
+from layerswap.placement import without_autocast
 from layerswap.registry import visible
 
 if TYPE_CHECKING:
@@ -47,7 +48,9 @@ def infer_family(model_type: str, *, name: str | None = None, verify: bool = Tru
     ``verify`` (the default) -- when the fused layer built from the inferred declaration
     does not match the original on a tiny model (:func:`prove_inferred`).
     """
-    return infer_declaration(model_type, name=name, prove=prove_inferred if verify else None)
+    # the probes and the proof compare in float32, whatever the caller's autocast region
+    with without_autocast():
+        return infer_declaration(model_type, name=name, prove=prove_inferred if verify else None)
 
 
 def prove_inferred(family: Family, where: str) -> None:

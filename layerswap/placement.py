@@ -83,12 +83,18 @@ def autocast_dtype(device: torch.device | None) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def without_autocast(*devices: torch.device) -> Iterator[None]:
-    """``torch.autocast`` off on the CPU and on each of ``devices``' types inside: a
-    comparison in float32 run from a caller's autocast region (a proof at a forward pass
-    under Trainer's ``bf16=True``) would otherwise run in the caller's dtype, and judge
-    its rounding as a difference."""
-    kinds = dict.fromkeys(("cpu", *(device.type for device in devices if device.type != "meta")))
+    """``torch.autocast`` off inside, on the CPU, on CUDA where present and on each of
+    ``devices``' types: a comparison in float32 run from a caller's autocast region (a
+    proof at a forward pass under Trainer's ``bf16=True``) would otherwise run in the
+    caller's dtype, and judge its rounding as a difference. A device type autocast does
+    not know is left as it is."""
+    kinds = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    kinds += [device.type for device in devices if device.type != "meta"]
     with contextlib.ExitStack() as stack:
-        for kind in kinds:
-            stack.enter_context(torch.autocast(kind, enabled=False))
+        for kind in dict.fromkeys(kinds):
+            try:
+                off = torch.autocast(kind, enabled=False)
+            except RuntimeError:  # a device type autocast does not know (lazy, vulkan)
+                continue
+            stack.enter_context(off)
         yield

@@ -55,6 +55,14 @@ def test_the_generator_writes_declarations_that_build_the_inferred_families() ->
         assert dict(written.tiny) == dict(held[written.name].tiny)
 
 
+def test_a_family_inferred_inside_autocast_is_inferred_in_float32() -> None:
+    """Inferred inside ``torch.autocast`` (its probes and its proof compare numbers), a
+    family was refused: "the fused layer does not compute what the original does"."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        family = infer_family("apertus")
+    assert family == get_family("apertus")
+
+
 def test_every_verified_model_type_is_a_builtin_family() -> None:
     registered = {family.model_type for family in families().values()}
     assert set(VERIFIED) <= registered

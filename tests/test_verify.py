@@ -572,3 +572,14 @@ def test_a_layer_wrong_only_in_cached_decoding_is_named(llama: Any) -> None:
     assert report.generation.first_divergent_layer == "model.layers.1 (decoding step 1)"
     assert "first decoder layer whose output differs is model.layers.1" in report.failure_message()
     assert verify(llama, FUSED).generation.first_divergent_layer is None  # passing: none
+
+
+def test_verify_inside_autocast_compares_in_the_dtype_asked() -> None:
+    """Called inside a training step's ``torch.autocast``, verify compared both models in
+    bfloat16 and judged that rounding against float32's tolerance: a correct swap of
+    qwen3 failed (max abs 0.0078). It compares in ``dtype`` (the model's), autocast off."""
+    model = get_family("qwen3").build(seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = verify(model, "qwen3.decoder.fused", backward=True)
+        assert torch.is_autocast_enabled("cpu")  # the caller's region, as it was
+    assert report.passed, report.summary()

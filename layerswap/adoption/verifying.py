@@ -27,6 +27,7 @@ from layerswap.comparison.forward import forward
 from layerswap.comparison.generation import decode_tokens
 from layerswap.comparison.placement import model_placement
 from layerswap.errors import UnsupportedModelError
+from layerswap.placement import without_autocast
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,10 +57,11 @@ def verify_adopted(
     generate = decode_tokens(model, generate)
     comparison = Comparison.prepare(model, None, device, dtype, tolerance, inputs)
     batch = comparison.batch
-    reference = forward(
-        model, batch, backward=backward, generate=generate, context=recording.suspended
-    )
-    candidate = forward(model, batch, backward=backward, generate=generate)
+    with without_autocast(device):  # compared in the model's dtype, as verify compares
+        reference = forward(
+            model, batch, backward=backward, generate=generate, context=recording.suspended
+        )
+        candidate = forward(model, batch, backward=backward, generate=generate)
     return comparison.report(reference, candidate, mode="models")
 
 

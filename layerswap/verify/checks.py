@@ -26,6 +26,7 @@ from layerswap.comparison.report import VerificationReport
 from layerswap.comparison.tolerance import Tolerance, precision
 from layerswap.errors import SwapWarning, VerificationError
 from layerswap.model import decoder_layers_if_known
+from layerswap.placement import without_autocast
 from layerswap.proof import comparing
 from layerswap.swap import rebuild_originals, swap
 from layerswap.verify.candidate import SubstitutionLike, resolve_substitution
@@ -117,7 +118,8 @@ def verify(
     A model built inside :func:`layerswap.use` (its layers already swapped) is compared
     with original layers rebuilt from its converted weights.
 
-    The model is left exactly as it was. Raises
+    The comparison runs with ``torch.autocast`` off (a caller's autocast region does not
+    reach it): ``dtype`` says what it computes in. The model is left exactly as it was. Raises
     :class:`~layerswap.errors.RequirementError` when the substitution cannot run here.
 
     Example::
@@ -132,19 +134,20 @@ def verify(
     target_device, target_dtype = target_placement(model, device, dtype)
     comparison = Comparison.prepare(model, sub, target_device, target_dtype, tolerance, inputs)
     _warn_unreached(model, comparison.batch, generate)
-    if streaming:
-        return verify_streaming(model, sub, comparison, backward=backward)
-
-    return _compare_on_a_copy(
-        model,
-        sub,
-        comparison,
-        (target_device, target_dtype),
-        tolerance,
-        backward=backward,
-        generate=generate,
-        already_swapped=already_swapped,
-    )
+    # compared in target_dtype, as asked: a caller's autocast region does not reach it
+    with without_autocast(target_device):
+        if streaming:
+            return verify_streaming(model, sub, comparison, backward=backward)
+        return _compare_on_a_copy(
+            model,
+            sub,
+            comparison,
+            (target_device, target_dtype),
+            tolerance,
+            backward=backward,
+            generate=generate,
+            already_swapped=already_swapped,
+        )
 
 
 def _compare_on_a_copy(
