@@ -208,6 +208,10 @@ class Family:
         ``config``."""
         if feature == "qk_norm":
             return self.attention.has_qk_norm(config)
+        if feature not in FLAT:
+            raise AttributeError(
+                f"Family has no feature {feature!r} (its features: {sorted(FLAT)})"
+            )
         group, attr = FLAT[feature]
         return switched(getattr(getattr(self, group), attr), config)
 

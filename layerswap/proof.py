@@ -81,6 +81,7 @@ from layerswap.registry import get
 from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
 from layerswap.substitution import Substitution
 from layerswap.tokens import avoid_tokens, media_tokens
+from layerswap.use import applied
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -366,18 +367,16 @@ def _prove(
         reference: nn.Module | None
         try:
             reference = _original_model(family, sub, proven, device)
-        except LayerswapError:
-            raise  # another substitution's use() refused the build: no verdict of this one
-        except Exception:
+        except Exception as exc:
+            _raise_if_another_use_refused(exc, sub)
             # the shrunk config does not build (a size the shrink broke): the family's tiny
             proven, kind = family.tiny_config(), "family"
             reference = None
         try:
             if reference is None:
                 reference = _original_model(family, sub, proven, device)
-        except LayerswapError:
-            raise
         except Exception as exc:  # nothing can be proven here: refused, with the reason
+            _raise_if_another_use_refused(exc, sub)
             check, detail = "building the tiny original model", f"{type(exc).__name__}: {exc}"
         else:
             candidate = sub.parts.slot.proof_candidate(reference, sub, proven)
@@ -394,10 +393,8 @@ def _prove(
             if check is None:
                 check, detail = _dropout_left_out(sub, proven, batch, device) or (None, detail)
             if check is None and (dtype in LOW_PRECISION or autocast in LOW_PRECISION):
-                check, detail = _rounding(reference, candidate, batch, dtype, autocast) or (
-                    None,
-                    detail,
-                )
+                check, low = _rounding(reference, candidate, batch, dtype, autocast)
+                detail = low if check is not None else f"{detail}; {low}"
     return Verdict(
         substitution=sub.name,
         passed=check is None,
@@ -412,6 +409,15 @@ def _prove(
         dtype=dtype_name(dtype) if dtype in LOW_PRECISION else None,
         autocast=dtype_name(autocast) if autocast in LOW_PRECISION else None,
     )
+
+
+def _raise_if_another_use_refused(exc: Exception, sub: Substitution) -> None:
+    """Raise ``exc``, a refusal of layerswap's own, where another substitution's
+    :func:`~layerswap.use` is in effect: it refused the proof's tiny model (the mlp slot
+    refuses a model whose layers are the decoder slot's), which says nothing of ``sub``,
+    and no verdict of ``sub`` may be kept for it."""
+    if isinstance(exc, LayerswapError) and any(other.name != sub.name for other in applied()):
+        raise exc
 
 
 def _dropout_left_out(
@@ -454,19 +460,20 @@ def _rounding(
     batch: dict[str, torch.Tensor],
     dtype: torch.dtype | None,
     autocast: torch.dtype | None,
-) -> tuple[str, str] | None:
+) -> tuple[str | None, str]:
     """The checks in the model's low-precision ``dtype`` and under its ``autocast`` (after
     the float32 checks, which they end: both models are cast), forward and backward, as
-    ``(check, detail)`` where one differs (``"forward in bfloat16"``)."""
+    ``(check, detail)``: the one that differs (``"forward in bfloat16"``), or ``None`` and
+    the passes compared."""
     low = dtype if dtype in LOW_PRECISION else None
     cast = autocast if autocast in LOW_PRECISION else None
     where = regime(low, cast)
     try:
         found = rounding_differs(reference, candidate, batch, low, autocast=cast)
     except Exception as exc:
-        return f"forward {where}", f"{type(exc).__name__}: {exc}"
+        return f"forward and backward {where}", f"{type(exc).__name__}: {exc}"
     if found.differs is None:
-        return None
+        return None, f"{' and '.join(found.compared)} {where} within its rounding bounds"
     return f"{found.differs[0]} {where}", found.differs[1]
 
 
