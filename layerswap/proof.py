@@ -17,8 +17,9 @@ the same weights:
    the original's layout), in training mode where the original's training pass is
    deterministic (else in eval mode, once the replacement is seen random in training too,
    each dropout the config sets tried alone),
-6. for a model computing in bfloat16 or float16, the padded forward again in that dtype,
-   held to twice the original's own rounding error against float32
+6. for a model computing in bfloat16 or float16, or run under ``torch.autocast``, the
+   padded forward and its backward again in that dtype, held to twice (the gradients:
+   eight times) the original's own rounding error against float32
    (:func:`~layerswap.comparison.first_difference.rounding_differs`),
 
 each run and judged as :func:`layerswap.verify` runs and judges
@@ -43,9 +44,6 @@ from __future__ import annotations
 import contextvars
 import copy
 import dataclasses
-import hashlib
-import json
-import re
 import threading
 import time
 import warnings
@@ -77,8 +75,9 @@ from layerswap.errors import (
 from layerswap.layers import normal_tensors
 from layerswap.model import dropout_fields, layer_config
 from layerswap.placement import LOW_PRECISION, Placement, without_autocast
+from layerswap.proof_key import original_module, proof_device, proof_key
 from layerswap.registry import get
-from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, config_kind, shrunk_config
+from layerswap.shrink import CODE_PATHS, SIZE_FIELDS, shrunk_config
 from layerswap.substitution import Substitution
 from layerswap.tokens import avoid_tokens, media_tokens
 from layerswap.use import applied
@@ -98,6 +97,7 @@ __all__ = [
     "proving",
     "proven_here",
     "changed_here",
+    "proof_key",
     "shrunk_config",
 ]
 
@@ -183,71 +183,6 @@ class Verdict:
         )
 
 
-# --- the config proven ------------------------------------------------------------------
-
-
-def original_module(sub: Substitution) -> str:
-    """The transformers module the original of ``sub`` lives in (its source is proven)."""
-    return sub.original.partition(":")[0]
-
-
-def proof_key(
-    sub: Substitution,
-    config: PreTrainedConfig | None,
-    device: torch.device | None = None,
-    dtype: torch.dtype | None = None,
-    autocast: torch.dtype | None = None,
-) -> str:
-    """The verdict's key: versions, the transformers source the original runs (its files,
-    and what this process binds: a function rebound at run time is other code), the
-    substitution, its replacement class and converter and (outside layerswap) their code,
-    the device the proof runs on (``device``, else the one it would run on), the config's
-    kind (its attention implementation included), and the low-precision ``dtype`` the
-    model computes in and the one ``autocast`` runs it in (:data:`LOW_PRECISION`; a
-    float32 model's key names none)."""
-    replacement = sub.replacement
-    named = replacement if isinstance(replacement, str) else replacement.__qualname__
-    module = (
-        replacement.partition(":")[0] if isinstance(replacement, str) else replacement.__module__
-    )
-    converter = sub.converter
-    parts = {
-        **verdicts.versions(),
-        # transformers' code, and a plugin's or the user's own layer's, as it is here
-        **sources.vouched_code(
-            original_module(sub), module, _live_replacement(sub), type(converter)
-        ),
-        "substitution": sub.name,
-        "replacement": named,
-        # two converters under one name map the weights two ways
-        "converter": _ADDRESS.sub("", repr(converter)),
-        # another device runs other kernels (SDPA's, a backend's)
-        "device": (device or _device(sub)).type,
-        "config": "family" if config is None else config_kind(layer_config(config)),
-    }
-    if dtype in LOW_PRECISION:
-        parts["dtype"] = dtype_name(dtype)
-    if autocast in LOW_PRECISION:
-        parts["autocast"] = dtype_name(autocast)
-    encoded = json.dumps(parts, sort_keys=True).encode()
-    safe = sub.name.replace("/", "_")
-    return f"{safe}-{hashlib.sha256(encoded).hexdigest()[:20]}"
-
-
-#: an object's address in its ``repr`` (a function's, a plain object's): another each run
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def _live_replacement(sub: Substitution) -> type | None:
-    """The replacement class, resolved (as the proof would resolve it: the key is the same
-    before and after its first import); ``None`` where it cannot be resolved here (a GPU
-    backend's on a CPU machine)."""
-    try:
-        return sub.replacement_class()
-    except Exception:
-        return None
-
-
 # --- the proof --------------------------------------------------------------------------
 
 
@@ -279,17 +214,6 @@ def proving() -> bool:
             proving()      # True
     """
     return _PROVING.get()
-
-
-def _device(sub: Substitution, wanted: torch.device | None = None) -> torch.device:
-    """The device the proof runs on: the model's (``wanted``) where the substitution runs
-    there (a CUDA model's proof runs the CUDA kernels it will run), else the CPU where the
-    substitution runs there, else CUDA where present."""
-    usable = wanted is not None and (wanted.type != "cuda" or torch.cuda.is_available())
-    if wanted is not None and usable and wanted.type in sub.devices:
-        return wanted
-    on_cpu = "cpu" in sub.devices
-    return torch.device("cpu" if on_cpu or not torch.cuda.is_available() else "cuda")
 
 
 def _randomize(model: nn.Module) -> None:
@@ -512,7 +436,7 @@ def _verdict(
     placement: Placement | None = None,
 ) -> Verdict:
     placement = placement or Placement()
-    device = _device(sub, placement.device)  # the key names it, and the proof runs on it
+    device = proof_device(sub, placement.device)  # the key names it, and the proof runs on it
     dtype = placement.dtype if placement.dtype in LOW_PRECISION else None
     autocast = placement.autocast if placement.autocast in LOW_PRECISION else None
     key = proof_key(sub, config, device, dtype, autocast)

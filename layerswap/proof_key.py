@@ -1,0 +1,107 @@
+"""The key a proof's verdict is stored under: what it vouches for, and where it ran.
+
+A verdict vouches for the versions, the transformers source the original runs, the
+substitution's replacement and converter and their code, the device the proof runs on,
+the config's kind, and the low-precision dtype and autocast dtype the model computes in;
+any of them changed, the key is another and the substitution is proven again.
+
+Example::
+
+    proof_key(layerswap.get("llama.decoder.fused"), model.config)
+    # "llama.decoder.fused-3f0c..."
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+from layerswap import sources, verdicts
+from layerswap.comparison.placement import dtype_name
+from layerswap.model import layer_config
+from layerswap.placement import LOW_PRECISION
+from layerswap.shrink import config_kind
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.substitution import Substitution
+
+__all__ = ["original_module", "proof_device", "proof_key"]
+
+
+def original_module(sub: Substitution) -> str:
+    """The transformers module the original of ``sub`` lives in (its source is proven)."""
+    return sub.original.partition(":")[0]
+
+
+def proof_key(
+    sub: Substitution,
+    config: PreTrainedConfig | None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
+) -> str:
+    """The verdict's key: versions, the transformers source the original runs (its files,
+    and what this process binds: a function rebound at run time is other code), the
+    substitution, its replacement class and converter and (outside layerswap) their code,
+    the device the proof runs on (``device``, else the one it would run on), the config's
+    kind (its attention implementation included), and the low-precision ``dtype`` the
+    model computes in and the one ``autocast`` runs it in (:data:`LOW_PRECISION`; a
+    float32 model's key names none)."""
+    replacement = sub.replacement
+    named = replacement if isinstance(replacement, str) else replacement.__qualname__
+    module = (
+        replacement.partition(":")[0] if isinstance(replacement, str) else replacement.__module__
+    )
+    converter = sub.converter
+    parts = {
+        **verdicts.versions(),
+        # transformers' code, and a plugin's or the user's own layer's, as it is here
+        **sources.vouched_code(
+            original_module(sub), module, _live_replacement(sub), type(converter)
+        ),
+        "substitution": sub.name,
+        "replacement": named,
+        # two converters under one name map the weights two ways
+        "converter": _ADDRESS.sub("", repr(converter)),
+        # another device runs other kernels (SDPA's, a backend's)
+        "device": (device or proof_device(sub)).type,
+        "config": "family" if config is None else config_kind(layer_config(config)),
+    }
+    if dtype in LOW_PRECISION:
+        parts["dtype"] = dtype_name(dtype)
+    if autocast in LOW_PRECISION:
+        parts["autocast"] = dtype_name(autocast)
+    encoded = json.dumps(parts, sort_keys=True).encode()
+    safe = sub.name.replace("/", "_")
+    return f"{safe}-{hashlib.sha256(encoded).hexdigest()[:20]}"
+
+
+#: an object's address in its ``repr`` (a function's, a plain object's): another each run
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _live_replacement(sub: Substitution) -> type | None:
+    """The replacement class, resolved (as the proof would resolve it: the key is the same
+    before and after its first import); ``None`` where it cannot be resolved here (a GPU
+    backend's on a CPU machine)."""
+    try:
+        return sub.replacement_class()
+    except Exception:
+        return None
+
+
+def proof_device(sub: Substitution, wanted: torch.device | None = None) -> torch.device:
+    """The device the proof runs on: the model's (``wanted``) where the substitution runs
+    there (a CUDA model's proof runs the CUDA kernels it will run), else the CPU where the
+    substitution runs there, else CUDA where present."""
+    usable = wanted is not None and (wanted.type != "cuda" or torch.cuda.is_available())
+    if wanted is not None and usable and wanted.type in sub.devices:
+        return wanted
+    on_cpu = "cpu" in sub.devices
+    return torch.device("cpu" if on_cpu or not torch.cuda.is_available() else "cuda")
