@@ -267,18 +267,16 @@ def rounding_differs(
 ) -> Rounding:
     """How ``candidate`` run in ``dtype`` (bfloat16, float16: the dtype a model computes
     in) is farther from the original's float32 results than the original's own run in
-    ``dtype`` is: :attr:`Rounding.differs` is ``(pass, detail)``, ``"forward"`` (the
-    logits) or ``"backward"`` (the gradients of the input embeddings and the head), or
-    ``None``; :attr:`Rounding.compared` the passes compared. A
-    replacement may take another path in another dtype (a kernel of its own, a cast left
-    out, a backward written for it). The floor is the original's own rounding error; the
-    candidate may be twice as far, its relative error and its cosine deficit (plus
-    :data:`~layerswap.comparison.fp8.FLOOR_SLACK`), above ``dtype``'s default ``atol``
-    (:meth:`~layerswap.comparison.tolerance.Tolerance.calibrated`, as FP8 is held to
-    ideal FP8 rounding). Not the dtype's default relative tolerance, which on a tiny model
-    is several times the floor and let a norm 4% off pass; a correct replacement's error
-    measures at most 1.56 times the floor (the families' 318 fused substitutions, in
-    bfloat16 and float16).
+    ``dtype`` is (:class:`Rounding`): the logits (``"forward"``) or the gradients of the
+    input embeddings and the head (``"backward"``). A replacement may take another path
+    in another dtype (a kernel of its own, a cast left out, a backward written for it).
+    The floor is the original's own rounding error; the candidate's logits may be twice
+    as far (the gradients :data:`GRADIENT_FACTOR` times), its relative error and its
+    cosine deficit (plus :data:`~layerswap.comparison.fp8.FLOOR_SLACK`), above ``dtype``'s
+    default ``atol`` (:meth:`~layerswap.comparison.tolerance.Tolerance.calibrated`). Not
+    the dtype's default relative tolerance, which on a tiny model is several times the
+    floor and let a norm 4% off pass; a correct replacement's logits measure at most 1.56
+    times the floor (318 fused substitutions, in bfloat16 and float16).
 
     A token a mixture-of-experts router sends elsewhere in the candidate where the
     original's own routing was a near-tie, and what it reaches after, is left out of the
