@@ -179,6 +179,8 @@ class Family:
         """
         return dataclasses.replace(self, **changes)
 
+    # the groups' questions asked of the family, as before the grouping (the package
+    # asks the groups: family.rope.rotates, family.normalization.kind_for ...)
     def rotates(self, attention: Any, config: PreTrainedConfig) -> bool:
         """Whether the original layer with this ``attention`` applies the rotary embedding."""
         return self.rope.rotates(attention, config)

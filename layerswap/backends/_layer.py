@@ -260,7 +260,7 @@ class DecoderLayer(GradientCheckpointingLayer):  # type: ignore[misc]
     def _norm(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:
         """The family's norm at ``place`` (``attn_in``, ``attn_out``, ``mlp_in``,
         ``mlp_out``), a submodule under the original's name, or nothing there."""
-        name = self.declared_family().norm_at(place)
+        name = self.declared_family().normalization.at(place)
         return hidden_states if name is None else self.get_submodule(name)(hidden_states)
 
     def _branch_out(self, place: str, hidden_states: torch.Tensor) -> torch.Tensor:

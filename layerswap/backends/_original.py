@@ -71,6 +71,6 @@ def original_numbers(family: Family, config: PreTrainedConfig, layer_idx: int) -
         residual_multiplier=float(getattr(layer, "residual_multiplier", 1.0)),
         attn_logit_softcapping=None if softcap is None else float(softcap),
         norm_eps=None if eps is None else float(eps),
-        rotary=family.rotates(attention, config),
+        rotary=family.rope.rotates(attention, config),
         is_causal=bool(getattr(attention, "is_causal", True)),
     )

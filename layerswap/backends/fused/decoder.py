@@ -180,7 +180,7 @@ def _family_norm(
     eps: float | None = None,
 ) -> nn.Module:
     eps = float(config.rms_norm_eps) if eps is None else eps
-    kind = family.norm_for(config)
+    kind = family.normalization.kind_for(config)
     scale = family.normalization.scale
     if kind in ("layer", "layer_nobias"):
         return FusedLayerNorm(
@@ -239,11 +239,11 @@ class FusedAttention(nn.Module):
         if family.attention.sinks:
             self.sinks = nn.Parameter(torch.empty(self.sizes[0] // self.head_dim))
         # OLMo, OLMoE: q, k and v clamped to [-bound, bound] where the config sets clip_qkv
-        self.qkv_bound = family.qkv_bound(config)
+        self.qkv_bound = family.attention.bound(config)
         # Seed-OSS: dropout on the output projection's result, in training
-        self.output_dropout = family.residual_dropout_p(config)
+        self.output_dropout = family.layer.residual_dropout_p(config)
         # Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / span))
-        self.query_scaling = family.query_scaling(config)
+        self.query_scaling = family.attention.query_scaling(config)
 
     def forward(
         self,
@@ -446,7 +446,7 @@ class FusedMLP(nn.Module):
             else ACT2FN[name]
         )
         # Seed-OSS: dropout on the down projection's result, in training
-        self.output_dropout = family.residual_dropout_p(config)
+        self.output_dropout = family.layer.residual_dropout_p(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         up, down = getattr(self, self.up_name), getattr(self, self.down_name)

@@ -117,7 +117,7 @@ def _config_problem(
             "the liger layer attends with scaled_dot_product_attention, which has no "
             f"attention logit soft-capping (attn_logit_softcapping={numbers.attn_logit_softcapping})"
         )
-    dropout = family.residual_dropout_p(config)
+    dropout = family.layer.residual_dropout_p(config)
     if dropout:
         return (
             "the liger layer applies no dropout after the output projections (this config's "

@@ -193,7 +193,7 @@ class TELayerSpec:
             raise SubstitutionError(f"{family.name}: {reason}")
         rope = getattr(config, "rope_parameters", None) or {}
         numbers = original_numbers(family, config, layer_idx)
-        dropout = family.residual_dropout_p(config)
+        dropout = family.layer.residual_dropout_p(config)
         if dropout:
             raise SubstitutionError(
                 f"{family.name}: the te layer applies no dropout after the output projections "
@@ -246,7 +246,7 @@ def tiny_config_dropout(family: Family) -> str | None:
     built here): dropout after the output projections; ``None`` when it can or no tiny
     config is built here (then judged per layer, :meth:`TELayerSpec.for_layer`)."""
     try:
-        dropout = family.residual_dropout_p(family.tiny_config())
+        dropout = family.layer.residual_dropout_p(family.tiny_config())
     except Exception:  # no tiny config here: judged per layer
         return None
     if not dropout:
