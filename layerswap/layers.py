@@ -17,13 +17,14 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from layerswap.errors import ConversionError, LayerswapError
-from layerswap.model import layer_config, locate, mark_substitution
+from layerswap.model import decoder_layers, layer_config, locate, mark_substitution
 from layerswap.packed_optim import track_packed_layer
 from layerswap.packed_state import install_packed_state_hooks
 from layerswap.state import install_load_hook
@@ -37,8 +38,10 @@ __all__ = [
     "adopt_layer",
     "convert_back",
     "convert_layer",
+    "converted_copy",
     "layer_index",
     "normal_tensors",
+    "originals_in_place",
 ]
 
 #: Converting runs outside inference mode: a tensor made inside torch.inference_mode()
@@ -278,3 +281,40 @@ def convert_back(
         if value is not tensor:
             tensor.data = value.detach()
     return into
+
+
+def originals_in_place(
+    model: nn.Module, original: type[nn.Module], config: PreTrainedConfig
+) -> None:
+    """A fresh ``original`` layer of ``config`` in the place of each decoder layer of
+    ``model`` that is not one (a model built inside a :func:`layerswap.use`): for a model
+    whose weights are drawn at random after, so none is converted.
+
+    Example::
+
+        originals_in_place(model, LlamaDecoderLayer, model.config)
+    """
+    for position, (name, layer) in enumerate(decoder_layers(model)):
+        if type(layer) is not original:
+            parent, key = locate(model, name)
+            parent._modules[key] = original(layer_config(config), layer_index(layer, position))
+
+
+def converted_copy(
+    reference: nn.Module, substitution: Substitution, config: PreTrainedConfig
+) -> nn.Module:
+    """A copy of ``reference`` whose decoder layers are converted to ``substitution``'s
+    (detached from the originals' tensors; no undo is kept).
+
+    Example::
+
+        candidate = converted_copy(reference, layerswap.get("llama.decoder.fused"), config)
+    """
+    candidate = copy.deepcopy(reference)
+    for position, (name, layer) in enumerate(decoder_layers(candidate)):
+        replacement = convert_layer(
+            layer, substitution, config, layer_idx=layer_index(layer, position), detach=True
+        )
+        parent, key = locate(candidate, name)
+        parent._modules[key] = replacement
+    return candidate

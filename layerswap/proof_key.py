@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["original_module", "proof_device", "proof_key"]
+__all__ = ["original_module", "proof_device", "proof_key", "proof_keys"]
 
 
 def original_module(sub: Substitution) -> str:
@@ -53,33 +53,48 @@ def proof_key(
     kind (its attention implementation included), and the low-precision ``dtype`` the
     model computes in and the one ``autocast`` runs it in (:data:`LOW_PRECISION`; a
     float32 model's key names none)."""
+    return proof_keys(sub, config, device, dtype, autocast)[0]
+
+
+def proof_keys(
+    sub: Substitution,
+    config: PreTrainedConfig | None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
+) -> tuple[str, str]:
+    """:func:`proof_key` of ``config``, and of the family's tiny config proven the same way
+    (where the proof falls back to it), the code digested once for both."""
     replacement = sub.replacement
     named = replacement if isinstance(replacement, str) else replacement.__qualname__
     module = (
         replacement.partition(":")[0] if isinstance(replacement, str) else replacement.__module__
     )
     converter = sub.converter
+    live = _live_replacement(sub)
+    # another device runs other kernels (SDPA's, a backend's)
+    where = (device or proof_device(sub)).type
+    kind = "family" if config is None else config_kind(layer_config(config))
     parts = {
         **verdicts.versions(),
         # transformers' code, and a plugin's or the user's own layer's, as it is here
-        **sources.vouched_code(
-            original_module(sub), module, _live_replacement(sub), type(converter)
-        ),
+        **sources.vouched_code(original_module(sub), module, live, type(converter)),
         "substitution": sub.name,
         "replacement": named,
         # two converters under one name map the weights two ways
         "converter": _ADDRESS.sub("", repr(converter)),
-        # another device runs other kernels (SDPA's, a backend's)
-        "device": (device or proof_device(sub)).type,
-        "config": "family" if config is None else config_kind(layer_config(config)),
+        "device": where,
     }
     if dtype in LOW_PRECISION:
         parts["dtype"] = dtype_name(dtype)
     if autocast in LOW_PRECISION:
         parts["autocast"] = dtype_name(autocast)
-    encoded = json.dumps(parts, sort_keys=True).encode()
     safe = sub.name.replace("/", "_")
-    return f"{safe}-{hashlib.sha256(encoded).hexdigest()[:20]}"
+    keys = []
+    for proven_kind in (kind, "family"):
+        encoded = json.dumps({**parts, "config": proven_kind}, sort_keys=True).encode()
+        keys.append(f"{safe}-{hashlib.sha256(encoded).hexdigest()[:20]}")
+    return keys[0], keys[1]
 
 
 #: an object's address in its ``repr`` (a function's, a plain object's): another each run

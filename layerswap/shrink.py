@@ -47,6 +47,7 @@ __all__ = [
     "PROOF_WINDOW",
     "SIZE_FIELDS",
     "config_kind",
+    "family_like",
     "layer_kinds",
     "position_thresholds",
     "shrunk_config",
@@ -129,15 +130,27 @@ def shrunk_config(family: Family, config: PreTrainedConfig) -> PreTrainedConfig:
     the text config its layers read) gives the text config, shrunk so; the rest (the
     vision tower, its tokens) is the family's tiny config.
     """
+    # what the shrink reads of the family, resolved once
+    original = _decoder_class(family)
+    tiny_config = family.tiny_config()
     if family.composite:
-        tiny_wrapper = family.tiny_config()
-        text = _shrunk_text(family, tiny_wrapper.get_text_config(), layer_config(config))
-        return family.config_type()(**{**family.tiny, "text_config": text.to_dict()})
-    return _shrunk_text(family, family.tiny_config(), config)
+        wrapper = family.config_type()
+        text = _shrunk_text(original, tiny_config.get_text_config(), layer_config(config))
+        return wrapper(**{**family.tiny, "text_config": text.to_dict()})
+    return _shrunk_text(original, tiny_config, config)
+
+
+def _decoder_class(family: Family) -> type[nn.Module] | None:
+    """``family``'s decoder layer class, ``None`` where it cannot be resolved (the shrink
+    then keeps every layer)."""
+    try:
+        return family.decoder_class()
+    except Exception:
+        return None
 
 
 def _shrunk_text(
-    family: Family, tiny_config: PreTrainedConfig, config: PreTrainedConfig
+    original: type[nn.Module] | None, tiny_config: PreTrainedConfig, config: PreTrainedConfig
 ) -> PreTrainedConfig:
     values = config.to_dict()
     layers = values.get("num_hidden_layers")
@@ -167,7 +180,7 @@ def _shrunk_text(
             values[name] = default
     if isinstance(layers, int):
         at_least = min(int(tiny.get("num_hidden_layers") or layers), layers)
-        values["num_hidden_layers"] = _layers_kept(family, config, values, layers, at_least)
+        values["num_hidden_layers"] = _layers_kept(original, config, values, layers, at_least)
         kept = values["num_hidden_layers"]
         for name, value in list(values.items()):
             if isinstance(value, list) and len(value) == layers and name != "architectures":
@@ -367,8 +380,13 @@ def layer_kinds(family: Family, config: PreTrainedConfig) -> list[str] | None:
 
         layer_kinds(smollm3, config)   # ['9b..', '9b..', '9b..', '41..']: layer 3 is NoPE
     """
+    return _kinds(_decoder_class(family), config)
+
+
+def _kinds(original: type[nn.Module] | None, config: PreTrainedConfig) -> list[str] | None:
+    if original is None:
+        return None
     try:
-        original = family.decoder_class()
         text = layer_config(config)
         with zero3.outside_partitioning(), torch.device("meta"):
             return [_kind(original(text, index)) for index in range(text.num_hidden_layers)]
@@ -381,13 +399,17 @@ _MOST_LAYERS = 128
 
 
 def _layers_kept(
-    family: Family, config: PreTrainedConfig, values: dict[str, Any], layers: int, at_least: int
+    original: type[nn.Module] | None,
+    config: PreTrainedConfig,
+    values: dict[str, Any],
+    layers: int,
+    at_least: int,
 ) -> int:
     """How many layers the tiny model keeps: the shortest prefix holding every kind of
     layer the config selects, at least ``at_least`` (the family's tiny count), at most
     ``layers``."""
     full = _built(config, {**values, "num_hidden_layers": layers})
-    kinds = layer_kinds(family, full)
+    kinds = _kinds(original, full)
     if kinds is None:
         return max(at_least, min(layers, _MOST_LAYERS))
     first: dict[str, int] = {}
@@ -413,3 +435,22 @@ def config_kind(config: PreTrainedConfig) -> str:
         values[name] = str(getattr(config, name, None))
     encoded = json.dumps(values, sort_keys=True, default=repr).encode()
     return hashlib.sha256(encoded).hexdigest()[:16]
+
+
+def family_like(family: Family, config: PreTrainedConfig) -> PreTrainedConfig | None:
+    """``family``'s tiny config, running the code paths ``config`` selects (its attention
+    and experts implementations); ``None`` (the family's own) where it sets none.
+
+    Example::
+
+        family_like(family, model.config)     # the tiny config, attn_implementation="eager"
+    """
+    text = layer_config(config)
+    chosen = {name: getattr(text, name, None) for name in CODE_PATHS}
+    if all(value is None for value in chosen.values()):
+        return None
+    tiny = family.tiny_config()
+    for name, value in chosen.items():
+        if value is not None:
+            setattr(layer_config(tiny), name, value)
+    return tiny

@@ -285,12 +285,13 @@ class Slot:
     def proof_reference(self, model: Any, sub: Substitution, config: PreTrainedConfig) -> None:
         """Originals in this slot's place in ``model``, the proof's causal LM of ``config``
         (built inside a :func:`layerswap.use`, it holds replacements; default:
-        :meth:`rebuild_originals`)."""
+        :meth:`rebuild_originals`; not asked where it :attr:`replaces_layers`)."""
         self.rebuild_originals(model, sub)
 
     def proof_candidate(self, reference: Any, sub: Substitution, config: PreTrainedConfig) -> Any:
         """A copy of the proof's ``reference`` (a causal LM of ``config``) with ``sub`` in
-        place, holding the reference's weights (default: :meth:`swap` of a deep copy)."""
+        place, holding the reference's weights (default: :meth:`swap` of a deep copy; not
+        asked where it :attr:`replaces_layers`: the layers are converted)."""
         candidate = copy.deepcopy(reference)
         self.swap(candidate, sub)
         return candidate

@@ -24,8 +24,9 @@ from transformers import DynamicCache
 from transformers.models.llama import modeling_llama
 
 import layerswap
-from layerswap import hf_internals, proof, verdicts
+from layerswap import hf_internals, proof, proof_run, verdicts
 from layerswap.comparison.first_difference import decoding_differs
+from layerswap.comparison.judgement import proof_batch
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import UnsupportedFamilyError, UpstreamDriftError
 from layerswap.model import decoder_layers
@@ -246,8 +247,8 @@ def test_the_verdict_is_stored_reused_and_proven_again_for_a_new_version(
     assert json.loads(stored[0].read_text())["versions"]["transformers"] == transformers.__version__
 
     calls: list[str] = []
-    real = proof._prove
-    monkeypatch.setattr(proof, "_prove", lambda *a: calls.append("proved") or real(*a))
+    real = proof.run
+    monkeypatch.setattr(proof, "run", lambda *a: calls.append("proved") or real(*a))
     monkeypatch.setattr(proof, "_MEMO", {})
     again = proof.prove("qwen3.decoder.fused", config)  # read back from disk
     assert again == first and calls == []
@@ -456,7 +457,7 @@ def test_a_family_whose_tiny_model_cannot_be_built_is_refused_with_the_reason(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise AttributeError("'str' object has no attribute 'get'")
 
-    monkeypatch.setattr(proof, "_original_model", broken)
+    monkeypatch.setattr(proof_run, "original_model", broken)
     with pytest.raises(UpstreamDriftError, match=r"building the tiny original model .*'str'"):
         proof.ensure_proven(get(FUSED), family.tiny_config())
 
@@ -503,7 +504,7 @@ def test_the_proof_compares_static_cache_decoding_eagerly_where_generate_would_c
     for model in (reference, candidate):
         model.generation_config.compile_config = transformers.CompileConfig()
         model.generation_config.compile_config._compile_all_devices = True
-    batch = proof._batch(config, torch.device("cpu"))
+    batch = proof_batch(config, torch.device("cpu"))
     monkeypatch.setattr(torch, "compile", record)
     # the original's own generate() compiles here: the condition the proof must not follow
     reference.generate(

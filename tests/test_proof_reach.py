@@ -26,7 +26,7 @@ from fresh import run_json
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import layerswap
-from layerswap import proof, shrink, sources
+from layerswap import proof, proof_run, shrink, sources
 from layerswap.comparison.inputs import default_length, inputs_for
 from layerswap.errors import SwapWarning, UpstreamDriftError
 from layerswap.placement import Placement
@@ -911,7 +911,7 @@ def test_a_config_proven_through_the_familys_tiny_config_is_not_stored_as_its_ow
     def unshrinkable(family: Any, config: Any) -> Any:
         raise ValueError("a field sized for the full model")
 
-    monkeypatch.setattr(proof, "shrunk_config", unshrinkable)
+    monkeypatch.setattr(proof_run, "shrunk_config", unshrinkable)
     with pytest.warns(SwapWarning, match="proved the family's tiny config instead"):
         assert proof.prove(sub, config).config == "family"
     stored = [json.loads(p.read_text()) for p in proofs.glob("*.json")]

@@ -163,7 +163,7 @@ def forward(
     labels = task.labels(batch, text_config(model), left_out=left_out) if wants_loss else {}
     gradients = None
     loss_value: torch.Tensor | None = None
-    layers = decoder_layers_if_known(model)
+    layers = decoder_layers_if_known(model) if routing or layer_outputs else []
     recording = capture_routing(layers, valid) if routing else contextlib.nullcontext(None)
     capturing: contextlib.AbstractContextManager[list[tuple[str, torch.Tensor]]] = (
         capture_layers(layers, valid) if layer_outputs else contextlib.nullcontext([])
@@ -301,13 +301,14 @@ def _generate(
         raise UnsupportedModelError(
             f"{type(model).__name__} cannot generate; use generate=0 or a *ForCausalLM model"
         )
+    layers = decoder_layers_if_known(model) if routing or decode_layers is not None else []
     recording = (
-        capture_decode_routing(decoder_layers_if_known(model), batch["attention_mask"].bool())
+        capture_decode_routing(layers, batch["attention_mask"].bool())
         if routing
         else contextlib.nullcontext(None)
     )
     outputs = (
-        _capture_decode_outputs(decoder_layers_if_known(model), decode_layers)
+        _capture_decode_outputs(layers, decode_layers)
         if decode_layers is not None
         else contextlib.nullcontext()
     )

@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 import weakref
@@ -49,7 +48,6 @@ from layerswap.loading import (
 )
 from layerswap.model import (
     decoder_layers,
-    layer_config,
     locate,
     pretrained_ancestors,
     pretrained_owner,
@@ -426,32 +424,6 @@ class DecoderSlot(Slot):
             parent._modules[key] = original
             rebuilt += 1
         return rebuilt
-
-    def proof_reference(
-        self, model: nn.Module, sub: Substitution, config: PreTrainedConfig
-    ) -> None:
-        """A fresh original in the place of each layer that is not one (the model was built
-        inside a use(), of this substitution or another): the proof randomizes the weights
-        after, so none is converted."""
-        original = sub.original_class()
-        for position, (name, layer) in enumerate(decoder_layers(model)):
-            if type(layer) is not original:
-                parent, key = locate(model, name)
-                parent._modules[key] = original(layer_config(config), layer_index(layer, position))
-
-    def proof_candidate(
-        self, reference: nn.Module, sub: Substitution, config: PreTrainedConfig
-    ) -> nn.Module:
-        """A copy of ``reference`` whose layers are converted (detached: the proof keeps
-        no undo), not swapped with a handle."""
-        candidate = copy.deepcopy(reference)
-        for position, (name, layer) in enumerate(decoder_layers(candidate)):
-            replacement = convert_layer(
-                layer, sub, config, layer_idx=layer_index(layer, position), detach=True
-            )
-            parent, key = locate(candidate, name)
-            parent._modules[key] = replacement
-        return candidate
 
     def construction(self, sub: Substitution) -> list[Scoped]:
         """The original class name patched to the replacement, the replacement adopted when

@@ -1,0 +1,274 @@
+"""One proof run: what it builds (a tiny model of the user's config, original and swapped)
+and the verdict the comparison core gives it (:mod:`layerswap.comparison.judgement`).
+
+:mod:`layerswap.proof` decides when a substitution is proven and keeps the verdicts;
+this module runs one proof, in isolation: its own random state, on its device, with the
+caller's autocast off, and inside :func:`comparing` (the models it builds are not proven
+again).
+
+Example::
+
+    verdict = run(layerswap.get("llama.decoder.fused"), model.config, torch.device("cpu"))
+    verdict.passed      # True
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from layerswap import sources, verdicts
+from layerswap.comparison.gradients import gradients_to_original
+from layerswap.comparison.judgement import Pair, judge
+from layerswap.comparison.placement import dtype_name
+from layerswap.errors import LayerswapError
+from layerswap.layers import converted_copy, normal_tensors, originals_in_place
+from layerswap.model import layer_config
+from layerswap.placement import LOW_PRECISION, without_autocast
+from layerswap.proof_key import original_module
+from layerswap.shrink import shrunk_config
+from layerswap.use import applied
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.substitution import Substitution
+
+__all__ = ["Verdict", "comparing", "proving", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a proof found: ``passed``, else the first ``check`` that differs and how."""
+
+    substitution: str
+    passed: bool
+    check: str | None
+    detail: str
+    seconds: float
+    versions: dict[str, str]
+    #: which config was proven: ``"shrunk"`` (the user's) or ``"family"`` (the family's tiny)
+    config: str = "shrunk"
+    #: the transformers module the original layer lives in, and a digest of the source it
+    #: runs (:mod:`layerswap.sources`): the verdict vouches for that source only
+    module: str = ""
+    source: str = ""
+    #: the attention implementation the proof ran (``"sdpa"``, ``"eager"``)
+    attention: str | None = None
+    #: the low-precision dtype the model computes in, proven besides float32
+    #: (``"bfloat16"``, ``"float16"``), ``None`` for a float32 model
+    dtype: str | None = None
+    #: the dtype ``torch.autocast`` runs the model's passes in, proven besides float32
+    #: (Trainer's ``bf16=True``), ``None`` where the model runs without autocast
+    autocast: str | None = None
+
+    def changed_since(self) -> bool:
+        """Whether the transformers source this verdict proved has changed since (an install
+        from git main, a locally edited release: the version string stays the same)."""
+        return bool(self.module) and sources.digest(self.module) != self.source
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Verdict:
+        fields = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in fields})
+
+    def config_message(self) -> str:
+        """One line for a verdict that failed on a config although the family's tiny
+        config passes: the config selects structure the family does not describe."""
+        return (
+            f"{self.substitution} does not compute what the original does for this model's "
+            f"config: {self.check} differs ({self.detail}), while the family's own tiny "
+            "config is proven equal on these versions. A field of this "
+            "config selects structure the family does not describe (another norm, "
+            "activation or attention variant): this model cannot take the substitution"
+        )
+
+    def message(self) -> str:
+        """One line: what was proven, on which versions, and the first difference."""
+        on = ", ".join(f"{name} {version}" for name, version in self.versions.items())
+        if self.attention:
+            on += f", attn_implementation={self.attention!r}"
+        if self.dtype:
+            on += f", in float32 and {self.dtype}"
+        if self.autocast:
+            on += f", and under autocast to {self.autocast}"
+        if self.passed:
+            return f"{self.substitution}: proven equal to the original on {on}"
+        return (
+            f"{self.substitution} does not behave like the original on {on}: "
+            f"{self.check} differs ({self.detail}). The layer contract changed in a way "
+            "this layerswap does not follow; upgrade layerswap, or install a transformers "
+            "release it supports (docs/compatibility.md). Where transformers' code was "
+            "patched in this process (another library's or your own patch of its modeling "
+            "code, not made through layerswap.adopt), the original runs that code: the "
+            "proof compared the swap with it"
+        )
+
+
+# a proof builds models: the use() hooks it passes through must not prove again
+_PROVING: contextvars.ContextVar[bool] = contextvars.ContextVar("layerswap_proving", default=False)
+
+
+@contextmanager
+def comparing() -> Iterator[None]:
+    """Inside, :func:`layerswap.proof.ensure_proven` proves nothing: for a proof's own
+    models, and for a comparison that is itself the proof (:func:`layerswap.verify`
+    compares the user's model, its decoding included, and names the first divergent layer).
+
+    Example::
+
+        with comparing():
+            swap(copy_of_model, sub)       # verify's candidate: its report is the verdict
+    """
+    token = _PROVING.set(True)
+    try:
+        yield
+    finally:
+        _PROVING.reset(token)
+
+
+def proving() -> bool:
+    """Whether this runs inside :func:`comparing` (a proof's own models, or a comparison
+    that is itself the proof): a slot that proves at each swap proves nothing there.
+
+    Example::
+
+        with comparing():
+            proving()      # True
+    """
+    return _PROVING.get()
+
+
+@normal_tensors
+def run(
+    sub: Substitution,
+    config: PreTrainedConfig | None,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
+) -> Verdict:
+    """The verdict of ``sub`` on ``config`` shrunk (``None``, or a config the shrink
+    breaks: the family's tiny config), on ``device``, in float32 and in the low-precision
+    ``dtype`` and ``autocast`` given."""
+    started = time.perf_counter()
+    family = sub.parts.family
+    proven: PreTrainedConfig | None = None
+    kind = "shrunk"
+    if config is not None:
+        try:
+            proven = shrunk_config(family, layer_config(config))
+        except Exception:
+            proven = None
+    if proven is None:
+        proven, kind = family.tiny_config(), "family"
+    # on ``device`` even inside from_pretrained, which builds under torch.device("meta"):
+    # the proof's models, and every tensor their forward passes create
+    # and in float32 even inside the caller's torch.autocast (a proof at a forward pass
+    # under Trainer's bf16=True): the autocast run is a check of its own, at the end
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        torch.device(device),
+        without_autocast(device),
+        comparing(),
+    ):
+        check: str | None
+        try:
+            pair = _pair(sub, proven, device)
+        except Exception as exc:
+            _raise_if_another_use_refused(exc, sub)
+            # the shrunk config does not build (a size the shrink broke): the family's tiny
+            proven, kind = family.tiny_config(), "family"
+            pair = None
+        try:
+            if pair is None:
+                pair = _pair(sub, proven, device)
+        except Exception as exc:  # nothing can be proven here: refused, with the reason
+            _raise_if_another_use_refused(exc, sub)
+            check, detail = "building the tiny original model", f"{type(exc).__name__}: {exc}"
+        else:
+            check, detail = judge(
+                pair,
+                proven,
+                device,
+                rebuild=lambda alone: _pair(sub, alone, device),
+                dtype=dtype,
+                autocast=autocast,
+            )
+    module = original_module(sub)
+    return Verdict(
+        substitution=sub.name,
+        passed=check is None,
+        check=check,
+        detail=detail,
+        seconds=round(time.perf_counter() - started, 3),
+        versions=verdicts.versions(),
+        config=kind,
+        module=module,
+        source=sources.digest(module),
+        attention=getattr(proven, "_attn_implementation", None),
+        dtype=dtype_name(dtype) if dtype in LOW_PRECISION else None,
+        autocast=dtype_name(autocast) if autocast in LOW_PRECISION else None,
+    )
+
+
+def _pair(sub: Substitution, config: PreTrainedConfig, device: torch.device) -> Pair:
+    """A causal LM of ``config`` with the originals in ``sub``'s slot, random from the
+    seed, in float32 on ``device``, and its copy with ``sub`` in place."""
+    torch.manual_seed(0)
+    reference = original_model(sub, config, device)
+    slot = sub.parts.slot
+    if slot.replaces_layers:  # layer by layer, as a swap converts them
+        candidate = converted_copy(reference, sub, config)
+    else:
+        candidate = slot.proof_candidate(reference, sub, config)
+    return Pair(
+        reference,
+        candidate,
+        slot.proof_context(sub),
+        lambda model, grads: gradients_to_original(model, grads, sub),
+    )
+
+
+def original_model(sub: Substitution, config: PreTrainedConfig, device: torch.device) -> nn.Module:
+    """A causal LM of ``config`` with the originals in ``sub``'s slot, random from the
+    seed, in float32 on ``device``, in eval mode."""
+    model = sub.parts.family.causal_lm_class()(config)
+    # built inside a use(): the originals back (the weights are drawn after)
+    if sub.parts.slot.replaces_layers:
+        originals_in_place(model, sub.original_class(), config)
+    else:
+        sub.parts.slot.proof_reference(model, sub, config)
+    _randomize(model)
+    placed: nn.Module = model.to(device=device, dtype=torch.float32)
+    return placed.eval()
+
+
+def _randomize(model: nn.Module) -> None:
+    """Every tensor from the seeded generator: norms near their identity, biases small."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.05)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param), alpha=0.1)
+            else:
+                param.normal_(0.0, 0.1)
+
+
+def _raise_if_another_use_refused(exc: Exception, sub: Substitution) -> None:
+    """Raise ``exc``, a refusal of layerswap's own, where another substitution's
+    :func:`~layerswap.use` is in effect: it refused the proof's tiny model (the mlp slot
+    refuses a model whose layers are the decoder slot's), which says nothing of ``sub``,
+    and no verdict of ``sub`` may be kept for it."""
+    if isinstance(exc, LayerswapError) and any(other.name != sub.name for other in applied()):
+        raise exc
