@@ -30,10 +30,9 @@ from layerswap.comparison.judgement import Pair, judge
 from layerswap.comparison.placement import dtype_name
 from layerswap.errors import LayerswapError
 from layerswap.layers import converted_copy, normal_tensors, originals_in_place
-from layerswap.model import layer_config
 from layerswap.placement import LOW_PRECISION, without_autocast
 from layerswap.proof_key import original_module
-from layerswap.shrink import shrunk_config
+from layerswap.shrink import proof_config
 from layerswap.use import applied
 
 if TYPE_CHECKING:
@@ -162,15 +161,7 @@ def run(
     ``dtype`` and ``autocast`` given."""
     started = time.perf_counter()
     family = sub.parts.family
-    proven: PreTrainedConfig | None = None
-    kind = "shrunk"
-    if config is not None:
-        try:
-            proven = shrunk_config(family, layer_config(config))
-        except Exception:
-            proven = None
-    if proven is None:
-        proven, kind = family.tiny_config(), "family"
+    proven, kind = proof_config(family, config)
     # on ``device`` even inside from_pretrained, which builds under torch.device("meta"):
     # the proof's models, and every tensor their forward passes create
     # and in float32 even inside the caller's torch.autocast (a proof at a forward pass

@@ -50,6 +50,7 @@ __all__ = [
     "family_like",
     "layer_kinds",
     "position_thresholds",
+    "proof_config",
     "shrunk_config",
 ]
 
@@ -435,6 +436,23 @@ def config_kind(config: PreTrainedConfig) -> str:
         values[name] = str(getattr(config, name, None))
     encoded = json.dumps(values, sort_keys=True, default=repr).encode()
     return hashlib.sha256(encoded).hexdigest()[:16]
+
+
+def proof_config(family: Family, config: PreTrainedConfig | None) -> tuple[PreTrainedConfig, str]:
+    """The config a proof builds its tiny models of, and its kind: ``config`` shrunk
+    (``"shrunk"``), else (``None``, or a config the shrink cannot take) ``family``'s tiny
+    config (``"family"``).
+
+    Example::
+
+        proof_config(get_family("llama"), model.config)     # (LlamaConfig(...), "shrunk")
+    """
+    if config is not None:
+        try:
+            return shrunk_config(family, layer_config(config)), "shrunk"
+        except Exception:
+            pass
+    return family.tiny_config(), "family"
 
 
 def family_like(family: Family, config: PreTrainedConfig) -> PreTrainedConfig | None:

@@ -504,7 +504,7 @@ def test_the_proof_compares_static_cache_decoding_eagerly_where_generate_would_c
     for model in (reference, candidate):
         model.generation_config.compile_config = transformers.CompileConfig()
         model.generation_config.compile_config._compile_all_devices = True
-    batch = proof_batch(config, torch.device("cpu"))
+    batch = proof_batch(reference, torch.device("cpu"))
     monkeypatch.setattr(torch, "compile", record)
     # the original's own generate() compiles here: the condition the proof must not follow
     reference.generate(

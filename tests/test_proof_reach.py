@@ -26,8 +26,9 @@ from fresh import run_json
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import layerswap
-from layerswap import proof, proof_run, shrink, sources
+from layerswap import proof, shrink, sources
 from layerswap.comparison.inputs import default_length, inputs_for
+from layerswap.comparison.judgement import proof_batch
 from layerswap.errors import SwapWarning, UpstreamDriftError
 from layerswap.placement import Placement
 from layerswap.registry import get, get_family
@@ -911,7 +912,7 @@ def test_a_config_proven_through_the_familys_tiny_config_is_not_stored_as_its_ow
     def unshrinkable(family: Any, config: Any) -> Any:
         raise ValueError("a field sized for the full model")
 
-    monkeypatch.setattr(proof_run, "shrunk_config", unshrinkable)
+    monkeypatch.setattr(shrink, "shrunk_config", unshrinkable)
     with pytest.warns(SwapWarning, match="proved the family's tiny config instead"):
         assert proof.prove(sub, config).config == "family"
     stored = [json.loads(p.read_text()) for p in proofs.glob("*.json")]
@@ -1152,3 +1153,26 @@ def test_a_contract_broken_at_run_time_is_one_line_and_exit_2_on_the_command_lin
     errors = [line for line in done.stderr.splitlines() if line.startswith("layerswap: error:")]
     assert len(errors) == 1 and "attention_temperature" in errors[0]
     assert json.dumps(done.stderr).count("\\n") <= 2  # one line, maybe a progress remnant
+
+
+def test_the_proofs_prompts_hold_no_media_token_and_are_the_same_whatever_the_rng() -> None:
+    """The prompts the first-use proof and an adoption's proof run (one builder,
+    ``judgement.proof_batch``): a wrapper's image or video token would ask for features
+    a text prompt lacks, and the seed is their own (the global generator's state, which
+    model building consumes, changes nothing)."""
+    config = get_family("qwen2_vl").tiny_config()
+    media = {3, 4, 5, 6, 7, 8, 9, 10}
+    for name, token in zip(("image_token_id", "video_token_id"), (3, 4), strict=True):
+        setattr(config, name, token)
+    config.vision_start_token_id, config.vision_end_token_id = 5, 10
+    config.get_text_config().vocab_size = 12  # most ids are media ids now
+    model = get_family("qwen2_vl").causal_lm_class()(config)
+    first = proof_batch(model, torch.device("cpu"))
+    torch.manual_seed(1234)
+    torch.randn(100)
+    again = proof_batch(model, torch.device("cpu"))
+    ids = first["input_ids"][first["attention_mask"].bool()]
+    assert not set(ids.tolist()) & {3, 4, 5, 10}
+    assert set(ids.tolist()) & (media - {3, 4, 5, 10})  # the other ids are drawn
+    assert torch.equal(first["input_ids"], again["input_ids"])
+    assert first["attention_mask"][1, :3].sum() == 0 and first["attention_mask"][0].all()

@@ -39,17 +39,15 @@ from layerswap.comparison.compare import diff
 from layerswap.comparison.first_difference import (
     CHECKS,
     first_difference,
-    regime,
-    rounding_differs,
+    low_precision_differs,
 )
 from layerswap.comparison.forward import ContextFactory, forward
-from layerswap.comparison.inputs import default_inputs, pad_token_id
+from layerswap.comparison.judgement import NEW_TOKENS, proof_batch, proof_tolerance
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import PatchDivergenceError, RequirementError, UnknownSubstitutionError
-from layerswap.model import layer_config
 from layerswap.placement import LOW_PRECISION, without_autocast
 from layerswap.registry import get_family
-from layerswap.shrink import shrunk_config
+from layerswap.shrink import proof_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -58,10 +56,6 @@ if TYPE_CHECKING:
     from layerswap.family import Family
 
 __all__ = ["CHECKS", "check_patch", "family_for", "first_divergent_layer", "tiny_config"]
-
-_NEW_TOKENS = 3
-_SEQUENCE = 8
-_PADDING = 3
 
 
 def family_for(model_type: str) -> Family | None:
@@ -78,28 +72,7 @@ def family_for(model_type: str) -> Family | None:
 def tiny_config(family: Family, config: PreTrainedConfig | None) -> PreTrainedConfig:
     """``config`` shrunk (:func:`~layerswap.shrink.shrunk_config`); the family's tiny config
     where there is none, or it does not shrink."""
-    if config is not None:
-        try:
-            return shrunk_config(family, layer_config(config))
-        except Exception:
-            pass
-    return family.tiny_config()
-
-
-def _tolerance(device: torch.device) -> Tolerance:
-    # float32 on both sides; a GPU's kernels (Triton's) reorder more roundings
-    return Tolerance.scaled(1e-4 if device.type == "cpu" else 2e-3)
-
-
-def _batch(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    config = layer_config(model.config)
-    return default_inputs(
-        int(config.vocab_size),
-        seq_len=_SEQUENCE,
-        padding=_PADDING,
-        pad_token_id=pad_token_id(config),
-        device=device,
-    )
+    return proof_config(family, config)[0]
 
 
 def check_patch(
@@ -131,15 +104,15 @@ def _checked(
     precision: tuple[torch.dtype | None, torch.dtype | None],
     device: torch.device,
 ) -> tuple[str, ...]:
-    tolerance = _tolerance(device)
-    batch = _batch(reference, device)
+    tolerance = proof_tolerance(device)
+    batch = proof_batch(reference, device)
     original = recording.suspended
     check, problem = first_difference(
         reference,
         candidate,
         batch,
         tolerance,
-        new_tokens=_NEW_TOKENS,
+        new_tokens=NEW_TOKENS,
         reference_context=original,
         failed=lambda exc: _refuse_requirement(recording.name, exc, str(exc)),
         # the patched copy keeps the original's parameters and names: every gradient is
@@ -148,18 +121,16 @@ def _checked(
     )
     if check is None:
         low, cast = precision
-        if low is None and cast is None:
-            return CHECKS
-        rounding = rounding_differs(
-            reference, candidate, batch, low, reference_context=original, autocast=cast
+        rounding = low_precision_differs(
+            reference, candidate, batch, low, cast, reference_context=original
         )
-        where = regime(low, cast)
+        if rounding is None:
+            return CHECKS
         if rounding.differs is None:
-            return (*CHECKS, *(f"{run} {where}" for run in rounding.compared))
-        failed = f"{rounding.differs[0]} {where}"
+            return (*CHECKS, *rounding.compared)
+        failed, detail = rounding.differs
         raise PatchDivergenceError(
-            f"{recording.name} differs from the original in {failed}: {rounding.differs[1]}",
-            check=failed,
+            f"{recording.name} differs from the original in {failed}: {detail}", check=failed
         )
     _refuse_requirement(recording.name, None, problem)
     layer = first_divergent_layer(reference, candidate, batch, tolerance, original)

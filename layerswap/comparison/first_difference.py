@@ -37,12 +37,14 @@ from layerswap.comparison.forward import ContextFactory, forward, generate_token
 from layerswap.comparison.fp8 import FLOOR_FACTOR, FLOOR_SLACK
 from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
+from layerswap.placement import LOW_PRECISION
 
 __all__ = [
     "CHECKS",
     "decoding_differs",
     "first_difference",
     "gradients_differ",
+    "low_precision_differs",
     "outputs_differ",
     "random_in_training",
     "regime",
@@ -370,6 +372,39 @@ def regime(dtype: torch.dtype | None, autocast: torch.dtype | None) -> str:
     if autocast is not None:
         parts.append(f"under autocast to {dtype_name(autocast)}")
     return " ".join(parts)
+
+
+def low_precision_differs(
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: Batch,
+    dtype: torch.dtype | None,
+    autocast: torch.dtype | None,
+    *,
+    reference_context: ContextFactory = contextlib.nullcontext,
+) -> Rounding | None:
+    """:func:`rounding_differs` in the low-precision ``dtype`` and under ``autocast``
+    (each kept where it is bfloat16 or float16), every pass named with its
+    :func:`regime` (``"backward in bfloat16"``); ``None`` where neither is low precision.
+
+    Example::
+
+        found = low_precision_differs(reference, candidate, batch, torch.bfloat16, None)
+        found.compared      # ("forward in bfloat16", "backward in bfloat16")
+    """
+    low = dtype if dtype in LOW_PRECISION else None
+    cast = autocast if autocast in LOW_PRECISION else None
+    if low is None and cast is None:
+        return None
+    where = regime(low, cast)
+    found = rounding_differs(
+        reference, candidate, batch, low, reference_context=reference_context, autocast=cast
+    )
+    differs = found.differs
+    return Rounding(
+        tuple(f"{run} {where}" for run in found.compared),
+        None if differs is None else (f"{differs[0]} {where}", differs[1]),
+    )
 
 
 def _autocast_factory(device: torch.device, dtype: torch.dtype | None) -> ContextFactory:

@@ -25,15 +25,15 @@ from torch import nn
 
 from layerswap.comparison.first_difference import (
     first_difference,
+    low_precision_differs,
     random_in_training,
     regime,
-    rounding_differs,
 )
 from layerswap.comparison.forward import ContextFactory
+from layerswap.comparison.inputs import inputs_for
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.model import dropout_fields, layer_config
 from layerswap.placement import LOW_PRECISION
-from layerswap.tokens import avoid_tokens, media_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -58,23 +58,16 @@ class Pair:
     to_original: Callable[[nn.Module, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def proof_batch(config: PreTrainedConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    """Two random prompts of ``config``'s vocabulary, the second left-padded."""
-    text = layer_config(config)
-    vocab = int(text.vocab_size)
-    ids = torch.randint(3, vocab, (2, _SEQUENCE), device=device)
-    # a wrapper's image or video token would ask for features the text prompt lacks
-    ids = avoid_tokens(ids, media_tokens(config), vocab)
-    mask = torch.ones_like(ids)
-    mask[1, :_PADDING] = 0
-    pad = getattr(text, "pad_token_id", None)
-    ids[1, :_PADDING] = pad if isinstance(pad, int) else 0
-    return {"input_ids": ids, "attention_mask": mask}
+def proof_batch(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """The proof's prompts for ``model``: :func:`~layerswap.comparison.inputs.inputs_for`
+    (as :func:`layerswap.verify` draws them: its vocabulary and pad token, no media token,
+    the same on every machine), two of 8 tokens, the second left-padded by 3."""
+    return inputs_for(model, seq_len=_SEQUENCE, padding=_PADDING, device=device)
 
 
 def proof_tolerance(device: torch.device) -> Tolerance:
     """float32 on both sides: a swap only reorders roundings, and a GPU's kernels reorder
-    more (``1e-4`` on a CPU, ``2e-3`` on a GPU)."""
+    more, Triton's among them (``1e-4`` on a CPU, ``2e-3`` on a GPU)."""
     return Tolerance.scaled(1e-4 if device.type == "cpu" else 2e-3)
 
 
@@ -90,7 +83,7 @@ def judge(
     """``(check, detail)``: the first check ``pair`` fails (``None`` where none does) and
     how, or what was compared. ``rebuild(config)`` builds the pair of another config (the
     dropout check's); ``dtype`` and ``autocast``, a low-precision regime checked last."""
-    batch = proof_batch(config, device)
+    batch = proof_batch(pair.reference, device)
     check, detail = first_difference(
         pair.reference,
         pair.candidate,
@@ -148,13 +141,13 @@ def _rounding(
     the float32 checks, which they end: both models are cast), forward and backward, as
     ``(check, detail)``: the one that differs (``"forward in bfloat16"``), or ``None`` and
     the passes compared."""
-    low = dtype if dtype in LOW_PRECISION else None
-    cast = autocast if autocast in LOW_PRECISION else None
-    where = regime(low, cast)
     try:
-        found = rounding_differs(pair.reference, pair.candidate, batch, low, autocast=cast)
+        found = low_precision_differs(pair.reference, pair.candidate, batch, dtype, autocast)
     except Exception as exc:
+        low = dtype if dtype in LOW_PRECISION else None
+        where = regime(low, autocast if autocast in LOW_PRECISION else None)
         return f"forward and backward {where}", f"{type(exc).__name__}: {exc}"
-    if found.differs is None:
-        return None, f"{' and '.join(found.compared)} {where} within its rounding bounds"
-    return f"{found.differs[0]} {where}", found.differs[1]
+    if found is None or found.differs is None:
+        compared = () if found is None else found.compared
+        return None, f"{' and '.join(compared)} within its rounding bounds"
+    return found.differs
