@@ -28,8 +28,11 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import operator
 import sys
 import uuid
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -194,27 +197,71 @@ def class_digest(cls: type) -> str:
 
 
 def _fold_namespace(combined: Any, module: ModuleType, name: str) -> None:
+    for part in _namespace_parts(module, name):
+        combined.update(part if isinstance(part, bytes) else _class_text(part))
+
+
+def _fold_class(combined: Any, cls: type) -> None:
+    combined.update(_class_text(cls))
+
+
+# What a namespace and a class fold to is kept with the very objects it was read from
+# (held, so that no other object takes their identity): while a namespace or a class
+# dict holds the same objects, its text is the same, and it is not read again. A rebind,
+# a patch set or taken back, changes an object there.
+_NAMESPACES: dict[str, tuple[ModuleType, tuple[Any, ...], list[bytes | type]]] = {}
+_CLASSES: weakref.WeakKeyDictionary[type, tuple[tuple[Any, ...], bytes]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _held(namespace: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (*namespace, *namespace.values())
+
+
+def _same(held: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    return len(held) == len(now) and all(map(operator.is_, held, now))
+
+
+def _namespace_parts(module: ModuleType, name: str) -> list[bytes | type]:
+    """What ``module``'s namespace folds to: the text of each function it binds, and each
+    class it defines (folded by :func:`_class_text`, which checks its own dict)."""
+    now = _held(vars(module))
+    known = _NAMESPACES.get(name)
+    if known is not None and known[0] is module and _same(known[1], now):
+        return known[2]
+    parts: list[bytes | type] = []
     for attr in sorted(vars(module)):
         value = unpatched(module, attr)
         if isinstance(value, type):
             if getattr(value, "__module__", None) == name:
-                combined.update(f"{name}.{attr}".encode())
-                _fold_class(combined, value)
+                parts.append(f"{name}.{attr}".encode())
+                parts.append(value)
         elif hasattr(value, "__code__"):
-            combined.update(f"{name}.{attr}={_written(value)}".encode())
+            parts.append(f"{name}.{attr}={_written(value)}".encode())
+    _NAMESPACES[name] = (module, now, parts)
+    return parts
 
 
-def _fold_class(combined: Any, cls: type) -> None:
+def _class_text(cls: type) -> bytes:
+    now = _held(vars(cls))
+    known = _CLASSES.get(cls)
+    if known is not None and _same(known[0], now):
+        return known[1]
+    found = []
     for attr in sorted(vars(cls)):
         raw = vars(cls)[attr]
         if isinstance(raw, property):
             parts = [p for p in (raw.fget, raw.fset) if p is not None]
         elif isinstance(raw, (staticmethod, classmethod)) or hasattr(raw, "__code__"):
-            found = unpatched(cls, attr)
-            parts = [getattr(found, "__func__", found)]
+            got = unpatched(cls, attr)
+            parts = [getattr(got, "__func__", got)]
         else:
             continue
-        combined.update(f"{attr}={','.join(map(_written, parts))}".encode())
+        found.append(f"{attr}={','.join(map(_written, parts))}".encode())
+    text = b"".join(found)
+    _CLASSES[cls] = (now, text)
+    return text
 
 
 def _written(function: Any) -> str:

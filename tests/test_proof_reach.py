@@ -182,6 +182,38 @@ def test_the_original_patched_at_run_time_is_proven_again_and_refused(
     layerswap.swap(model, sub).undo()
 
 
+@pytest.mark.parametrize("where", ["function", "method", "class", "another class's method"])
+def test_the_live_digest_follows_each_rebind_and_its_undo_read_after_read(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the process binds is read again only where a namespace or a class dict holds
+    other objects: a digest taken, then a rebind, reads the rebind (and keeps reading it),
+    and the undo reads as before; layerswap's own patch is seen through."""
+    from transformers.models.llama import modeling_llama
+
+    before = sources.live_digest(LLAMA)
+    assert sources.live_digest(LLAMA) == before
+    owner: Any = {
+        "function": modeling_llama,
+        "method": modeling_llama.LlamaAttention,
+        "class": modeling_llama,
+        "another class's method": modeling_llama.LlamaRMSNorm,
+    }[where]
+    name = {"function": "rotate_half", "class": "LlamaMLP"}.get(where, "forward")
+    kept = getattr(owner, name)
+    with layerswap.patch(owner, name, lambda *args: kept(*args)):
+        assert sources.live_digest(LLAMA) == before  # seen through
+    if where == "class":
+        replacement: Any = type("LlamaMLP", (kept,), {"__module__": LLAMA})
+    else:
+        replacement = lambda *args: kept(*args)  # noqa: E731
+    monkeypatch.setattr(owner, name, replacement)
+    changed = sources.live_digest(LLAMA)
+    assert changed != before and sources.live_digest(LLAMA) == changed
+    monkeypatch.undo()
+    assert sources.live_digest(LLAMA) == before
+
+
 class _FirstRowGradient(torch.autograd.Function):
     """``x @ w.T`` whose weight gradient reads the batch's first sequence only: the input
     gradient, and so every gradient below it, is right."""
