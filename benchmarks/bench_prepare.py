@@ -1,5 +1,6 @@
 """What preparing a proven substitution costs: what every swap, every model ``use()``
-builds, and every re-prepare after a cast pays once the verdict is stored.
+builds, and every re-prepare after a cast pays once the verdict is stored; and what the
+placement guard's probe costs each forward pass of a swapped model.
 
 ``slot.prepare`` runs the call contract and structure checks, then looks the verdict up
 by its key (``proof_key``: the versions, and a digest of the code the original runs,
@@ -22,7 +23,7 @@ import torch
 import transformers
 
 import layerswap
-from layerswap import proof, sources
+from layerswap import hf_internals, placement_guard, proof, sources
 from layerswap.placement import Placement
 from layerswap.proof_key import proof_key
 
@@ -55,7 +56,10 @@ def main() -> None:
     cpu = torch.device("cpu")
     placement = Placement(torch.float32, cpu)
     assert proof.prove(sub, config).passed  # stored: what follows is the lookup alone
+    model = sub.parts.family.causal_lm_class()(config)
+    text = hf_internals.text_config_object(model.config)
     rows: dict[str, Callable[[], object]] = {
+        "placement guard's probe (each forward)": lambda: placement_guard._probe(model, text),
         "proof_key": lambda: proof_key(sub, config, cpu),
         "proof_key, live digest read afresh": _afresh(lambda: proof_key(sub, config, cpu)),
         "contract and structure": lambda: sub.check_upstream(config),
@@ -75,7 +79,7 @@ def main() -> None:
         f"{torch.get_num_threads()} CPU threads; min of {args.repeats} x {args.calls} calls"
     )
     for name, seconds in best.items():
-        print(f"{name:<40} {seconds * 1e3:7.2f} ms")
+        print(f"{name:<40} {seconds * 1e3:8.4f} ms")
     print(
         f"proof_key: {best['proof_key, live digest read afresh'] / best['proof_key']:.1f}x "
         "faster than read afresh; slot.prepare: "

@@ -12,10 +12,12 @@ proof never ran. :func:`guard` watches the model two ways:
   it now computes, and the call raises the proof's error where one fails (the model
   stays cast);
 * one forward pre-hook: while the dtype and device of its first floating-point weight,
-  and the ``torch.autocast`` dtype in effect there, are ones each substitution in effect
-  was proven in, the hook only compares them (a few microseconds); when they change (a
-  model loaded, dispatched or cast part by part, or run under Trainer's ``bf16=True``
-  autocast), the same preparation runs before the pass, refusing it where one fails.
+  the ``torch.autocast`` dtype in effect there, and the attention and experts
+  implementations its config selects are ones each substitution in effect was proven
+  in, the hook only compares them (a few microseconds); when they change (a model
+  loaded, dispatched or cast part by part, run under Trainer's ``bf16=True`` autocast,
+  or switched by ``model.set_attn_implementation("eager")``), the same preparation runs
+  before the pass, refusing it where one fails.
 
 Preparing is ``slot.prepare`` (contract, structure, proof) in
 :meth:`Placement.of <layerswap.placement.Placement.of>`, once per placement. The hook does
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import LayerswapError
+from layerswap.hf_internals import implementations, text_config_object
 from layerswap.placement import COMPUTE_DTYPES, Placement, autocast_dtype
 
 if TYPE_CHECKING:
@@ -52,9 +55,10 @@ if TYPE_CHECKING:
 
 __all__ = ["guard"]
 
-#: (dtype, device) of a model's first floating-point weight, and the dtype torch.autocast
-#: runs it in there (``None``: off)
-Probe = tuple[torch.dtype, torch.device, "torch.dtype | None"]
+#: (dtype, device) of a model's first floating-point weight, the dtype torch.autocast
+#: runs it in there (``None``: off), and the attention and experts implementations its
+#: text config selects (:func:`~layerswap.hf_internals.implementations`)
+Probe = tuple[torch.dtype, torch.device, "torch.dtype | None", tuple[Any, ...]]
 
 _LOCK = threading.RLock()
 
@@ -62,10 +66,12 @@ _LOCK = threading.RLock()
 class _Guard:
     """The substitutions in effect on one model, each with the probes it was proven at."""
 
-    __slots__ = ("entries", "handle")
+    __slots__ = ("entries", "handle", "text")
 
-    def __init__(self, handle: RemovableHandle) -> None:
+    def __init__(self, handle: RemovableHandle, text: Any) -> None:
         self.handle = handle
+        #: the text config object the layers read (never a copy: it is watched)
+        self.text = text
         # substitution name -> (substitution, config it was prepared with, probes proven)
         self.entries: dict[str, tuple[Substitution, Any, set[Probe | None]]] = {}
 
@@ -73,10 +79,11 @@ class _Guard:
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, _Guard] = weakref.WeakKeyDictionary()
 
 
-def _probe(model: nn.Module) -> Probe | None:
+def _probe(model: nn.Module, text: Any) -> Probe | None:
     for param in model.parameters():
         if param.dtype in COMPUTE_DTYPES:
-            return param.dtype, param.device, autocast_dtype(param.device)
+            device = param.device
+            return param.dtype, device, autocast_dtype(device), implementations(text)
     return None
 
 
@@ -91,11 +98,11 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
     with _LOCK:
         state = _GUARDS.get(model)
         if state is None:
-            state = _Guard(model.register_forward_pre_hook(_check))
+            state = _Guard(model.register_forward_pre_hook(_check), text_config_object(config))
             _GUARDS[model] = state
             # the instance's own: a cast of a model holding it (PEFT's wrapper) calls it too
             model.__dict__["_apply"] = _GuardedApply(model)
-        state.entries[sub.name] = (sub, config, {_probe(model)} if proven else set())
+        state.entries[sub.name] = (sub, config, {_probe(model, state.text)} if proven else set())
 
     def stop() -> None:
         with _LOCK:
@@ -148,7 +155,7 @@ class _GuardedApply:
 
 
 def _prepare_where_moved(model: nn.Module, state: _Guard) -> None:
-    now = _probe(model)
+    now = _probe(model, state.text)
     for _, _, probes in list(state.entries.values()):
         if now not in probes:
             _prepare_again(model, state, now)
@@ -170,6 +177,9 @@ def _prepare_again(model: nn.Module, state: _Guard, now: Probe | None) -> None:
                 )
                 if placement.autocast is not None:
                     where += f" under autocast to {placement.autocast}"
+                attention = now[3][0] if now is not None else None
+                if isinstance(attention, str):
+                    where += f" with attn_implementation {attention!r}"
                 said = (
                     f"{error}\n(this {type(model).__name__} computes in {where} since "
                     f"{sub.name} was swapped, where it is not proven: cast it back, or "

@@ -454,6 +454,52 @@ def test_a_model_cast_after_its_swap_is_proven_in_its_new_dtype_before_it_runs(
         assert dtypes.count("bfloat16") == 1, dtypes
 
 
+def test_a_model_switched_to_another_attention_after_its_swap_is_proven_there_first(
+    proofs: Path,
+) -> None:
+    """The attention implementation is part of what a verdict vouches for: swapped under
+    SDPA, then switched (``set_attn_implementation("eager")``), the model's next forward
+    pass proves the replacement under eager attention first, and is refused where it
+    computes otherwise there (it ran unproven). The right replacement is proven there."""
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class OffUnderEager(fused):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            super().__init__(config, layer_idx)
+            self.read = config  # the model's config: it reads its attention there
+
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(hidden_states, *args, **kwargs)
+            eager = self.read._attn_implementation == "eager"
+            return hidden_states + 1.5 * (out - hidden_states) if eager else out
+
+    wrong = dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.off_under_eager", replacement=OffUnderEager
+    )
+    model = tiny_llama()
+    assert model.config._attn_implementation == "sdpa"
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    handle = layerswap.swap(model, wrong)
+    model(**batch)  # proven at the swap, under SDPA
+    model.set_attn_implementation("eager")
+    for _ in range(2):  # refused at every forward pass, not once
+        with pytest.raises(UpstreamDriftError, match="attn_implementation 'eager'"):
+            model(**batch)
+    handle.undo()
+    model(**batch)
+
+    model.set_attn_implementation("sdpa")
+    with layerswap.swap(model, "llama.decoder.fused"):
+        model.set_attn_implementation("eager")
+        model(**batch)
+        proven = {
+            v.attention for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"
+        }
+        assert proven == {"sdpa", "eager"}, proven
+
+
 def _wrong_under_autocast() -> Any:
     import dataclasses
 

@@ -31,7 +31,10 @@ __all__ = [
     "read_layer_call",
     "refuse_unread",
     "rotary_sections",
+    "IMPLEMENTATION_FIELDS",
+    "implementations",
     "text_config_of",
+    "text_config_object",
     "torch_dtype_of",
 ]
 
@@ -236,14 +239,38 @@ def text_config_of(config: Any) -> Any:
     tensors in ``config.dtype`` (Apertus's xIELU) cannot be built from a name -- by
     transformers or by layerswap's checks (:func:`torch_dtype_of`).
     """
-    get_text_config = getattr(config, "get_text_config", None)
-    text = get_text_config() if callable(get_text_config) else config
+    text = text_config_object(config)
     named = getattr(text, "dtype", None)
     dtype = torch_dtype_of(text)
     if isinstance(named, str) and dtype is not None:
         text = copy.copy(text)
         text.dtype = dtype
     return text
+
+
+def text_config_object(config: Any) -> Any:
+    """The text config object itself (``get_text_config()``, else ``config``), never a
+    copy: one a caller watches for later changes (:func:`implementations`)."""
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
+
+
+#: the fields behind PreTrainedConfig's ``_attn_implementation`` and
+#: ``_experts_implementation`` properties (``set_attn_implementation`` writes them)
+IMPLEMENTATION_FIELDS = ("_attn_implementation_internal", "_experts_implementation_internal")
+
+
+def implementations(config: Any) -> tuple[Any, ...]:
+    """The attention and experts implementations ``config`` selects (``("sdpa",
+    "grouped_mm")``), read from the fields behind PreTrainedConfig's properties by a plain
+    lookup: the placement guard reads them at every forward pass, where each property,
+    through the config's own ``__getattribute__``, costs microseconds. A field a release
+    keeps elsewhere is read through its property."""
+    held = object.__getattribute__(config, "__dict__")
+    return tuple(
+        held[field] if field in held else getattr(config, field.removesuffix("_internal"), None)
+        for field in IMPLEMENTATION_FIELDS
+    )
 
 
 def torch_dtype_of(config: Any) -> torch.dtype | None:
