@@ -23,7 +23,7 @@ import torch
 import transformers
 
 import layerswap
-from layerswap import hf_internals, placement_guard, proof, sources
+from layerswap import placement_guard, proof, sources
 from layerswap.placement import Placement
 from layerswap.proof_key import proof_key
 
@@ -57,9 +57,9 @@ def main() -> None:
     placement = Placement(torch.float32, cpu)
     assert proof.prove(sub, config).passed  # stored: what follows is the lookup alone
     model = sub.parts.family.causal_lm_class()(config)
-    text = hf_internals.text_config_object(model.config)
+    watched = placement_guard._Guard(model.register_forward_pre_hook(lambda *_: None))
     rows: dict[str, Callable[[], object]] = {
-        "placement guard's probe (each forward)": lambda: placement_guard._probe(model, text),
+        "placement guard's probe (each forward)": lambda: placement_guard._probe(model, watched),
         "proof_key": lambda: proof_key(sub, config, cpu),
         "proof_key, live digest read afresh": _afresh(lambda: proof_key(sub, config, cpu)),
         "contract and structure": lambda: sub.check_upstream(config),

@@ -126,7 +126,9 @@ def adopt_constructed(model: Any, sub: Substitution, replacement_cls: type[nn.Mo
         for _, layer in fresh:
             adopt_layer(layer, sub, config)
             hf_internals.capture_like_original(layer, model, original_cls)
-        guard(model, sub, config, proven=False)  # built on the meta device: proven at use
+        # built on the meta device: proven at use; with the model's own config, which a
+        # switch of its attention implementation changes (``config`` may be a copy)
+        guard(model, sub, model.config, proven=False)
         hold_peft_targets(model)  # while it exists, a new PEFT adapter cannot miss fused modules
     if model in _ADOPTED:
         return  # nested use() of the same substitution: done once

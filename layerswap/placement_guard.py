@@ -12,12 +12,13 @@ proof never ran. :func:`guard` watches the model two ways:
   it now computes, and the call raises the proof's error where one fails (the model
   stays cast);
 * one forward pre-hook: while the dtype and device of its first floating-point weight,
-  the ``torch.autocast`` dtype in effect there, and the attention and experts
-  implementations its config selects are ones each substitution in effect was proven
-  in, the hook only compares them (a few microseconds); when they change (a model
-  loaded, dispatched or cast part by part, run under Trainer's ``bf16=True`` autocast,
-  or switched by ``model.set_attn_implementation("eager")``), the same preparation runs
-  before the pass, refusing it where one fails.
+  the ``torch.autocast`` dtype in effect there, and the attention implementation its
+  config selects are ones each substitution in effect was proven in, the hook only
+  compares them (a few microseconds); when they change (a model loaded, dispatched or
+  cast part by part, run under Trainer's ``bf16=True`` autocast, or switched by
+  ``model.set_attn_implementation("eager")``), the same preparation runs before the
+  pass, refusing it where one fails. (A switch of the experts implementation is the
+  experts slot's own: it warns, and the original's eager loop runs.)
 
 Preparing is ``slot.prepare`` (contract, structure, proof) in
 :meth:`Placement.of <layerswap.placement.Placement.of>`, once per placement. The hook does
@@ -45,7 +46,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import LayerswapError
-from layerswap.hf_internals import implementations, text_config_object
+from layerswap.hf_internals import attention_implementation, text_config_object
 from layerswap.placement import COMPUTE_DTYPES, Placement, autocast_dtype
 
 if TYPE_CHECKING:
@@ -56,9 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["guard"]
 
 #: (dtype, device) of a model's first floating-point weight, the dtype torch.autocast
-#: runs it in there (``None``: off), and the attention and experts implementations its
-#: text config selects (:func:`~layerswap.hf_internals.implementations`)
-Probe = tuple[torch.dtype, torch.device, "torch.dtype | None", tuple[Any, ...]]
+#: runs it in there (``None``: off), and the attention implementation its text config
+#: selects (:func:`~layerswap.hf_internals.attention_implementation`)
+Probe = tuple[torch.dtype, torch.device, "torch.dtype | None", Any]
 
 _LOCK = threading.RLock()
 
@@ -66,12 +67,14 @@ _LOCK = threading.RLock()
 class _Guard:
     """The substitutions in effect on one model, each with the probes it was proven at."""
 
-    __slots__ = ("entries", "handle", "text")
+    __slots__ = ("config", "entries", "handle", "text")
 
-    def __init__(self, handle: RemovableHandle, text: Any) -> None:
+    def __init__(self, handle: RemovableHandle) -> None:
         self.handle = handle
-        #: the text config object the layers read (never a copy: it is watched)
-        self.text = text
+        #: the model's config object, and its text config (never a copy: they are
+        #: watched), read again where the model holds another config
+        self.config: Any = None
+        self.text: Any = None
         # substitution name -> (substitution, config it was prepared with, probes proven)
         self.entries: dict[str, tuple[Substitution, Any, set[Probe | None]]] = {}
 
@@ -79,11 +82,15 @@ class _Guard:
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, _Guard] = weakref.WeakKeyDictionary()
 
 
-def _probe(model: nn.Module, text: Any) -> Probe | None:
+def _probe(model: nn.Module, state: _Guard) -> Probe | None:
+    config = model.__dict__.get("config")
+    if config is not state.config:
+        state.config, state.text = config, text_config_object(config)
     for param in model.parameters():
         if param.dtype in COMPUTE_DTYPES:
             device = param.device
-            return param.dtype, device, autocast_dtype(device), implementations(text)
+            chosen = None if state.text is None else attention_implementation(state.text)
+            return param.dtype, device, autocast_dtype(device), chosen
     return None
 
 
@@ -98,11 +105,11 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
     with _LOCK:
         state = _GUARDS.get(model)
         if state is None:
-            state = _Guard(model.register_forward_pre_hook(_check), text_config_object(config))
+            state = _Guard(model.register_forward_pre_hook(_check))
             _GUARDS[model] = state
             # the instance's own: a cast of a model holding it (PEFT's wrapper) calls it too
             model.__dict__["_apply"] = _GuardedApply(model)
-        state.entries[sub.name] = (sub, config, {_probe(model, state.text)} if proven else set())
+        state.entries[sub.name] = (sub, config, {_probe(model, state)} if proven else set())
 
     def stop() -> None:
         with _LOCK:
@@ -155,7 +162,7 @@ class _GuardedApply:
 
 
 def _prepare_where_moved(model: nn.Module, state: _Guard) -> None:
-    now = _probe(model, state.text)
+    now = _probe(model, state)
     for _, _, probes in list(state.entries.values()):
         if now not in probes:
             _prepare_again(model, state, now)
@@ -166,9 +173,11 @@ def _prepare_again(model: nn.Module, state: _Guard, now: Probe | None) -> None:
     """Each substitution not yet prepared at ``now`` prepared in ``model``'s placement."""
     with _LOCK:
         placement = Placement.of(model)
-        for sub, config, probes in list(state.entries.values()):
+        for sub, given, probes in list(state.entries.values()):
             if now in probes:
                 continue
+            # the model's config as it is now (another object where it was replaced)
+            config = given if state.config is None else state.config
             try:
                 sub.parts.slot.prepare(sub, config, placement)
             except LayerswapError as error:
@@ -177,7 +186,7 @@ def _prepare_again(model: nn.Module, state: _Guard, now: Probe | None) -> None:
                 )
                 if placement.autocast is not None:
                     where += f" under autocast to {placement.autocast}"
-                attention = now[3][0] if now is not None else None
+                attention = now[3] if now is not None else None
                 if isinstance(attention, str):
                     where += f" with attn_implementation {attention!r}"
                 said = (

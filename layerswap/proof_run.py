@@ -173,25 +173,28 @@ def run(
         comparing(),
     ):
         check: str | None
+        reference: nn.Module | None
         try:
-            pair = _pair(sub, proven, device)
+            reference = original_model(sub, proven, device)
         except Exception as exc:
             _raise_if_another_use_refused(exc, sub)
             # the shrunk config does not build (a size the shrink broke): the family's tiny
             proven, kind = family.tiny_config(), "family"
-            pair = None
+            reference = None
         try:
-            if pair is None:
-                pair = _pair(sub, proven, device)
+            if reference is None:
+                reference = original_model(sub, proven, device)
         except Exception as exc:  # nothing can be proven here: refused, with the reason
             _raise_if_another_use_refused(exc, sub)
             check, detail = "building the tiny original model", f"{type(exc).__name__}: {exc}"
         else:
+            # the replacement's own errors (its constructor, its converter) are raised
+            # as they are: neither a reason to prove another config, nor a verdict
             check, detail = judge(
-                pair,
+                _pair(reference, sub, proven),
                 proven,
                 device,
-                rebuild=lambda alone: _pair(sub, alone, device),
+                rebuild=lambda alone: _pair(original_model(sub, alone, device), sub, alone),
                 dtype=dtype,
                 autocast=autocast,
             )
@@ -212,11 +215,9 @@ def run(
     )
 
 
-def _pair(sub: Substitution, config: PreTrainedConfig, device: torch.device) -> Pair:
-    """A causal LM of ``config`` with the originals in ``sub``'s slot, random from the
-    seed, in float32 on ``device``, and its copy with ``sub`` in place."""
-    torch.manual_seed(0)
-    reference = original_model(sub, config, device)
+def _pair(reference: nn.Module, sub: Substitution, config: PreTrainedConfig) -> Pair:
+    """``reference`` (:func:`original_model` of ``config``) and its copy with ``sub`` in
+    place, holding its weights."""
     slot = sub.parts.slot
     if slot.replaces_layers:  # layer by layer, as a swap converts them
         candidate = converted_copy(reference, sub, config)
@@ -232,7 +233,8 @@ def _pair(sub: Substitution, config: PreTrainedConfig, device: torch.device) -> 
 
 def original_model(sub: Substitution, config: PreTrainedConfig, device: torch.device) -> nn.Module:
     """A causal LM of ``config`` with the originals in ``sub``'s slot, random from the
-    seed, in float32 on ``device``, in eval mode."""
+    seed (set here), in float32 on ``device``, in eval mode."""
+    torch.manual_seed(0)
     model = sub.parts.family.causal_lm_class()(config)
     # built inside a use(): the originals back (the weights are drawn after)
     if sub.parts.slot.replaces_layers:

@@ -32,13 +32,13 @@ import operator
 import sys
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 from layerswap.hf_internals import SHARED_SOURCES
-from layerswap.patching import unpatched
+from layerswap.patching import rebases, unpatched
 
 __all__ = [
     "class_digest",
@@ -202,21 +202,42 @@ def _fold_namespace(combined: Any, module: ModuleType, name: str) -> None:
 
 
 def _fold_class(combined: Any, cls: type) -> None:
-    combined.update(_class_text(cls))
+    # a replacement's or a converter's class: read each time, not kept (a class made at
+    # run time, a test's or a sweep's, is not held alive by what it folded to)
+    combined.update(_read_class(cls))
 
 
-# What a namespace and a class fold to is kept with the very objects it was read from
-# (held, so that no other object takes their identity): while a namespace or a class
-# dict holds the same objects, its text is the same, and it is not read again. A rebind,
-# a patch set or taken back, changes an object there.
-_NAMESPACES: dict[str, tuple[ModuleType, tuple[Any, ...], list[bytes | type]]] = {}
-_CLASSES: weakref.WeakKeyDictionary[type, tuple[tuple[Any, ...], bytes]] = (
+# What a namespace and a class of one folds to is kept with the very objects it was read
+# from: every key and value of its dict, and the code each function there runs (held, so
+# that no other object takes their identity). While the dict holds the same objects, the
+# functions the same code, and no live patch's original was changed in place
+# (:func:`~layerswap.patching.rebases`), its text is the same and it is not read again.
+# A rebind, a patch set or taken back, a function's ``__code__`` replaced, reads it again.
+_NAMESPACES: dict[str, tuple[ModuleType, int, tuple[Any, ...], list[bytes | type]]] = {}
+_CLASSES: weakref.WeakKeyDictionary[type, tuple[int, tuple[Any, ...], bytes]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def _held(namespace: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (*namespace, *namespace.values())
+    values = namespace.values()
+    return (*namespace, *values, *_codes(values))
+
+
+def _codes(values: Iterable[Any]) -> list[Any]:
+    """The code objects ``values`` run: each function's, a static or class method's, a
+    property's getter's and setter's (``None`` where one has none)."""
+    found: list[Any] = []
+    for raw in values:
+        kind = type(raw)
+        if kind is FunctionType:
+            found.append(raw.__code__)
+        elif kind is staticmethod or kind is classmethod:
+            found.append(getattr(raw.__func__, "__code__", None))
+        elif isinstance(raw, property):
+            found.append(getattr(raw.fget, "__code__", None))
+            found.append(getattr(raw.fset, "__code__", None))
+    return found
 
 
 def _same(held: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
@@ -226,10 +247,10 @@ def _same(held: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
 def _namespace_parts(module: ModuleType, name: str) -> list[bytes | type]:
     """What ``module``'s namespace folds to: the text of each function it binds, and each
     class it defines (folded by :func:`_class_text`, which checks its own dict)."""
-    now = _held(vars(module))
+    now, generation = _held(vars(module)), rebases()
     known = _NAMESPACES.get(name)
-    if known is not None and known[0] is module and _same(known[1], now):
-        return known[2]
+    if known is not None and known[0] is module and known[1] == generation and _same(known[2], now):
+        return known[3]
     parts: list[bytes | type] = []
     for attr in sorted(vars(module)):
         value = unpatched(module, attr)
@@ -239,15 +260,22 @@ def _namespace_parts(module: ModuleType, name: str) -> list[bytes | type]:
                 parts.append(value)
         elif hasattr(value, "__code__"):
             parts.append(f"{name}.{attr}={_written(value)}".encode())
-    _NAMESPACES[name] = (module, now, parts)
+    _NAMESPACES[name] = (module, generation, now, parts)
     return parts
 
 
 def _class_text(cls: type) -> bytes:
-    now = _held(vars(cls))
+    """:func:`_read_class`, kept (a class a module of the digest defines)."""
+    now, generation = _held(vars(cls)), rebases()
     known = _CLASSES.get(cls)
-    if known is not None and _same(known[0], now):
-        return known[1]
+    if known is not None and known[0] == generation and _same(known[1], now):
+        return known[2]
+    text = _read_class(cls)
+    _CLASSES[cls] = (generation, now, text)
+    return text
+
+
+def _read_class(cls: type) -> bytes:
     found = []
     for attr in sorted(vars(cls)):
         raw = vars(cls)[attr]
@@ -259,9 +287,7 @@ def _class_text(cls: type) -> bytes:
         else:
             continue
         found.append(f"{attr}={','.join(map(_written, parts))}".encode())
-    text = b"".join(found)
-    _CLASSES[cls] = (now, text)
-    return text
+    return b"".join(found)
 
 
 def _written(function: Any) -> str:

@@ -212,6 +212,39 @@ def test_the_live_digest_follows_each_rebind_and_its_undo_read_after_read(
     assert changed != before and sources.live_digest(LLAMA) == changed
     monkeypatch.undo()
     assert sources.live_digest(LLAMA) == before
+    if where != "class":  # a function's code replaced in place: no object rebound
+        function = getattr(kept, "__func__", kept)
+        edited = function.__code__.replace(co_name="edited", co_firstlineno=1)
+        monkeypatch.setattr(function, "__code__", edited)
+        assert sources.live_digest(LLAMA) != before
+        monkeypatch.undo()
+        assert sources.live_digest(LLAMA) == before
+
+
+def test_a_replacement_failing_to_build_on_the_users_config_raises_as_it_is(
+    proofs: Path,
+) -> None:
+    """The replacement's own error building the proof's copy (its constructor, its
+    converter) is raised as it is: not taken for a config the shrink broke (the family's
+    tiny config proven instead, passed), and no verdict is stored."""
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class Picky(fused):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Any, layer_idx: int) -> None:
+            if getattr(config, "picky", False):
+                raise RuntimeError("this replacement refuses picky configs")
+            super().__init__(config, layer_idx)
+
+    sub = dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.picky", replacement=Picky
+    )
+    config = tiny_llama().config
+    config.picky = True
+    with pytest.raises(RuntimeError, match="refuses picky configs"):
+        proof.prove(sub, config)
+    assert not list(proofs.glob("*.json"))
 
 
 class _FirstRowGradient(torch.autograd.Function):
@@ -498,6 +531,25 @@ def test_a_model_switched_to_another_attention_after_its_swap_is_proven_there_fi
             v.attention for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"
         }
         assert proven == {"sdpa", "eager"}, proven
+
+
+def test_a_model_built_inside_use_and_switched_to_eager_attention_is_proven_there(
+    proofs: Path,
+) -> None:
+    """Built inside ``use()`` from a config whose ``dtype`` is a name (as
+    ``save_pretrained`` leaves it: the layers read a copy of it), then switched to eager
+    attention: its next forward pass is proven under eager, on the model's own config."""
+    config = tiny_llama().config
+    config.dtype = "float32"
+    with layerswap.use("llama.decoder.fused"):
+        model = LlamaForCausalLM(config)
+    assert isinstance(model.config.dtype, str)
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    model(**batch)
+    model.set_attn_implementation("eager")
+    model(**batch)
+    proven = {v.attention for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"}
+    assert proven == {"sdpa", "eager"}, proven
 
 
 def _wrong_under_autocast() -> Any:

@@ -31,8 +31,8 @@ __all__ = [
     "read_layer_call",
     "refuse_unread",
     "rotary_sections",
-    "IMPLEMENTATION_FIELDS",
-    "implementations",
+    "ATTENTION_FIELD",
+    "attention_implementation",
     "text_config_of",
     "text_config_object",
     "torch_dtype_of",
@@ -255,22 +255,21 @@ def text_config_object(config: Any) -> Any:
     return get_text_config() if callable(get_text_config) else config
 
 
-#: the fields behind PreTrainedConfig's ``_attn_implementation`` and
-#: ``_experts_implementation`` properties (``set_attn_implementation`` writes them)
-IMPLEMENTATION_FIELDS = ("_attn_implementation_internal", "_experts_implementation_internal")
+#: the field behind PreTrainedConfig's ``_attn_implementation`` property (what
+#: ``set_attn_implementation`` writes)
+ATTENTION_FIELD = "_attn_implementation_internal"
 
 
-def implementations(config: Any) -> tuple[Any, ...]:
-    """The attention and experts implementations ``config`` selects (``("sdpa",
-    "grouped_mm")``), read from the fields behind PreTrainedConfig's properties by a plain
-    lookup: the placement guard reads them at every forward pass, where each property,
-    through the config's own ``__getattribute__``, costs microseconds. A field a release
-    keeps elsewhere is read through its property."""
+def attention_implementation(config: Any) -> Any:
+    """The attention implementation ``config`` selects (``"sdpa"``, ``"eager"``), read
+    from the field behind PreTrainedConfig's property by a plain lookup: the placement
+    guard reads it at every forward pass, where the property, through the config's own
+    ``__getattribute__``, costs microseconds. Read through the property where a release
+    keeps it elsewhere."""
     held = object.__getattribute__(config, "__dict__")
-    return tuple(
-        held[field] if field in held else getattr(config, field.removesuffix("_internal"), None)
-        for field in IMPLEMENTATION_FIELDS
-    )
+    if ATTENTION_FIELD in held:
+        return held[ATTENTION_FIELD]
+    return getattr(config, "_attn_implementation", None)
 
 
 def torch_dtype_of(config: Any) -> torch.dtype | None:

@@ -13,7 +13,7 @@ from layerswap.patching.group import PatchGroup, patch_many, patches
 from layerswap.patching.patch import Patch, patch
 from layerswap.patching.scoped import Origin, PatchInfo, Scoped, active_patches, restore_all
 from layerswap.patching.sites import NOTSET
-from layerswap.patching.stack import unpatched
+from layerswap.patching.stack import rebases, unpatched
 from layerswap.patching.wrap import wrap
 from layerswap.patching.wraps import safe_update_wrapper, safe_wraps
 
@@ -33,6 +33,7 @@ __all__ = [
     "restore_all",
     "safe_update_wrapper",
     "safe_wraps",
+    "rebases",
     "unpatched",
     "wrap",
 ]

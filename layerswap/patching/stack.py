@@ -78,6 +78,9 @@ class _Stack:
 
 
 _STACKS: dict[tuple[int, Any], _Stack] = {}
+#: how many times a live stack's value before its layers was changed in place (a rebase):
+#: what :func:`unpatched` returns then changes with no attribute changing
+_REBASES = [0]
 
 
 # A module attribute that shadows a builtin (``mod.open = ...``) does not exist until it
@@ -286,6 +289,7 @@ def rebase_originals(replaced: dict[int, Any], restored: Any, keep: Callable[[Si
                 stack.original.container, stack.original.value = None, NOTSET
             else:
                 stack.original.value = restored
+            _REBASES[0] += 1
 
 
 def held_items(mapping: Any) -> set[Any]:
@@ -311,6 +315,7 @@ def rebase_item(mapping: Any, key: Any, before: list[tuple[Any, Any]]) -> None:
     stack = _STACKS.get((id(mapping), ("item", key)))
     if stack is None:
         return
+    _REBASES[0] += 1
     keys = [name for name, _ in before]
     if key not in keys:
         stack.original = Original(None, NOTSET)
@@ -360,6 +365,12 @@ def _conflict_message(site: Site, expected: Any, found: Any, live: int) -> str:
         f"{_short(expected)}, found {_short(found)}; restoring the value it had "
         f"before {'the patches' if live > 1 else 'the patch'}"
     )
+
+
+def rebases() -> int:
+    """How many times a live patch's original was changed in place so far: a reader
+    keeping what :func:`unpatched` returned reads again when it has grown."""
+    return _REBASES[0]
 
 
 def unpatched(owner: Any, name: str) -> Any:
