@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,39 @@ def test_the_live_digest_follows_each_rebind_and_its_undo_read_after_read(
         assert sources.live_digest(LLAMA) != before
         monkeypatch.undo()
         assert sources.live_digest(LLAMA) == before
+
+
+def test_a_namespace_is_read_again_when_a_patch_it_sees_through_is_rebased(
+    make_module: Callable[[str, str], str],
+) -> None:
+    """A live patch's original changed in place (a late alias an older ``aliases=True``
+    patch bound, taken over by a newer one: the older stops) changes what the digest
+    sees through the newer patch, while the namespace holds the same objects: it is read
+    again (:func:`layerswap.patching.rebases`), not taken from what it held."""
+    source = make_module("rebased_src", "def helper():\n    return 'original'\n")
+    late = make_module("rebased_user", f"from {source} import helper\n")
+    __import__(source)
+
+    def older_helper() -> str:
+        return "older"
+
+    def newer_helper() -> str:
+        return "newer"
+
+    older = layerswap.patch(f"{source}:helper", older_helper, aliases=True).start()
+    __import__(late)  # binds the older replacement
+    newer = layerswap.patch(f"{source}:helper", newer_helper, aliases=True).start()
+    module = sys.modules[late]
+    try:
+        seen = b"".join(sources._namespace_parts(module, late))  # type: ignore[arg-type]
+        assert b"older_helper" in seen  # what the newer patch was laid over
+        older.stop()  # the newer one's original is no longer the older replacement
+        again = b"".join(sources._namespace_parts(module, late))  # type: ignore[arg-type]
+        assert module.helper is newer_helper  # the namespace holds what it held
+        assert b"older_helper" not in again and again != seen
+    finally:
+        newer.stop()
+        older.stop()
 
 
 def test_a_replacement_failing_to_build_on_the_users_config_raises_as_it_is(
