@@ -253,6 +253,8 @@ def _namespace_parts(module: ModuleType, name: str) -> list[bytes | type]:
         return known[3]
     parts: list[bytes | type] = []
     for attr in sorted(vars(module)):
+        if attr.startswith("_layerswap_"):  # bound by the rotary slot: only its classes call it
+            continue
         value = unpatched(module, attr)
         if isinstance(value, type):
             if getattr(value, "__module__", None) == name:

@@ -1,8 +1,8 @@
 """Prove the ``norm`` slot on every model type ``layerswap list --all`` says it takes (with
-``--slot mlp``, ``--slot experts`` or ``--slot qkv`` that slot; with ``--slot head``, the
+``--slot mlp``, ``--slot experts``, ``--slot qkv`` or ``--slot rotary`` that slot; with ``--slot head``, the
 ``head`` slot on every model type no family covers that it takes), and write what was
 swapped, what was kept and the verdict to ``docs/norms.md`` (``docs/mlps.md``,
-``docs/experts.md``, ``docs/attentions.md``, ``docs/heads.md``).
+``docs/experts.md``, ``docs/attentions.md``, ``docs/rotary.md``, ``docs/heads.md``).
 
 Each model type runs in a process of its own (a model type that crashes its process is
 recorded as such, not the sweep), two at a time by default::
@@ -29,10 +29,11 @@ PAGES = {
     "mlp": "mlps",
     "experts": "experts",
     "qkv": "attentions",
+    "rotary": "rotary",
     "head": "heads",
 }
 #: the slots that swap classes of a model's own modules (every model type they take)
-CLASS_SLOTS = ("norm", "mlp", "experts", "qkv")
+CLASS_SLOTS = ("norm", "mlp", "experts", "qkv", "rotary")
 
 ONE = r"""
 import json, logging, sys, time, warnings

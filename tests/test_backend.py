@@ -59,6 +59,7 @@ def test_the_builtin_backends_are_declared() -> None:
         "mlp",
         "experts",
         "qkv",
+        "rotary",
     }
     assert layerswap.get_backend("liger").devices == ("cuda",)
 

@@ -114,6 +114,7 @@ def test_a_new_slot_is_served_by_swap_use_and_coverage(final_norm_backend: str) 
         "mlp",
         "experts",
         "qkv",
+        "rotary",
         "final_norm",
     )
     family = layerswap.get_family("llama")
@@ -159,7 +160,16 @@ def test_an_unknown_slot_is_refused_with_the_slots_there_are() -> None:
         register_slot(get_slot("decoder"))
     with pytest.raises(SubstitutionError, match="builtin slots stay"):
         unregister_slot("head")
-    assert slot_names() == ("decoder", "head", "patch", "norm", "mlp", "experts", "qkv")
+    assert slot_names() == (
+        "decoder",
+        "head",
+        "patch",
+        "norm",
+        "mlp",
+        "experts",
+        "qkv",
+        "rotary",
+    )
 
 
 @pytest.mark.parametrize("slot", ["decoder", "head"])

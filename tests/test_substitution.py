@@ -107,6 +107,7 @@ def test_substitutions_filter_by_family_and_backend() -> None:
         layerswap.get("qwen3.mlp.fused"),
         layerswap.get("qwen3.norm.fused"),
         layerswap.get("qwen3.qkv.fused"),
+        layerswap.get("qwen3.rotary.fused"),
     ]
 
 

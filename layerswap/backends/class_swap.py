@@ -60,6 +60,12 @@ class ClassReplacement(nn.Module):
         return f"it computes {key}, which the {cls.backend} backend lacks"
 
     @classmethod
+    def made_namespace(cls, original: type, spec: Any) -> dict[str, Any]:
+        """What a made class holds beyond the class's own (nothing; the ``rotary`` slot:
+        the original's ``forward``, calling the backend's kernel)."""
+        return {}
+
+    @classmethod
     def subclass_for(cls, original: type, spec: Any, substitution: str) -> type[ClassReplacement]:
         """The class an ``original`` module computing ``spec`` becomes (made once)."""
         key = (cls, original, spec, substitution)
@@ -72,6 +78,7 @@ class ClassReplacement(nn.Module):
                     "_layerswap_original": original,
                     "_layerswap_spec": spec,
                     "_layerswap_swapped_by": substitution,
+                    **cls.made_namespace(original, spec),
                 }
                 made = type(f"{cls.__name__}[{original.__name__}]", (cls, original), namespace)
                 assert issubclass(made, ClassReplacement)

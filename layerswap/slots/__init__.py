@@ -49,10 +49,11 @@ _BUILTIN = {
     "mlp": "layerswap.slots.mlp",
     "experts": "layerswap.slots.experts",
     "qkv": "layerswap.slots.qkv",
+    "rotary": "layerswap.slots.rotary",
 }
 #: the builtin slots whose substitutions may name any causal-LM model type, with or
 #: without a registered family (their modules are not imported to say so)
-_ANY_MODEL_TYPE = frozenset({"norm", "mlp", "experts", "qkv", "head"})
+_ANY_MODEL_TYPE = frozenset({"norm", "mlp", "experts", "qkv", "rotary", "head"})
 _SLOTS: dict[str, Slot] = {}
 _ADDED: list[str] = []  # names of slots registered beyond the builtin ones, in order
 _LOCK = threading.RLock()

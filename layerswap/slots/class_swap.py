@@ -290,6 +290,17 @@ def instance_forward(module: nn.Module) -> str | None:
     )
 
 
+def _other_class_swap(module: nn.Module, slot: ClassSwapSlot) -> str | None:
+    """Why ``module`` stays: another slot's class swap holds it (the ``qkv`` and ``rotary``
+    slots both give an attention a class of their own; one class cannot be both)."""
+    if not isinstance(module, ClassReplacement):
+        return None
+    return (
+        f"{module._layerswap_swapped_by} gave it a class of its own, and the {slot.name} slot "
+        f"would give it another: undo {module._layerswap_swapped_by} to take {slot.name}"
+    )
+
+
 def _apply(plan: ClassPlan, changes: UndoLog) -> None:
     for _, module, made in plan.swapped:
         changes.set_class(module, made)
@@ -391,7 +402,7 @@ class ClassSwapSlot(Slot):
                 if isinstance(module, self.replacement_base):
                     plan.taken.append((name, module._layerswap_swapped_by))
                     continue
-                reason = instance_forward(module)
+                reason = instance_forward(module) or _other_class_swap(module, self)
                 if cls.__module__ != family.module:
                     # another model's class: swapped only where the proof's model holds it
                     roots = _proof_roots(model, family) if roots is None else roots
@@ -561,6 +572,18 @@ class ClassSwapSlot(Slot):
             if inspect.isclass(value) and issubclass(value, nn.Module) and matches(name, value):
                 return f"{family.module}:{name}"
         return f"{family.module}:{family.causal_lm}"
+
+    def first_attention_class(self, family: Family) -> str:
+        """``"module:Class"`` of the first attention class the family's modeling module
+        defines (the ``qkv`` and ``rotary`` slots' original); its causal LM where none."""
+        from layerswap.projections import is_attention_class
+
+        return self.first_class(
+            family,
+            lambda _, cls: (
+                cls.__module__ == family.module and is_attention_class(cls, family.module)
+            ),
+        )
 
     def swapped_by(self, model: nn.Module) -> str | None:
         for module in model.modules():

@@ -33,7 +33,6 @@ from layerswap.projections import (
     ProjectionSpec,
     candidate_attention_classes,
     classify,
-    is_attention_class,
 )
 from layerswap.slots.class_swap import (
     ClassPlan,
@@ -86,12 +85,7 @@ class QKVSlot(ClassSwapSlot):
     def original(self, family: Family) -> str:
         """The first attention class the family's modeling module defines; its causal LM
         where it defines none."""
-        return self.first_class(
-            family,
-            lambda _, cls: (
-                cls.__module__ == family.module and is_attention_class(cls, family.module)
-            ),
-        )
+        return self.first_attention_class(family)
 
 
 SLOT = QKVSlot()

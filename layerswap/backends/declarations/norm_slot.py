@@ -1,4 +1,4 @@
-"""The class-swapping slots (``norm``, ``mlp``, ``experts``) as a declaration names them: the backend's
+"""The class-swapping slots (``norm``, ``mlp``, ``experts``, ``qkv``, ``rotary``) as a declaration names them: the backend's
 replacement, by name.
 
 The replacement (a :class:`~layerswap.backends.class_swap.ClassReplacement`) says what it
@@ -17,7 +17,7 @@ from layerswap.backend import Implementation, Lazy
 from layerswap.family import Family
 from layerswap.patching import active_patches
 
-__all__ = ["class_slot", "experts_slot", "mlp_slot", "norm_slot", "qkv_slot"]
+__all__ = ["class_slot", "experts_slot", "mlp_slot", "norm_slot", "qkv_slot", "rotary_slot"]
 
 
 def class_slot(slot: str, replacement: str, *, description: str) -> Implementation:
@@ -78,3 +78,8 @@ def experts_slot(replacement: str, *, description: str) -> Implementation:
 def qkv_slot(replacement: str, *, description: str) -> Implementation:
     """The ``qkv`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
     return class_slot("qkv", replacement, description=description)
+
+
+def rotary_slot(replacement: str, *, description: str) -> Implementation:
+    """The ``rotary`` slot whose replacement is ``replacement`` (``"module:Class"``)."""
+    return class_slot("rotary", replacement, description=description)

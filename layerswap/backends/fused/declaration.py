@@ -13,6 +13,7 @@ from layerswap.backends.declarations.norm_slot import (
     mlp_slot,
     norm_slot,
     qkv_slot,
+    rotary_slot,
 )
 
 __all__ = ["BACKEND"]
@@ -64,6 +65,13 @@ BACKEND = Backend(
             description=(
                 "pure PyTorch, CPU and GPU: each attention's projections from one input (q/k/v, "
                 "MLA's q_a/kv_a) as one matrix product, the attention itself the original's"
+            ),
+        ),
+        "rotary": rotary_slot(
+            "layerswap.backends.fused.rotary:FusedRotary",
+            description=(
+                "pure PyTorch, CPU and GPU: each attention's rotate-half rotary application "
+                "written into one output in place, bit for bit the original's"
             ),
         ),
     },

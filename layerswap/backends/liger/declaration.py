@@ -13,7 +13,12 @@ import functools
 from layerswap.backend import Backend, Dependency, Implementation, Lazy
 from layerswap.backends._answers import answered
 from layerswap.backends.declarations.head_slot import head_slot
-from layerswap.backends.declarations.norm_slot import experts_slot, mlp_slot, norm_slot
+from layerswap.backends.declarations.norm_slot import (
+    experts_slot,
+    mlp_slot,
+    norm_slot,
+    rotary_slot,
+)
 from layerswap.backends.liger.runtime import unmet_requirement
 from layerswap.capabilities import Capability, refusal
 from layerswap.family import Family
@@ -189,6 +194,13 @@ BACKEND = Backend(
             description=(
                 "Liger-Kernel, GPU only: each SiLU-gated experts module of a mixture-of-experts "
                 "block as Liger's fused MoE kernel (what Liger's LigerExperts runs)"
+            ),
+        ),
+        "rotary": rotary_slot(
+            "layerswap.backends.liger.rotary:LigerRotary",
+            description=(
+                "Liger-Kernel, GPU only: each attention's rotate-half rotary application of q "
+                "and k as Liger's RoPE kernel (what Liger's patch binds)"
             ),
         ),
     },

@@ -1,0 +1,112 @@
+"""The ``fused`` backend's rotary application: the rotate-half rotation of q and k written
+into one output, in pure PyTorch, bit for bit the original's.
+
+transformers' ``q * cos + rotate_half(q) * sin`` runs five kernels per tensor (a negation,
+a concatenation, two products, a sum), each over the whole head, and makes four
+temporaries of its size; its backward runs as many again. :class:`HalfRotation` writes
+``x * cos`` into the output and adds each half's turned product into the other half in
+place: one product over the head, two over half of it, two in-place sums over half of it,
+one temporary of half its size, the same each way; it keeps only ``cos`` and ``sin`` for
+the backward pass (the rotation is linear in ``x``). The products and sums are the
+original's, each rounded as it rounds them (no fused multiply-add): the outputs and
+gradients are bitwise equal in every dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from layerswap.backends.rotary import RotaryKernel, RotaryReplacement
+from layerswap.rotaries import RotarySpec
+
+__all__ = ["FusedRotary", "HalfRotation", "rotate"]
+
+
+class HalfRotation(torch.autograd.Function):
+    """The rotate-half rotation of ``x``'s leading ``cos.shape[-1]`` channels (the others
+    passed), ``cos``/``sin`` broadcast against them; ``x``'s gradient only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return _turn(x, cos, sin, sign=-1.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        # the transposed rotation: each half takes the other's gradient turned back
+        return _turn(grad, cos, sin, sign=1.0, swap_sin=True).to(ctx.dtype), None, None
+
+
+def _turn(x: Tensor, cos: Tensor, sin: Tensor, *, sign: float, swap_sin: bool = False) -> Tensor:
+    """``x * cos`` with each half's turned product added to the other half in place: the
+    original's products and sums, each rounded as it rounds them (no fused multiply-add)."""
+    width = cos.shape[-1]
+    half = width // 2
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    rotated = x[..., :width]
+    torch.mul(rotated, cos, out=out[..., :width])
+    first, second = (
+        (sin[..., half:], sin[..., :half]) if swap_sin else (sin[..., :half], sin[..., half:])
+    )
+    turned = torch.mul(rotated[..., half:], first)
+    (out[..., :half].add_ if sign > 0 else out[..., :half].sub_)(turned)
+    torch.mul(rotated[..., :half], second, out=turned)
+    (out[..., half:width].sub_ if sign > 0 else out[..., half:width].add_)(turned)
+    if width < x.shape[-1]:
+        out[..., width:] = x[..., width:]
+    return out
+
+
+def _fits(x: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> bool:
+    """Whether :class:`HalfRotation` computes what the original does for this call: the
+    shapes it was read on (cos/sin as wide as the rotated channels, even, broadcasting to
+    them without widening ``x``), floating tensors on one device."""
+    width = cos.shape[-1]
+    if sin.shape != cos.shape or width % 2 or width > x.shape[-1] or width == 0:
+        return False
+    if width != x.shape[-1] and not spec.partial:
+        return False
+    if not (x.is_floating_point() and cos.is_floating_point() and sin.is_floating_point()):
+        return False
+    if not (x.device == cos.device == sin.device) or cos.dtype != sin.dtype:
+        return False
+    try:
+        shape = torch.broadcast_shapes((*x.shape[:-1], width), cos.shape)  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return False
+    return bool(shape == (*x.shape[:-1], width))
+
+
+def rotate(
+    tensors: tuple[Tensor, ...], cos: Tensor, sin: Tensor, dim: int, spec: RotarySpec
+) -> tuple[Tensor, ...] | None:
+    """Each of ``tensors`` rotated by :class:`HalfRotation` (in float32 and cast back where
+    ``spec.upcast``), or ``None`` where the call is not one it was read on."""
+    try:
+        cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
+    except (IndexError, RuntimeError):
+        return None
+    if not all(_fits(x, cos, sin, spec) for x in tensors):
+        return None
+    if spec.upcast:
+        cos, sin = cos.float(), sin.float()
+        return tuple(_apply(x.float(), cos, sin).to(x.dtype) for x in tensors)
+    return tuple(_apply(x, cos, sin) for x in tensors)
+
+
+def _apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    out: Tensor = HalfRotation.apply(x, cos, sin)  # type: ignore[no-untyped-call]
+    return out
+
+
+class FusedRotary(RotaryReplacement):
+    """A model's own attention whose rotary application is :class:`HalfRotation`."""
+
+    backend = "fused"
+    kernels: ClassVar[Mapping[str, RotaryKernel]] = {"half": rotate}

@@ -1,0 +1,58 @@
+"""The ``liger`` backend's rotary application: Liger-Kernel's RoPE kernel on q and k, what
+Liger's own patch binds as ``apply_rotary_pos_emb`` (GPU only).
+
+Liger's ``LigerRopeFunction`` takes ``(batch, heads, seq, head_dim)`` q and k with
+``(batch or 1, seq, rotary_dim)`` cos/sin, rotates the leading ``rotary_dim`` channels
+and writes the result into the storage it is given, as Liger's patch does; the first-use
+proof (on the GPU) compares the whole model with the original's. A call of another shape,
+on the CPU, or rotating one tensor at a time (Gemma 3n, Gemma 4) runs the module's own
+function, and a model whose rotary function rotates one tensor is kept with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+from torch import Tensor
+
+from layerswap.backends.rotary import RotaryKernel, RotaryReplacement
+from layerswap.rotaries import RotarySpec
+
+__all__ = ["LigerRotary"]
+
+
+def _rope(
+    tensors: tuple[Tensor, ...], cos: Tensor, sin: Tensor, dim: int, spec: RotarySpec
+) -> tuple[Tensor, ...] | None:
+    q, k = tensors
+    width = cos.shape[-1]
+    if not (
+        dim == 1
+        and q.dim() == k.dim() == 4
+        and cos.dim() == 3
+        and sin.shape == cos.shape
+        and q.is_cuda
+        and q.device == k.device == cos.device == sin.device
+        and width % 2 == 0
+        and 0 < width <= q.shape[-1]
+        and (width == q.shape[-1] or spec.partial)
+        and q.shape[-1] == k.shape[-1]
+    ):
+        return None
+    from layerswap.backends.liger.runtime import kernels
+
+    rope = kernels().liger_rope
+    if spec.upcast:
+        q32, k32 = rope(q.float(), k.float(), cos.float(), sin.float())
+        return q32.to(q.dtype), k32.to(k.dtype)
+    rotated: tuple[Tensor, Tensor] = rope(q, k, cos, sin)
+    return rotated
+
+
+class LigerRotary(RotaryReplacement):
+    """A model's own attention whose rotary application is Liger-Kernel's RoPE kernel."""
+
+    backend = "liger"
+    kernels: ClassVar[Mapping[str, RotaryKernel]] = {"half": _rope}
+    operands = frozenset({2})

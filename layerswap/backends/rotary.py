@@ -1,0 +1,146 @@
+"""What every backend's ``rotary`` replacement shares: an attention of the model's own class
+whose forward calls a backend's rotary kernel where it called its module's
+``apply_rotary_pos_emb``.
+
+The ``rotary`` slot (:mod:`layerswap.slots.rotary`) gives each attention it swaps a class
+made by :meth:`~layerswap.backends.class_swap.ClassReplacement.subclass_for` whose
+``forward`` is the original's code with that one global name changed
+(:func:`~layerswap.rotaries.rebuilt_forward`): the projections, q/k norms, cache, mask and
+attention function are the original's, run as they are. The name it calls instead,
+``_layerswap_<replacement class>_apply_rotary_pos_emb_<kind>``, is bound in the attention's modeling
+module the first time a class is made for it, and stays there (it is inert: only the made
+classes call it; :mod:`layerswap.sources` leaves such names out of the code it vouches
+for). Nothing of the module changes: its parameters and buffers are untouched, undo sets
+the class back.
+
+A backend's kernel takes a call it has preconditions for (shapes, dtypes, devices, cos/sin
+that need no gradient); any other call runs the module's own function, as it is bound at
+that call: so do ``torch.func`` transforms and forward-mode AD (the kernel's autograd
+function has no rule for them) and ``torch.compile`` (which fuses the original's
+elementwise expression into one kernel itself).
+
+Example::
+
+    class FusedRotary(RotaryReplacement):
+        backend = "fused"
+        kernels = {"half": rotate}
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import forward_ad
+
+from layerswap.backends.class_swap import ClassReplacement
+from layerswap.rotaries import RotarySpec, rebuilt_forward
+
+__all__ = ["RotaryKernel", "RotaryReplacement", "is_replaced_rotary"]
+
+#: ``(tensors, cos, sin, unsqueeze_dim, spec) -> rotated tensors``, or ``None`` where the
+#: call is not one the kernel takes (the module's own function then runs)
+RotaryKernel = Callable[
+    [tuple[Tensor, ...], Tensor, Tensor, int, RotarySpec], "tuple[Tensor, ...] | None"
+]
+
+_LOCK = threading.Lock()
+_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
+def _transformed(*tensors: Tensor) -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``) or forward-mode AD runs over
+    ``tensors``: the kernel's autograd function has no rule for them."""
+    if forward_ad._current_level >= 0:
+        return True
+    return _WRAPPED is not None and any(_WRAPPED(x) for x in tensors)
+
+
+def _dispatcher(
+    kernel: RotaryKernel, spec: RotarySpec, namespace: dict[str, Any]
+) -> Callable[..., Any]:
+    """The function a swapped forward calls: ``kernel`` where it takes the call, else
+    ``namespace[spec.function]`` (the module's own, as bound when called)."""
+    import inspect
+
+    default = inspect.signature(namespace[spec.function]).parameters[spec.parameters[-1]].default
+    count = spec.operands + 3
+
+    def rotary(*args: Any, **kwargs: Any) -> Any:
+        given = list(args)
+        if kwargs:
+            named = dict(kwargs)
+            given += [named.pop(name) for name in spec.parameters[len(given) :] if name in named]
+            if named or len(given) < count - 1:  # a keyword it does not take, or a gap
+                return namespace[spec.function](*args, **kwargs)
+        if len(given) == count - 1:
+            given.append(default)
+        *tensors, cos, sin, dim = given
+        if (
+            isinstance(dim, int)
+            and all(isinstance(t, Tensor) for t in (*tensors, cos, sin))
+            and not (cos.requires_grad or sin.requires_grad)
+            and not torch.compiler.is_compiling()  # the compiler fuses the original's
+            and not _transformed(*tensors, cos, sin)
+        ):
+            out = kernel(tuple(tensors), cos, sin, dim, spec)
+            if out is not None:
+                return out if spec.operands == 2 else out[0]
+        return namespace[spec.function](*args, **kwargs)
+
+    return rotary
+
+
+class RotaryReplacement(ClassReplacement):
+    """The base of a backend's rotary replacement: the attention's own forward, calling the
+    backend's kernel for its rotary function."""
+
+    #: the rotary kinds this backend computes, and its kernel for each
+    kernels: ClassVar[Mapping[str, RotaryKernel]] = {}
+    #: the operand counts it takes (2: q and k; 1: one tensor)
+    operands: ClassVar[frozenset[int]] = frozenset({1, 2})
+    _layerswap_spec: ClassVar[RotarySpec]
+
+    @classmethod
+    def refusal(cls, spec: RotarySpec) -> str | None:
+        found = super().refusal(spec)
+        if found is None and spec.operands not in cls.operands:
+            return (
+                f"its {spec.function} rotates one tensor at a time; the {cls.backend} "
+                "backend's kernel rotates q and k together"
+            )
+        return found
+
+    @classmethod
+    def made_namespace(cls, original: type, spec: RotarySpec) -> dict[str, Any]:
+        forward = original.forward  # type: ignore[attr-defined]
+        inner = forward
+        while getattr(inner, "__wrapped__", None) is not None:
+            inner = inner.__wrapped__
+        namespace: dict[str, Any] = inner.__globals__
+        base = f"_layerswap_{cls.__name__}_{spec.function}_{spec.slug}"
+        with _LOCK:
+            name, count = base, 1
+            # a name another class of the same name bound (a subclass in a test) is not ours
+            while (
+                name in namespace and getattr(namespace[name], "_layerswap_owner", None) is not cls
+            ):
+                count += 1
+                name = f"{base}_{count}"
+            if name not in namespace:
+                bound: Any = _dispatcher(cls.kernels[spec.kind], spec, namespace)
+                bound.__qualname__ = bound.__name__ = name
+                bound._layerswap_owner = cls
+                namespace[name] = bound
+        return {"forward": rebuilt_forward(forward, spec.function, name)}
+
+    def extra_repr(self) -> str:
+        return f"{self._layerswap_spec.label} ({self.backend})"
+
+
+def is_replaced_rotary(module: nn.Module) -> bool:
+    """Whether ``module`` is an attention the ``rotary`` slot swapped."""
+    return isinstance(module, RotaryReplacement)

@@ -1,0 +1,325 @@
+"""The rotary applications a model's attention classes call, read by running them: what the
+``rotary`` slot swaps.
+
+An attention's ``forward`` rotates its queries and keys by calling a function of its
+modeling module, ``apply_rotary_pos_emb(q, k, cos, sin)``. What that function computes
+differs by model type, and its source does not say it plainly: Llama's rotates every
+channel by the rotate-half convention, GPT-NeoX's and Phi-3's rotate the leading
+``cos.shape[-1]`` channels and pass the rest, Cohere's computes in float32 and casts back,
+Gemma 3n's takes one tensor, GLM's and GPT-J's interleave. :func:`classify` runs the
+function a module's class calls on small random inputs (float32 to rounding, bfloat16 to
+the last bit) against the rotate-half rotation in each of these forms, and names the one
+it computes (a :class:`RotarySpec`), or says why none.
+
+The swapped class calls another function under another global name
+(:func:`rebuilt_forward`: the same code, one name changed, each decorator around it kept),
+so the module still runs its own attention, mask, cache and projections.
+
+Example::
+
+    spec = classify(model.model.layers[0].self_attn)
+    spec.label         # "rotate-half, q and k"
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from layerswap.projections import is_attention_class
+
+__all__ = [
+    "ROTARY_FUNCTIONS",
+    "RotarySpec",
+    "candidate_rotary_classes",
+    "classify",
+    "half_rotation",
+    "rebuilt_forward",
+    "rotary_call",
+]
+
+#: the module-level functions an attention's forward calls to rotate its queries and keys
+ROTARY_FUNCTIONS = ("apply_rotary_pos_emb",)
+#: how many decorators around a forward are rebuilt (``deprecate_kwarg`` is one)
+_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """What one rotary function computes, in the rotate-half convention."""
+
+    #: the global name the attention's forward calls
+    function: str
+    #: 2: ``(q, k, cos, sin, unsqueeze_dim)``; 1: ``(x, cos, sin, unsqueeze_dim)``
+    operands: int
+    #: rotates the leading ``cos.shape[-1]`` channels and passes the others (GPT-NeoX)
+    partial: bool
+    #: computes in float32 and returns its input's dtype (Cohere, ModernBERT)
+    upcast: bool
+    #: the parameter names, in order (a call may name them)
+    parameters: tuple[str, ...]
+    kind: str = "half"
+
+    @property
+    def label(self) -> str:
+        parts = ["rotate-half", "q and k" if self.operands == 2 else "one tensor"]
+        if self.partial:
+            parts.append("leading channels")
+        if self.upcast:
+            parts.append("in float32")
+        return ", ".join(parts)
+
+    @property
+    def slug(self) -> str:
+        """A short name of what it computes, for the global the swapped forward calls."""
+        return (
+            f"{self.kind}{self.operands}{'p' if self.partial else 'f'}{'u' if self.upcast else 'i'}"
+        )
+
+
+def half_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotate-half rotation of the leading ``cos.shape[-1]`` channels of ``x``, the
+    others passed; ``cos``/``sin`` already broadcast against ``x`` (the reference the
+    kernels are read against, in transformers' order of operations)."""
+    width = cos.shape[-1]
+    rotated, passed = x[..., :width], x[..., width:]
+    half = width // 2
+    turned = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+    out = rotated * cos + turned * sin
+    return torch.cat((out, passed), dim=-1) if passed.shape[-1] else out
+
+
+def _unwrapped(function: Any) -> Any:
+    for _ in range(_DEPTH):
+        inner = getattr(function, "__wrapped__", None)
+        if inner is None:
+            return function
+        function = inner
+    return function
+
+
+def _global_reads(code: types.CodeType, name: str) -> set[str]:
+    """How ``code`` (and the code it defines) reads ``name``: the opcodes naming it."""
+    found = {i.opname for i in dis.get_instructions(code) if i.argval == name}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _global_reads(const, name)
+    return found
+
+
+def rotary_call(cls: type) -> tuple[str, Any] | str:
+    """``(name, function)``: the rotary function ``cls.forward`` calls as a global of its
+    module, or why none can be swapped."""
+    forward = getattr(cls, "forward", None)
+    inner = _unwrapped(forward)
+    code = getattr(inner, "__code__", None)
+    if code is None:
+        return "its forward is no Python function"
+    for name in ROTARY_FUNCTIONS:
+        if name not in code.co_names:
+            continue
+        reads = _global_reads(code, name)
+        if reads != {"LOAD_GLOBAL"}:
+            return (
+                f"its forward reads {name} otherwise than as a global ({', '.join(sorted(reads))})"
+            )
+        found = inner.__globals__.get(name)
+        if found is None:
+            return f"{name} is not a global of {inner.__globals__.get('__name__')}"
+        wrapper = forward
+        while wrapper is not inner:
+            held = getattr(wrapper, "__wrapped__", None)
+            if not _holds(wrapper, held):
+                return (
+                    f"its forward is wrapped by {getattr(wrapper, '__qualname__', wrapper)}, "
+                    "which does not hold the function it wraps in its closure"
+                )
+            wrapper = held
+        return name, found
+    return "its forward calls no rotary function of its module"
+
+
+def _holds(wrapper: Any, inner: Any) -> bool:
+    cells = getattr(wrapper, "__closure__", None) or ()
+    return isinstance(wrapper, types.FunctionType) and any(_content(c) is inner for c in cells)
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def rebuilt_forward(forward: Any, name: str, replacement: str) -> Any:
+    """``forward`` with its global ``name`` read as ``replacement``: the same code and
+    defaults, each decorator around it rebuilt around the new function (:func:`rotary_call`
+    checked that it can be)."""
+    inner = getattr(forward, "__wrapped__", None)
+    if inner is None:
+        names = tuple(replacement if n == name else n for n in forward.__code__.co_names)
+        made = types.FunctionType(
+            forward.__code__.replace(co_names=names),
+            forward.__globals__,
+            forward.__name__,
+            forward.__defaults__,
+            forward.__closure__,
+        )
+    else:
+        rebuilt = rebuilt_forward(inner, name, replacement)
+        cells = tuple(
+            types.CellType(rebuilt) if _content(cell) is inner else cell
+            for cell in forward.__closure__
+        )
+        made = types.FunctionType(
+            forward.__code__, forward.__globals__, forward.__name__, forward.__defaults__, cells
+        )
+    made.__kwdefaults__ = forward.__kwdefaults__
+    made.__dict__.update(forward.__dict__)
+    if inner is not None:
+        made.__wrapped__ = rebuilt  # type: ignore[attr-defined]
+    made.__qualname__ = forward.__qualname__
+    made.__doc__ = forward.__doc__
+    made.__module__ = forward.__module__
+    made.__annotations__ = dict(getattr(forward, "__annotations__", {}))
+    return made
+
+
+def candidate_rotary_classes(model: nn.Module, module_name: str) -> dict[type, list[str]]:
+    """The attention classes of ``model`` whose forward calls a rotary function of its
+    module, with the names of their instances, in the order they first appear."""
+    found: dict[type, list[str]] = {}
+    for name, module in model.named_modules():
+        cls: type = getattr(type(module), "_layerswap_original", type(module))
+        if is_attention_class(cls, module_name) and _calls_rotary(cls):
+            found.setdefault(cls, []).append(name)
+    return found
+
+
+@functools.lru_cache(maxsize=512)
+def _calls_rotary(cls: type) -> bool:
+    code = getattr(_unwrapped(getattr(cls, "forward", None)), "__code__", None)
+    return code is not None and any(name in code.co_names for name in ROTARY_FUNCTIONS)
+
+
+def classify(module: nn.Module) -> RotarySpec | str:
+    """What the rotary function ``module``'s class calls computes, or why no kernel may take
+    its place. Runs the function, never the module (a module on the meta device is read
+    alike)."""
+    cls: type = getattr(type(module), "_layerswap_original", type(module))
+    found = rotary_call(cls)
+    if isinstance(found, str):
+        return found
+    return _read(*found)
+
+
+@functools.lru_cache(maxsize=256)
+def _read(name: str, function: Callable[..., Any]) -> RotarySpec | str:
+    try:
+        parameters = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return f"{name} has no signature to read"
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    for operands in (2, 1):
+        if len(parameters) != operands + 3 or parameters[-1] != "unsqueeze_dim":
+            continue
+        q, k = draw(2, 3, 5, 8), draw(2, 1, 5, 8)
+        cos, sin = draw(2, 5, 8), draw(2, 5, 8)
+        if not _rotates(function, operands, (q, k), cos, sin, torch.float32):
+            other = _layout(function, operands, (q, k), cos, sin)
+            return f"{name} does not compute the rotate-half rotation" + (
+                f" (it computes the {other!r} layout)" if other else ""
+            )
+        partial = _rotates(function, operands, (q, k), cos[..., :4], sin[..., :4], torch.float32)
+        low = [t.to(torch.bfloat16) for t in (q, k, cos, sin)]
+        upcast = _bitwise(function, operands, low, upcast=True)
+        if not upcast and not _bitwise(function, operands, low, upcast=False):
+            return f"{name} rounds bfloat16 otherwise than in its inputs' dtype or in float32"
+        return RotarySpec(name, operands, partial, upcast, parameters)
+    return f"{name} takes ({', '.join(parameters)}), not (q, k, cos, sin, unsqueeze_dim)"
+
+
+def _layout(
+    function: Callable[..., Any], operands: int, tensors: Any, cos: Tensor, sin: Tensor
+) -> str | None:
+    """Which other layout of :data:`~layerswap.rotary.ROTARY_LAYOUTS` ``function`` computes
+    (GLM's, Cohere's interleaved pairs; nanochat's reversed halves), to say so."""
+    from layerswap.rotary import ROTARY_LAYOUTS, rotate
+
+    got = _outputs(_call(function, operands, tensors, cos, sin), operands)
+    for layout in ROTARY_LAYOUTS[1:]:
+        try:
+            want = [rotate(x, cos, sin, layout) for x in tensors[:operands]]
+        except RuntimeError:
+            continue
+        if all(
+            isinstance(out, Tensor) and out.shape == w.shape and torch.allclose(out, w, atol=1e-5)
+            for out, w in zip(got, want, strict=True)
+        ):
+            return layout
+    return None
+
+
+def _call(
+    function: Callable[..., Any], operands: int, tensors: Any, cos: Tensor, sin: Tensor
+) -> Any:
+    try:
+        return function(*tensors[:operands], cos, sin)
+    except Exception:
+        return None
+
+
+def _expected(x: Tensor, cos: Tensor, sin: Tensor, upcast: bool) -> Tensor:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if upcast:
+        return half_rotation(x.float(), cos.float(), sin.float()).to(x.dtype)
+    return half_rotation(x, cos, sin)
+
+
+def _outputs(got: Any, operands: int) -> list[Any]:
+    if operands == 1:
+        return [got]
+    return list(got) if isinstance(got, tuple) and len(got) == 2 else [None, None]
+
+
+def _rotates(
+    function: Callable[..., Any],
+    operands: int,
+    tensors: Any,
+    cos: Tensor,
+    sin: Tensor,
+    dtype: torch.dtype,
+) -> bool:
+    got = _outputs(_call(function, operands, tensors, cos, sin), operands)
+    for out, x in zip(got, tensors[:operands], strict=True):
+        want = _expected(x.double(), cos.double(), sin.double(), upcast=False)
+        if not isinstance(out, Tensor) or out.shape != x.shape or out.dtype != dtype:
+            return False
+        if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5):
+            return False
+    return True
+
+
+def _bitwise(
+    function: Callable[..., Any], operands: int, low: list[Tensor], *, upcast: bool
+) -> bool:
+    q, k, cos, sin = low
+    got = _outputs(_call(function, operands, (q, k), cos, sin), operands)
+    return all(
+        isinstance(out, Tensor)
+        and out.dtype == x.dtype
+        and torch.equal(out, _expected(x, cos, sin, upcast))
+        for out, x in zip(got, (q, k)[:operands], strict=True)
+    )
