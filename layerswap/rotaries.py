@@ -41,13 +41,15 @@ __all__ = [
     "RotarySpec",
     "candidate_rotary_classes",
     "classify",
+    "complex_turn",
     "half_rotation",
     "rebuilt_forward",
     "rotary_call",
 ]
 
 #: the module-level functions an attention's forward calls to rotate its queries and keys
-ROTARY_FUNCTIONS = ("apply_rotary_pos_emb",)
+#: (``apply_rotary_emb``: Llama 4's complex product)
+ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")
 #: how many decorators around a forward are rebuilt (``deprecate_kwarg`` is one)
 _DEPTH = 8
 
@@ -66,11 +68,19 @@ class RotarySpec:
     upcast: bool
     #: the parameter names, in order (a call may name them)
     parameters: tuple[str, ...]
+    #: ``"half"``: ``x * cos + rotate_half(x) * sin``; ``"complex"``: adjacent pairs times
+    #: the complex ``freqs_cis`` (Llama 4's ``apply_rotary_emb``, on bshd states)
     kind: str = "half"
 
     @property
+    def tables(self) -> int:
+        """How many position tables follow the operands (cos and sin; ``freqs_cis``)."""
+        return 1 if self.kind == "complex" else 2
+
+    @property
     def label(self) -> str:
-        parts = ["rotate-half", "q and k" if self.operands == 2 else "one tensor"]
+        turn = "complex pairs" if self.kind == "complex" else "rotate-half"
+        parts = [turn, "q and k" if self.operands == 2 else "one tensor"]
         if self.partial:
             parts.append("leading channels")
         if self.upcast:
@@ -232,6 +242,8 @@ def _read(name: str, function: Callable[..., Any]) -> RotarySpec | str:
     def draw(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
+    if len(parameters) == 3:  # (xq, xk, freqs_cis): Llama 4's complex product
+        return _read_complex(name, function, parameters, draw)
     for operands in (2, 1):
         if len(parameters) != operands + 3 or parameters[-1] != "unsqueeze_dim":
             continue
@@ -249,6 +261,33 @@ def _read(name: str, function: Callable[..., Any]) -> RotarySpec | str:
             return f"{name} rounds bfloat16 otherwise than in its inputs' dtype or in float32"
         return RotarySpec(name, operands, partial, upcast, parameters)
     return f"{name} takes ({', '.join(parameters)}), not (q, k, cos, sin, unsqueeze_dim)"
+
+
+def _read_complex(
+    name: str, function: Callable[..., Any], parameters: tuple[str, ...], draw: Any
+) -> RotarySpec | str:
+    """What a ``(xq, xk, freqs_cis)`` function computes: Llama 4's product of adjacent
+    pairs with the complex ``freqs_cis`` (batch, seq, pairs), broadcast over the heads of
+    bshd states, in float32 and cast back; bfloat16 compared to the last bit."""
+    q, k = draw(2, 5, 3, 8), draw(2, 5, 1, 8)
+    freqs = torch.polar(torch.ones(2, 5, 4), draw(2, 5, 4))
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = q.to(dtype), k.to(dtype)
+        got = _outputs(_call(function, 2, (x, y), freqs, None), 2)
+        want = [complex_turn(t, freqs) for t in (x, y)]
+        if not all(
+            isinstance(out, Tensor) and out.dtype == dtype and torch.equal(out, w)
+            for out, w in zip(got, want, strict=True)
+        ):
+            return f"{name} does not compute Llama 4's product of adjacent pairs with freqs_cis"
+    return RotarySpec(name, 2, False, True, parameters, kind="complex")
+
+
+def complex_turn(x: Tensor, freqs: Tensor) -> Tensor:
+    """Llama 4's rotation of bshd ``x``: adjacent channel pairs as complex numbers times
+    ``freqs`` (batch, seq, pairs), in float32, cast back to ``x``'s dtype."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs[:, :, None, :]).flatten(3).type_as(x)
 
 
 def _layout(
@@ -273,10 +312,11 @@ def _layout(
 
 
 def _call(
-    function: Callable[..., Any], operands: int, tensors: Any, cos: Tensor, sin: Tensor
+    function: Callable[..., Any], operands: int, tensors: Any, cos: Tensor, sin: Tensor | None
 ) -> Any:
+    tables = (cos,) if sin is None else (cos, sin)
     try:
-        return function(*tensors[:operands], cos, sin)
+        return function(*tensors[:operands], *tables)
     except Exception:
         return None
 

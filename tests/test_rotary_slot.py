@@ -238,7 +238,16 @@ def test_a_call_the_kernel_was_not_read_on_runs_the_modules_own_function() -> No
         rotary(q, k, cos.detach(), sin)
         assert calls == [1]  # the kernel's call
         rotary(q, k, cos.detach(), sin, unsqueeze_dim=1)
+        rotary(q, k, sin=sin, cos=cos.detach())  # named as the original names them
         assert calls == [1]
+        # what does not bind to the original's parameters is the original's to refuse
+        for args, kwargs in (
+            ((q, k, cos.detach()), {}),
+            ((q, k, cos, sin), {"position_ids": None}),
+        ):
+            with pytest.raises(TypeError):
+                rotary(*args, **kwargs)
+        assert len(calls) == 3
     finally:
         modeling_llama.apply_rotary_pos_emb = original
     handle.undo()
@@ -377,7 +386,8 @@ def test_the_first_use_proof_catches_a_wrong_kernel() -> None:
     """A backend whose kernel turns the other way: its proof fails and the swap is refused
     before the model changes."""
 
-    def wrong(tensors: Any, cos: Tensor, sin: Tensor, dim: int, spec: RotarySpec) -> Any:
+    def wrong(given: Any, spec: RotarySpec) -> Any:
+        *tensors, cos, sin, dim = given
         cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
         return tuple(HalfRotation.apply(x, cos, -sin) for x in tensors)
 
@@ -480,6 +490,28 @@ def test_compile_adds_no_graph_break_and_computes_the_same() -> None:
             torch.testing.assert_close(compiled(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def _liger_reason() -> str | None:
+    from layerswap.backends.liger.runtime import unmet_requirement
+
+    return unmet_requirement()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["fused", "liger"])
+@pytest.mark.parametrize("model_type", [*POPULAR, "llama4_text"])
+def test_on_a_gpu_the_rotary_verifies(model_type: str, backend: str, dtype: torch.dtype) -> None:
+    if backend == "liger" and _liger_reason() is not None:
+        pytest.skip(f"needs liger ({_liger_reason()})")
+    sub = layerswap.get(f"{model_type}.rotary.{backend}")
+    refused = layerswap.get_backend(backend).unsupported(sub.parts.family, "rotary")
+    if refused is not None:  # Liger's rotates q and k together; fused has no complex kernel
+        pytest.skip(refused)
+    report = layerswap.verify(_model(model_type), sub, dtype=dtype, device="cuda", backward=True)
+    assert report.passed, report.summary()
+
+
 # --- what list --all and coverage say -----------------------------------------------------
 
 
@@ -491,6 +523,27 @@ def test_list_all_counts_the_model_types_whose_rotary_is_swapped() -> None:
     assert set(POPULAR) <= listed
     report = coverage_report()
     assert "liger" in report["qwen3_next"].below_decoder["rotary"]
+
+
+def test_llama4s_complex_rotary_is_read_and_taken_by_liger_alone() -> None:
+    """Llama 4 rotates adjacent pairs by a complex product (``apply_rotary_emb``): Liger's
+    patch binds its own kernel there, and so does ``rotary.liger``; the fused backend has
+    nothing to spare over one complex product."""
+    from layerswap.backends.liger.rotary import LigerRotary
+
+    spec = classify(_attention("llama4_text"))
+    assert isinstance(spec, RotarySpec)
+    assert (spec.function, spec.kind, spec.label) == (
+        "apply_rotary_emb",
+        "complex",
+        "complex pairs, q and k, in float32",
+    )
+    assert LigerRotary.refusal(spec) is None
+    assert "one complex product already" in str(FusedRotary.refusal(spec))
+    # DeepSeek V2's apply_rotary_emb broadcasts over bhsd states: not Llama 4's, kept
+    assert "does not compute Llama 4's product" in str(classify(_attention("deepseek_v2")))
+    row = coverage_report()["llama4_text"]
+    assert row.below_decoder["rotary"] == ["liger"]
 
 
 def test_the_liger_rotary_takes_q_and_k_together_and_needs_a_gpu_here() -> None:

@@ -41,11 +41,10 @@ from layerswap.rotaries import RotarySpec, rebuilt_forward
 
 __all__ = ["RotaryKernel", "RotaryReplacement", "is_replaced_rotary"]
 
-#: ``(tensors, cos, sin, unsqueeze_dim, spec) -> rotated tensors``, or ``None`` where the
-#: call is not one the kernel takes (the module's own function then runs)
-RotaryKernel = Callable[
-    [tuple[Tensor, ...], Tensor, Tensor, int, RotarySpec], "tuple[Tensor, ...] | None"
-]
+#: ``(arguments, spec) -> rotated operands``, the arguments bound to the original's
+#: parameters in order (``q, k, cos, sin, unsqueeze_dim``; ``xq, xk, freqs_cis``), or
+#: ``None`` where the call is not one the kernel takes (the module's own function then runs)
+RotaryKernel = Callable[[tuple[Any, ...], RotarySpec], "tuple[Tensor, ...] | None"]
 
 _LOCK = threading.Lock()
 _WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
@@ -59,6 +58,9 @@ def _transformed(*tensors: Tensor) -> bool:
     return _WRAPPED is not None and any(_WRAPPED(x) for x in tensors)
 
 
+_MISSING = object()
+
+
 def _dispatcher(
     kernel: RotaryKernel, spec: RotarySpec, namespace: dict[str, Any]
 ) -> Callable[..., Any]:
@@ -66,27 +68,37 @@ def _dispatcher(
     ``namespace[spec.function]`` (the module's own, as bound when called)."""
     import inspect
 
-    default = inspect.signature(namespace[spec.function]).parameters[spec.parameters[-1]].default
-    count = spec.operands + 3
+    found = inspect.signature(namespace[spec.function]).parameters
+    defaults = tuple(
+        _MISSING if found[name].default is inspect.Parameter.empty else found[name].default
+        for name in spec.parameters
+    )
+    tensors = spec.operands + spec.tables
+
+    def bound(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        """``args`` and ``kwargs`` in the original's parameter order, or ``None`` where
+        they do not bind (the original then raises its own error)."""
+        if len(args) > len(spec.parameters):
+            return None
+        named = dict(kwargs)
+        values = list(args)
+        for name, default in zip(spec.parameters[len(args) :], defaults[len(args) :], strict=True):
+            value = named.pop(name, default)
+            if value is _MISSING:
+                return None
+            values.append(value)
+        return None if named else tuple(values)
 
     def rotary(*args: Any, **kwargs: Any) -> Any:
-        given = list(args)
-        if kwargs:
-            named = dict(kwargs)
-            given += [named.pop(name) for name in spec.parameters[len(given) :] if name in named]
-            if named or len(given) < count - 1:  # a keyword it does not take, or a gap
-                return namespace[spec.function](*args, **kwargs)
-        if len(given) == count - 1:
-            given.append(default)
-        *tensors, cos, sin, dim = given
+        given = bound(args, kwargs)
         if (
-            isinstance(dim, int)
-            and all(isinstance(t, Tensor) for t in (*tensors, cos, sin))
-            and not (cos.requires_grad or sin.requires_grad)
+            given is not None
+            and all(isinstance(t, Tensor) for t in given[:tensors])
+            and not any(t.requires_grad for t in given[spec.operands : tensors])
             and not torch.compiler.is_compiling()  # the compiler fuses the original's
-            and not _transformed(*tensors, cos, sin)
+            and not _transformed(*given[:tensors])
         ):
-            out = kernel(tuple(tensors), cos, sin, dim, spec)
+            out = kernel(given, spec)
             if out is not None:
                 return out if spec.operands == 2 else out[0]
         return namespace[spec.function](*args, **kwargs)
@@ -106,13 +118,18 @@ class RotaryReplacement(ClassReplacement):
 
     @classmethod
     def refusal(cls, spec: RotarySpec) -> str | None:
-        found = super().refusal(spec)
-        if found is None and spec.operands not in cls.operands:
+        if spec.kind not in cls.kernels:
+            return (
+                f"its {spec.function} computes {spec.label}, which the {cls.backend} backend "
+                "has no kernel for"
+                + (" (one complex product already)" if spec.kind == "complex" else "")
+            )
+        if spec.operands not in cls.operands:
             return (
                 f"its {spec.function} rotates one tensor at a time; the {cls.backend} "
                 "backend's kernel rotates q and k together"
             )
-        return found
+        return None
 
     @classmethod
     def made_namespace(cls, original: type, spec: RotarySpec) -> dict[str, Any]:

@@ -6,16 +6,16 @@
 #   [STEPS="verify pytest ..."] [PYTEST_FILES="tests/..."] bash scripts/gpu/session.sh [seconds]
 #
 # (default: every step that needs no TransformerEngine, 540 seconds; the steps: doctor bench
-# head-memory verify pytest bench-7b qkv check-liger adopt-liger; named in STEPS only: the peers
+# head-memory verify pytest bench-7b qkv rotary check-liger adopt-liger; named in STEPS only: the peers
 # at 7B, peer-compiled-7b peer-liger-7b (PEER_SEQ=256 or 1024); reprove (verify, pytest,
 # adopt-liger and check-liger at once, the verification in VERIFY_SHARDS processes);
 # pairs-256 / pairs-1024 (the original beside each of PAIRS_256 / PAIRS_1024 at Llama-2-7B's
 # layer shape, LAYERS_256 / LAYERS_1024 layers, batch 8, one process per pair); with TE installed
 # (stage_te.sh), also te-7b-bf16 te-7b-fp8 te-verify te-bench te-pytest)
 #
-# Writes under $OUT (10 files): session.log (versions, doctor, each step's exit code and
+# Writes under $OUT (11 files): session.log (versions, doctor, each step's exit code and
 # time), bench.log, bench.json, head_memory.txt, verify.log, pytest_gpu.log, bench_7b.txt,
-# bench_qkv.txt,
+# bench_qkv.txt, bench_rotary.txt,
 # check_liger.json, adopt_liger.log; the peers: peer_compiled_7b.txt, peer_liger_7b.txt; the te steps: te_7b_bf16.txt, te_7b_fp8.txt, te_verify.log, te_bench.log,
 # te_pytest.log.
 set -u
@@ -51,7 +51,7 @@ step() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee -a "$OUT/session.log"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/session.log"
-wanted() { [[ " ${STEPS:-doctor bench head-memory verify pytest bench-7b qkv check-liger adopt-liger} " == *" $1 "* ]]; }
+wanted() { [[ " ${STEPS:-doctor bench head-memory verify pytest bench-7b qkv rotary check-liger adopt-liger} " == *" $1 "* ]]; }
 wanted doctor && python3 -m layerswap doctor 2>&1 | tee -a "$OUT/session.log"
 # the benchmark model (0.85 B Llama, 8 x 512): verified, then every contender timed
 wanted bench && step bench 120 bench.log python3 scripts/gpu/verify_and_bench.py \
@@ -73,6 +73,9 @@ wanted bench-7b && step bench-7b 100 bench_7b.txt python3 scripts/gpu/verify_and
 # the qkv slot at Llama-2-7B's layer shape, 8 layers: decoding (batch 1) and a training step
 wanted qkv && step qkv 60 bench_qkv.txt python3 benchmarks/bench_qkv.py --device cuda \
   --dtype bfloat16 --layers 8 --hidden 4096 --new 64 --batch 8 --seq 256 --rounds 5
+# the rotary slot at Llama-2-7B's layer shape: the rotation alone, and a training step
+wanted rotary && step rotary 60 bench_rotary.txt python3 benchmarks/bench_rotary.py --device cuda \
+  --dtype bfloat16 --layers 8 --hidden 4096 --batch 8 --seq 1024 --rounds 5
 wanted check-liger && step check-liger 60 check_liger.json python3 -m layerswap check --all \
   --backend liger --json
 # Liger-Kernel's own apply functions, every key, adopted, undone object for object, and

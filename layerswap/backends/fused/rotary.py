@@ -83,11 +83,13 @@ def _fits(x: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> bool:
     return bool(shape == (*x.shape[:-1], width))
 
 
-def rotate(
-    tensors: tuple[Tensor, ...], cos: Tensor, sin: Tensor, dim: int, spec: RotarySpec
-) -> tuple[Tensor, ...] | None:
-    """Each of ``tensors`` rotated by :class:`HalfRotation` (in float32 and cast back where
-    ``spec.upcast``), or ``None`` where the call is not one it was read on."""
+def rotate(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None:
+    """Each operand of ``given`` (``q, k, cos, sin, unsqueeze_dim`` bound) rotated by
+    :class:`HalfRotation` (in float32 and cast back where ``spec.upcast``), or ``None``
+    where the call is not one it was read on."""
+    *tensors, cos, sin, dim = given
+    if not isinstance(dim, int):
+        return None
     try:
         cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
     except (IndexError, RuntimeError):

@@ -1,5 +1,6 @@
 """The ``liger`` backend's rotary application: Liger-Kernel's RoPE kernel on q and k, what
-Liger's own patch binds as ``apply_rotary_pos_emb`` (GPU only).
+Liger's own patch binds as ``apply_rotary_pos_emb`` (and Llama 4's as ``apply_rotary_emb``;
+GPU only).
 
 Liger's ``LigerRopeFunction`` takes ``(batch, heads, seq, head_dim)`` q and k with
 ``(batch or 1, seq, rotary_dim)`` cos/sin, rotates the leading ``rotary_dim`` channels
@@ -12,7 +13,7 @@ function, and a model whose rotary function rotates one tensor is kept with the 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -22,10 +23,9 @@ from layerswap.rotaries import RotarySpec
 __all__ = ["LigerRotary"]
 
 
-def _rope(
-    tensors: tuple[Tensor, ...], cos: Tensor, sin: Tensor, dim: int, spec: RotarySpec
-) -> tuple[Tensor, ...] | None:
-    q, k = tensors
+def _rope(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None:
+    """Liger's RoPE on ``q, k, cos, sin, unsqueeze_dim`` (bound), where it takes them."""
+    q, k, cos, sin, dim = given
     width = cos.shape[-1]
     if not (
         dim == 1
@@ -50,9 +50,35 @@ def _rope(
     return rotated
 
 
+def _llama4(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None:
+    """Liger's Llama 4 RoPE (``LigerLlama4RopeFunction``, what Liger's patch binds as
+    ``apply_rotary_emb``) on bshd ``xq, xk`` and complex ``freqs_cis``, where it takes
+    them: one row of positions (Liger's kernel reads ``freqs_cis`` as (seq, pairs), so
+    rows of a left-padded batch, which have positions of their own, run the original)."""
+    q, k, freqs = given
+    if not (
+        q.dim() == k.dim() == 4
+        and freqs.is_complex()
+        and freqs.dim() == 3
+        and freqs.shape[0] == 1
+        and freqs.shape[1] == q.shape[1] == k.shape[1]
+        and 2 * freqs.shape[-1] == q.shape[-1] == k.shape[-1]
+        and q.is_cuda
+        and q.device == k.device == freqs.device
+    ):
+        return None
+    from layerswap.backends.liger.runtime import kernels
+
+    kernels()  # the requirement, or RequirementError naming it
+    from liger_kernel.ops import LigerLlama4RopeFunction
+
+    rotated: tuple[Tensor, Tensor] = LigerLlama4RopeFunction.apply(q, k, freqs)
+    return rotated
+
+
 class LigerRotary(RotaryReplacement):
     """A model's own attention whose rotary application is Liger-Kernel's RoPE kernel."""
 
     backend = "liger"
-    kernels: ClassVar[Mapping[str, RotaryKernel]] = {"half": _rope}
+    kernels: ClassVar[Mapping[str, RotaryKernel]] = {"half": _rope, "complex": _llama4}
     operands = frozenset({2})
