@@ -84,6 +84,8 @@ class Verdict:
     def config_message(self) -> str:
         """One line for a verdict that failed on a config although the family's tiny
         config passes: the config selects structure the family does not describe."""
+        if self.check == "idle":
+            return self.message()
         return (
             f"{self.substitution} does not compute what the original does for this model's "
             f"config: {self.check} differs ({self.detail}), while the family's own tiny "
@@ -103,6 +105,8 @@ class Verdict:
             on += f", and under autocast to {self.autocast}"
         if self.passed:
             return f"{self.substitution}: proven equal to the original on {on}"
+        if self.check == "idle":
+            return f"{self.substitution} would change nothing in this model: {self.detail}"
         return (
             f"{self.substitution} does not behave like the original on {on}: "
             f"{self.check} differs ({self.detail}). The layer contract changed in a way "
@@ -190,6 +194,7 @@ def run(
         else:
             # the replacement's own errors (its constructor, its converter) are raised
             # as they are: neither a reason to prove another config, nor a verdict
+            idle = sub.parts.slot.proof_watch(sub)
             check, detail = judge(
                 _pair(reference, sub, proven),
                 proven,
@@ -198,6 +203,9 @@ def run(
                 dtype=dtype,
                 autocast=autocast,
             )
+            unchanged = None if check is not None or idle is None else idle()
+            if unchanged is not None:  # equal, since nothing was swapped in: refused
+                check, detail = "idle", unchanged
     module = original_module(sub)
     return Verdict(
         substitution=sub.name,

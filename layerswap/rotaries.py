@@ -39,6 +39,7 @@ from layerswap.projections import is_attention_class
 __all__ = [
     "ROTARY_FUNCTIONS",
     "RotarySpec",
+    "calls_conditionally",
     "candidate_rotary_classes",
     "classify",
     "complex_turn",
@@ -203,6 +204,32 @@ def rebuilt_forward(forward: Any, name: str, replacement: str) -> Any:
     return made
 
 
+@functools.lru_cache(maxsize=512)
+def calls_conditionally(cls: type) -> bool:
+    """Whether ``cls.forward`` calls its rotary function only under a condition (a config
+    switch, NoPE layers: DeepSeek V3's ``rope_interleave``, GraniteMoeHybrid's
+    ``position_embedding_type``), read from its source; ``True`` where the source cannot
+    be read. Whether it runs is then asked of a run."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(
+            textwrap.dedent(inspect.getsource(_unwrapped(getattr(cls, "forward", None))))
+        )
+    except (OSError, TypeError, SyntaxError):
+        return True
+    branches = (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp, ast.Match)
+
+    def conditional(node: ast.AST, inside: bool) -> bool:
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ROTARY_FUNCTIONS:
+            return inside
+        inside = inside or isinstance(node, branches)
+        return any(conditional(child, inside) for child in ast.iter_child_nodes(node))
+
+    return conditional(tree, False)
+
+
 def candidate_rotary_classes(model: nn.Module, module_name: str) -> dict[type, list[str]]:
     """The attention classes of ``model`` whose forward calls a rotary function of its
     module, with the names of their instances, in the order they first appear."""
@@ -233,6 +260,13 @@ def classify(module: nn.Module) -> RotarySpec | str:
 
 @functools.lru_cache(maxsize=256)
 def _read(name: str, function: Callable[..., Any]) -> RotarySpec | str:
+    # on the CPU whatever the default device (transformers builds a model under
+    # torch.device("meta"); a user may set a CUDA default), with autograd on
+    with torch.device("cpu"), torch.enable_grad():
+        return _read_here(name, function)
+
+
+def _read_here(name: str, function: Callable[..., Any]) -> RotarySpec | str:
     try:
         parameters = tuple(inspect.signature(function).parameters)
     except (TypeError, ValueError):
@@ -324,7 +358,15 @@ def _call(
 def _expected(x: Tensor, cos: Tensor, sin: Tensor, upcast: bool) -> Tensor:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if upcast:
-        return half_rotation(x.float(), cos.float(), sin.float()).to(x.dtype)
+        # each term casts the states (so each term's gradient is rounded to their dtype
+        # before the two are summed), the result cast back
+        width, half = cos.shape[-1], cos.shape[-1] // 2
+        first, second = x.float()[..., :width], x.float()[..., :width]
+        turned = torch.cat((-second[..., half:], second[..., :half]), dim=-1)
+        out = first * cos.float() + turned * sin.float()
+        if width < x.shape[-1]:
+            out = torch.cat((out, x.float()[..., width:]), dim=-1)
+        return out.to(x.dtype)
     return half_rotation(x, cos, sin)
 
 
@@ -355,11 +397,20 @@ def _rotates(
 def _bitwise(
     function: Callable[..., Any], operands: int, low: list[Tensor], *, upcast: bool
 ) -> bool:
-    q, k, cos, sin = low
+    """Whether ``function`` rounds as the rotation does in ``low``'s dtype (or in float32
+    and cast back), its outputs and its inputs' gradients to the last bit."""
+    q, k, cos, sin = (t.detach().requires_grad_(i < 2) for i, t in enumerate(low))
     got = _outputs(_call(function, operands, (q, k), cos, sin), operands)
-    return all(
-        isinstance(out, Tensor)
-        and out.dtype == x.dtype
-        and torch.equal(out, _expected(x, cos, sin, upcast))
-        for out, x in zip(got, (q, k)[:operands], strict=True)
-    )
+    for out, x in zip(got, (q, k)[:operands], strict=True):
+        want = _expected(x, cos, sin, upcast)
+        if not (isinstance(out, Tensor) and out.dtype == x.dtype and torch.equal(out, want)):
+            return False
+        if not out.requires_grad:
+            return False
+        grad = torch.ones_like(out).mul_(0.375)  # exact in bfloat16
+        grad[..., ::3] = -1.5
+        (mine,) = torch.autograd.grad(want, x, grad)
+        (theirs,) = torch.autograd.grad(out, x, grad)
+        if not torch.equal(mine, theirs):
+            return False
+    return True

@@ -282,6 +282,13 @@ class Slot:
         """What the proof's swapped copy computes its loss in (the head: its fused loss)."""
         return contextlib.nullcontext
 
+    def proof_watch(self, sub: Substitution) -> Callable[[], str | None] | None:
+        """Asked as a proof starts: a function the proof calls once its checks pass, saying
+        why its swapped copy changed nothing (``None``: it did), or ``None`` where this
+        slot's swaps cannot be idle (the ``rotary`` slot: a config that selects another
+        rotary function leaves its kernel uncalled)."""
+        return None
+
     def proof_reference(self, model: Any, sub: Substitution, config: PreTrainedConfig) -> None:
         """Originals in this slot's place in ``model``, the proof's causal LM of ``config``
         (built inside a :func:`layerswap.use`, it holds replacements; default:

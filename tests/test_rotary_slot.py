@@ -4,6 +4,7 @@ slot refuses and on every family; the attention stays the original's code and pa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import pickle
@@ -23,7 +24,7 @@ import layerswap
 from layerswap import sources
 from layerswap.backends.fused.rotary import FusedRotary, HalfRotation
 from layerswap.backends.rotary import RotaryReplacement
-from layerswap.errors import SubstitutionError, UpstreamDriftError
+from layerswap.errors import SubstitutionError, UnknownSubstitutionError, UpstreamDriftError
 from layerswap.rotaries import RotarySpec, classify, rebuilt_forward, rotary_call
 
 #: the model types people run in late 2026 whose attentions the slot takes
@@ -33,8 +34,7 @@ POPULAR = (
     "falcon_h1",
     "lfm2",
     "bamba",
-    "granitemoehybrid",
-    "deepseek_v3",
+    "qwen3_moe",
     "gemma4_text",
     "gemma3n_text",
     "olmo3",
@@ -272,6 +272,108 @@ def test_torch_func_transforms_run_the_modules_own_function() -> None:
     assert all(torch.equal(got[name], expected[name]) for name in expected)
 
 
+def test_reading_is_done_on_the_cpu_whatever_the_default_device() -> None:
+    """transformers builds a model inside ``use()`` under ``torch.device("meta")``: the
+    function is read there too (first in a process whose verdict was stored before)."""
+    from layerswap.rotaries import _read
+
+    attention = _attention("llama")
+    _read.cache_clear()
+    with torch.device("meta"):
+        spec = classify(attention)
+    assert isinstance(spec, RotarySpec) and spec.label == "rotate-half, q and k"
+
+
+def test_second_derivatives_through_the_kernel_are_the_originals() -> None:
+    """A gradient penalty (``create_graph=True``) differentiates the kernel's backward."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    cos, sin = (torch.randn(2, 1, 5, 8, generator=generator, dtype=torch.float64) for _ in "cs")
+    assert torch.autograd.gradgradcheck(lambda t: HalfRotation.apply(t, cos, sin), (x,))
+    model = layerswap.get_family("llama").build()
+    model.set_attn_implementation("eager")  # SDPA on a CPU has no second derivative
+    ids = _ids(model)
+
+    def penalty() -> Tensor:
+        model.zero_grad()
+        embeddings = model.get_input_embeddings()(ids).detach().requires_grad_()
+        loss = model(inputs_embeds=embeddings, labels=ids).loss
+        (grad,) = torch.autograd.grad(loss, embeddings, create_graph=True)
+        total = grad.square().sum()
+        total.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    expected = penalty()
+    with layerswap.swap(model, "llama.rotary.fused"):
+        assert torch.equal(penalty(), expected)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "modernbert-decoder"])
+def test_gradients_round_as_the_originals_under_autocast_and_in_bfloat16(model_type: str) -> None:
+    """bfloat16 states with float32 cos/sin (autocast), and a rotary computed in float32 and
+    cast back (ModernBERT's decoder, in bfloat16): each term's gradient is rounded to the
+    states' dtype before the terms are summed, as the original's autograd rounds it."""
+    model = _model(model_type)
+    ids = _ids(model)
+    runs = [
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        lambda: contextlib.nullcontext(),
+    ]
+    if model_type != "llama":
+        model = model.to(torch.bfloat16)
+        runs = runs[1:]
+    for run in runs:
+        with run():
+            loss, grads = _train_step(model, ids)
+        with layerswap.swap(model, f"{model_type}.rotary.fused"), run():
+            swapped_loss, swapped_grads = _train_step(model, ids)
+        assert torch.equal(swapped_loss, loss)
+        assert all(torch.equal(swapped_grads[n], grads[n]) for n in grads)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "granitemoehybrid", "zamba2"])
+def test_a_model_type_whose_attention_calls_its_rotary_only_elsewhere_is_not_offered(
+    model_type: str,
+) -> None:
+    """DeepSeek V3 calls ``apply_rotary_pos_emb`` only where ``rope_interleave`` is off (its
+    default is on), GraniteMoeHybrid only with rotary position embeddings (its default:
+    none): a swap would report its attentions swapped and compute nothing new."""
+    with pytest.raises(UnknownSubstitutionError, match="only under a condition"):
+        layerswap.get(f"{model_type}.rotary.fused")
+
+
+def test_a_config_under_which_the_kernel_never_runs_is_refused_unchanged() -> None:
+    """SmolLM3 with every layer NoPE: the proof counts the kernel's calls and finds none."""
+    from layerswap.families.infer import model_type_classes, tiny_config_for
+
+    classes = model_type_classes("smollm3")
+    config = tiny_config_for(classes.config_class)
+    config.no_rope_layers = [0] * config.num_hidden_layers
+    torch.manual_seed(0)
+    model = classes.causal_lm(config).eval()
+    with pytest.raises(layerswap.errors.LayerswapError, match="would change nothing in this model"):
+        layerswap.swap(model, "smollm3.rotary.fused")
+    assert not _swapped(model)
+
+
+def test_a_rotary_function_rebound_since_is_read_again() -> None:
+    """Another library rebinding the module's function (here: to GLM's interleaved one):
+    what a swap reads is the function bound now, refused naming its layout."""
+    from transformers.models.glm import modeling_glm
+    from transformers.models.llama import modeling_llama
+
+    model = layerswap.get_family("llama").build()
+    layerswap.swap(model, "llama.rotary.fused").undo()
+    original = modeling_llama.apply_rotary_pos_emb
+    modeling_llama.apply_rotary_pos_emb = modeling_glm.apply_rotary_pos_emb
+    try:
+        with pytest.raises(SubstitutionError, match="'interleaved_from_half' layout"):
+            layerswap.swap(model, "llama.rotary.fused")
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
+    assert not _swapped(model)
+
+
 # --- the swap, on the models people run ---------------------------------------------------
 
 
@@ -380,6 +482,18 @@ def test_the_qkv_and_rotary_slots_on_one_attention_are_refused_in_either_order(f
         layerswap.swap(model, f"llama.{second}.fused")
     assert {name: type(m) for name, m in model.named_modules()} == classes
     handle.undo()
+
+
+@pytest.mark.parametrize("inner", ["qkv", "rotary"])
+def test_use_of_the_qkv_and_rotary_slots_together_is_refused(inner: str) -> None:
+    outer = "rotary" if inner == "qkv" else "qkv"
+    family = layerswap.get_family("llama")
+    with (
+        pytest.raises(SubstitutionError, match="gave it a class of its own"),
+        layerswap.use(f"llama.{outer}.fused"),
+        layerswap.use(f"llama.{inner}.fused"),
+    ):
+        family.causal_lm_class()(family.tiny_config())
 
 
 def test_the_first_use_proof_catches_a_wrong_kernel() -> None:

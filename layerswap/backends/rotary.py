@@ -39,7 +39,7 @@ from torch.autograd import forward_ad
 from layerswap.backends.class_swap import ClassReplacement
 from layerswap.rotaries import RotarySpec, rebuilt_forward
 
-__all__ = ["RotaryKernel", "RotaryReplacement", "is_replaced_rotary"]
+__all__ = ["RotaryKernel", "RotaryReplacement", "calls", "is_replaced_rotary"]
 
 #: ``(arguments, spec) -> rotated operands``, the arguments bound to the original's
 #: parameters in order (``q, k, cos, sin, unsqueeze_dim``; ``xq, xk, freqs_cis``), or
@@ -47,6 +47,18 @@ __all__ = ["RotaryKernel", "RotaryReplacement", "is_replaced_rotary"]
 RotaryKernel = Callable[[tuple[Any, ...], RotarySpec], "tuple[Tensor, ...] | None"]
 
 _LOCK = threading.Lock()
+#: per thread: how many calls reached a made class's rotary function, and how many of them
+#: its kernel computed (:func:`calls`)
+_COUNTS = threading.local()
+
+
+def calls() -> tuple[int, int]:
+    """``(entered, computed)``: the calls of this thread so far that reached a swapped
+    attention's rotary function, and those its backend's kernel computed (the others ran
+    the module's own function). The slot compares them before and after a run."""
+    return getattr(_COUNTS, "entered", 0), getattr(_COUNTS, "computed", 0)
+
+
 _WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
@@ -90,16 +102,19 @@ def _dispatcher(
         return None if named else tuple(values)
 
     def rotary(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # the compiler fuses the original's itself
+            return namespace[spec.function](*args, **kwargs)
+        _COUNTS.entered = getattr(_COUNTS, "entered", 0) + 1
         given = bound(args, kwargs)
         if (
             given is not None
             and all(isinstance(t, Tensor) for t in given[:tensors])
             and not any(t.requires_grad for t in given[spec.operands : tensors])
-            and not torch.compiler.is_compiling()  # the compiler fuses the original's
             and not _transformed(*given[:tensors])
         ):
             out = kernel(given, spec)
             if out is not None:
+                _COUNTS.computed = getattr(_COUNTS, "computed", 0) + 1
                 return out if spec.operands == 2 else out[0]
         return namespace[spec.function](*args, **kwargs)
 

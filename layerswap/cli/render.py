@@ -200,7 +200,8 @@ def render_coverage(
     alone = sum(row["reason"] is not None and bool(row.get("below_decoder")) for row in rows)
     console.print(
         f"{covered + alone} of {len(rows)} model types with something swapped: {alone} more "
-        "by another slot alone (their norms, MLPs or head), proven at first use"
+        "by another slot alone (their norms, MLPs, experts, attention projections, rotary or "
+        "head), proven at first use"
     )
     if held_back is not None:
         console.print(held_back)

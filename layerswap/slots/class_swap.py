@@ -15,6 +15,7 @@ replacement base; everything else is here, once.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import threading
@@ -133,6 +134,9 @@ class ClassPlan:
     kept: dict[str, tuple[int, str]]
     #: (qualified name, the substitution that swapped it): modules another swap holds
     taken: list[tuple[str, str]]
+    #: (qualified name, the substitution that swapped it): modules another slot's class
+    #: swap holds (kept, with the reason; inside ``use()`` the two requests are refused)
+    clashing: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 def check_class_structure(sub: Substitution, config: PreTrainedConfig) -> None:
@@ -402,7 +406,10 @@ class ClassSwapSlot(Slot):
                 if isinstance(module, self.replacement_base):
                     plan.taken.append((name, module._layerswap_swapped_by))
                     continue
-                reason = instance_forward(module) or _other_class_swap(module, self)
+                clash = _other_class_swap(module, self)
+                if clash is not None:
+                    plan.clashing.append((name, clash))
+                reason = instance_forward(module) or clash
                 if cls.__module__ != family.module:
                     # another model's class: swapped only where the proof's model holds it
                     roots = _proof_roots(model, family) if roots is None else roots
@@ -535,6 +542,9 @@ class ClassSwapSlot(Slot):
             result = wrapped(*args, **kwargs)
             if type(instance).__module__ == module_name:
                 plan = self.plan(instance, sub)
+                if plan.clashing:  # the two requests overlap: refused
+                    name, why = plan.clashing[0]
+                    raise SubstitutionError(f"{sub.name} inside use(): {name}: {why}")
                 if plan.swapped:
                     if not prepared:
                         self.prepare(sub, instance.config, Placement.of(instance))

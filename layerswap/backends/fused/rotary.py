@@ -28,39 +28,69 @@ __all__ = ["FusedRotary", "HalfRotation", "rotate"]
 
 class HalfRotation(torch.autograd.Function):
     """The rotate-half rotation of ``x``'s leading ``cos.shape[-1]`` channels (the others
-    passed), ``cos``/``sin`` broadcast against them; ``x``'s gradient only."""
+    passed), ``cos``/``sin`` broadcast against them; ``x``'s gradient only.
+
+    Its backward rounds as autograd rounds the original's: where ``x``'s dtype is narrower
+    than the output's (bfloat16 states with float32 cos/sin, under autocast), each term's
+    gradient is cast to ``x``'s dtype before the terms are summed, as each product's
+    backward casts it; under ``create_graph`` it is built of differentiable operations."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.dtype = x.dtype
-        return _turn(x, cos, sin, sign=-1.0)
+        return _turn(x, cos, sin)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         cos, sin = ctx.saved_tensors
-        # the transposed rotation: each half takes the other's gradient turned back
-        return _turn(grad, cos, sin, sign=1.0, swap_sin=True).to(ctx.dtype), None, None
+        if torch.is_grad_enabled():  # a second derivative will be taken through it
+            return _turned_back(grad, cos, sin, ctx.dtype), None, None
+        return _turn_back(grad, cos, sin, ctx.dtype), None, None
 
 
-def _turn(x: Tensor, cos: Tensor, sin: Tensor, *, sign: float, swap_sin: bool = False) -> Tensor:
-    """``x * cos`` with each half's turned product added to the other half in place: the
-    original's products and sums, each rounded as it rounds them (no fused multiply-add)."""
+def _turn(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x * cos`` with each half's turned product subtracted from or added to the other
+    half in place: the original's products and sums, each rounded as it rounds them (no
+    fused multiply-add)."""
     width = cos.shape[-1]
     half = width // 2
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     rotated = x[..., :width]
     torch.mul(rotated, cos, out=out[..., :width])
-    first, second = (
-        (sin[..., half:], sin[..., :half]) if swap_sin else (sin[..., :half], sin[..., half:])
-    )
-    turned = torch.mul(rotated[..., half:], first)
-    (out[..., :half].add_ if sign > 0 else out[..., :half].sub_)(turned)
-    torch.mul(rotated[..., :half], second, out=turned)
-    (out[..., half:width].sub_ if sign > 0 else out[..., half:width].add_)(turned)
+    turned = torch.mul(rotated[..., half:], sin[..., :half])
+    out[..., :half].sub_(turned)
+    torch.mul(rotated[..., :half], sin[..., half:], out=turned)
+    out[..., half:width].add_(turned)
     if width < x.shape[-1]:
         out[..., width:] = x[..., width:]
     return out
+
+
+def _turn_back(grad: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
+    """The transposed rotation of ``grad``, in ``dtype``: each half takes the other's
+    gradient turned back, each term cast to ``dtype`` before it is summed."""
+    width = cos.shape[-1]
+    half = width // 2
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    rotated = grad[..., :width]
+    torch.mul(rotated, cos, out=out[..., :width])  # cast into ``dtype`` as it is written
+    out[..., :half].add_(torch.mul(rotated[..., half:], sin[..., half:]).to(dtype))
+    out[..., half:width].sub_(torch.mul(rotated[..., :half], sin[..., :half]).to(dtype))
+    if width < grad.shape[-1]:
+        out[..., width:] = grad[..., width:]
+    return out
+
+
+def _turned_back(grad: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`_turn_back` of differentiable operations, the same roundings."""
+    width = cos.shape[-1]
+    half = width // 2
+    rotated = grad[..., :width]
+    first = (rotated[..., half:] * sin[..., half:]).to(dtype)
+    second = (rotated[..., :half] * sin[..., :half]).to(dtype)
+    out = (rotated * cos).to(dtype) + torch.cat((first, -second), dim=-1)
+    return torch.cat((out, grad[..., width:].to(dtype)), dim=-1) if width < grad.shape[-1] else out
 
 
 def _fits(x: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> bool:
@@ -97,8 +127,10 @@ def rotate(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | Non
     if not all(_fits(x, cos, sin, spec) for x in tensors):
         return None
     if spec.upcast:
+        # each term in float32 (the states cast for each, as the original casts them),
+        # the result cast back
         cos, sin = cos.float(), sin.float()
-        return tuple(_apply(x.float(), cos, sin).to(x.dtype) for x in tensors)
+        return tuple(_apply(x, cos, sin).to(x.dtype) for x in tensors)
     return tuple(_apply(x, cos, sin) for x in tensors)
 
 
