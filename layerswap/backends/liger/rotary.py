@@ -34,6 +34,9 @@ def _rope(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None
         and sin.shape == cos.shape
         and q.is_cuda
         and q.device == k.device == cos.device == sin.device
+        # one dtype (under autocast the original promotes bfloat16 states to float32 cos/sin;
+        # Liger's kernel writes into the states)
+        and q.dtype == k.dtype == cos.dtype == sin.dtype
         and width % 2 == 0
         and 0 < width <= q.shape[-1]
         and (width == q.shape[-1] or spec.partial)
