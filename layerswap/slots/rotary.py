@@ -117,7 +117,7 @@ class RotarySlot(ClassSwapSlot):
         named = ", ".join(f"{cls.__name__} x{len(names)}" for cls, names in classes.items())
         return (
             (f"the rotary application of the attentions ({named or 'none'})",),
-            (f"{parts.layers_text}, the attentions but their rotary", *parts.outside),
+            (parts.layers_text, *parts.outside),
         )
 
     def original(self, family: Family) -> str:
