@@ -2,18 +2,20 @@
 ``rotary`` slot swaps.
 
 An attention's ``forward`` rotates its queries and keys by calling a function of its
-modeling module, ``apply_rotary_pos_emb(q, k, cos, sin)``. What that function computes
-differs by model type, and its source does not say it plainly: Llama's rotates every
-channel by the rotate-half convention, GPT-NeoX's and Phi-3's rotate the leading
-``cos.shape[-1]`` channels and pass the rest, Cohere's computes in float32 and casts back,
-Gemma 3n's takes one tensor, GLM's and GPT-J's interleave. :func:`classify` runs the
-function a module's class calls on small random inputs (float32 to rounding, bfloat16 to
-the last bit) against the rotate-half rotation in each of these forms, and names the one
-it computes (a :class:`RotarySpec`), or says why none.
+modeling module, ``apply_rotary_pos_emb(q, k, cos, sin)`` (DeepSeek's
+``apply_rotary_pos_emb_interleave``, Llama 4's ``apply_rotary_emb``). What that function
+computes differs by model type, and its source does not say it plainly: Llama's rotates
+every channel by the rotate-half convention, GPT-NeoX's and Phi-3's rotate the leading
+``cos.shape[-1]`` channels and pass the rest, ModernBERT's computes in float32 and casts
+back, Gemma 3n's takes one tensor, DeepSeek's turns adjacent pairs, GLM's and Cohere's
+interleave otherwise. :func:`classify` runs each function a module's class calls on small
+random inputs (float32 to rounding, bfloat16 to the last bit, forward and backward) against
+each rotation the kernels know, and names what it computes (a :class:`RotarySpec` per
+function, a :class:`RotaryCalls` per class), or says why none.
 
-The swapped class calls another function under another global name
-(:func:`rebuilt_forward`: the same code, one name changed, each decorator around it kept),
-so the module still runs its own attention, mask, cache and projections.
+The swapped class calls other functions under other global names
+(:func:`rebuilt_forward`: the same code, those names changed, each decorator around it
+kept), so the module still runs its own attention, mask, cache and projections.
 
 Example::
 
@@ -38,19 +40,22 @@ from layerswap.projections import is_attention_class
 
 __all__ = [
     "ROTARY_FUNCTIONS",
+    "RotaryCalls",
     "RotarySpec",
     "calls_conditionally",
     "candidate_rotary_classes",
     "classify",
     "complex_turn",
     "half_rotation",
+    "interleaved_rotation",
     "rebuilt_forward",
-    "rotary_call",
+    "rotary_calls",
 ]
 
 #: the module-level functions an attention's forward calls to rotate its queries and keys
-#: (``apply_rotary_emb``: Llama 4's complex product)
-ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")
+#: (``apply_rotary_emb``: Llama 4's complex product; ``apply_rotary_pos_emb_interleave``:
+#: DeepSeek's interleaved pairs)
+ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb", "apply_rotary_pos_emb_interleave")
 #: how many decorators around a forward are rebuilt (``deprecate_kwarg`` is one)
 _DEPTH = 8
 
@@ -61,7 +66,8 @@ class RotarySpec:
 
     #: the global name the attention's forward calls
     function: str
-    #: 2: ``(q, k, cos, sin, unsqueeze_dim)``; 1: ``(x, cos, sin, unsqueeze_dim)``
+    #: 2: ``(q, k, cos, sin[, position_ids], unsqueeze_dim)``; 1: ``(x, cos, sin,
+    #: unsqueeze_dim)``
     operands: int
     #: rotates the leading ``cos.shape[-1]`` channels and passes the others (GPT-NeoX)
     partial: bool
@@ -69,8 +75,10 @@ class RotarySpec:
     upcast: bool
     #: the parameter names, in order (a call may name them)
     parameters: tuple[str, ...]
-    #: ``"half"``: ``x * cos + rotate_half(x) * sin``; ``"complex"``: adjacent pairs times
-    #: the complex ``freqs_cis`` (Llama 4's ``apply_rotary_emb``, on bshd states)
+    #: ``"half"``: ``x * cos + rotate_half(x) * sin``; ``"interleave"``: adjacent pairs
+    #: turned by the first half of cos/sin, written de-interleaved (DeepSeek's
+    #: ``apply_rotary_pos_emb_interleave``); ``"complex"``: adjacent pairs times the complex
+    #: ``freqs_cis`` (Llama 4's ``apply_rotary_emb``, on bshd states)
     kind: str = "half"
 
     @property
@@ -80,7 +88,9 @@ class RotarySpec:
 
     @property
     def label(self) -> str:
-        turn = "complex pairs" if self.kind == "complex" else "rotate-half"
+        turn = {"complex": "complex pairs", "interleave": "interleaved pairs"}.get(
+            self.kind, "rotate-half"
+        )
         parts = [turn, "q and k" if self.operands == 2 else "one tensor"]
         if self.partial:
             parts.append("leading channels")
@@ -94,6 +104,21 @@ class RotarySpec:
         return (
             f"{self.kind}{self.operands}{'p' if self.partial else 'f'}{'u' if self.upcast else 'i'}"
         )
+
+
+@dataclass(frozen=True)
+class RotaryCalls:
+    """What each rotary function an attention's forward calls computes, in the order its
+    names are listed in :data:`ROTARY_FUNCTIONS` (DeepSeek V3's attention calls two, one
+    per setting of ``rope_interleave``)."""
+
+    calls: tuple[RotarySpec, ...]
+
+    @property
+    def label(self) -> str:
+        if len(self.calls) == 1:
+            return self.calls[0].label
+        return "; ".join(f"{call.function}: {call.label}" for call in self.calls)
 
 
 def half_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -117,6 +142,16 @@ def _unwrapped(function: Any) -> Any:
     return function
 
 
+def interleaved_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek's rotation of adjacent channel pairs by the first half of ``cos``/``sin``
+    (already broadcast against ``x``), the pairs' first elements written first, in
+    transformers' order of operations."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    first, second = x[..., 0::2], x[..., 1::2]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
 def _global_reads(code: types.CodeType, name: str) -> set[str]:
     """How ``code`` (and the code it defines) reads ``name``: the opcodes naming it."""
     found = {i.opname for i in dis.get_instructions(code) if i.argval == name}
@@ -126,36 +161,42 @@ def _global_reads(code: types.CodeType, name: str) -> set[str]:
     return found
 
 
-def rotary_call(cls: type) -> tuple[str, Any] | str:
-    """``(name, function)``: the rotary function ``cls.forward`` calls as a global of its
+def rotary_calls(cls: type) -> list[tuple[str, Any]] | str:
+    """``(name, function)`` of each rotary function ``cls.forward`` calls as a global of its
     module, or why none can be swapped."""
     forward = getattr(cls, "forward", None)
-    inner = _unwrapped(forward)
+    inner: Any = _unwrapped(forward)
     code = getattr(inner, "__code__", None)
     if code is None:
         return "its forward is no Python function"
+    wrapper = forward
+    while wrapper is not inner:
+        held = getattr(wrapper, "__wrapped__", None)
+        if not _holds(wrapper, held):
+            return (
+                f"its forward is wrapped by {getattr(wrapper, '__qualname__', wrapper)}, "
+                "which does not hold the function it wraps in its closure"
+            )
+        wrapper = held
+    namespace: dict[str, Any] = getattr(inner, "__globals__", {})
+    found: list[tuple[str, Any]] = []
+    reasons: list[str] = []
     for name in ROTARY_FUNCTIONS:
         if name not in code.co_names:
             continue
         reads = _global_reads(code, name)
+        function = namespace.get(name)
         if reads != {"LOAD_GLOBAL"}:
-            return (
+            reasons.append(
                 f"its forward reads {name} otherwise than as a global ({', '.join(sorted(reads))})"
             )
-        found = inner.__globals__.get(name)
-        if found is None:
-            return f"{name} is not a global of {inner.__globals__.get('__name__')}"
-        wrapper = forward
-        while wrapper is not inner:
-            held = getattr(wrapper, "__wrapped__", None)
-            if not _holds(wrapper, held):
-                return (
-                    f"its forward is wrapped by {getattr(wrapper, '__qualname__', wrapper)}, "
-                    "which does not hold the function it wraps in its closure"
-                )
-            wrapper = held
-        return name, found
-    return "its forward calls no rotary function of its module"
+        elif function is None:
+            reasons.append(f"{name} is not a global of {namespace.get('__name__')}")
+        else:
+            found.append((name, function))
+    if found:
+        return found
+    return "; ".join(reasons) or "its forward calls no rotary function of its module"
 
 
 def _holds(wrapper: Any, inner: Any) -> bool:
@@ -170,13 +211,13 @@ def _content(cell: Any) -> Any:
         return None
 
 
-def rebuilt_forward(forward: Any, name: str, replacement: str) -> Any:
-    """``forward`` with its global ``name`` read as ``replacement``: the same code and
-    defaults, each decorator around it rebuilt around the new function (:func:`rotary_call`
-    checked that it can be)."""
+def rebuilt_forward(forward: Any, renamed: dict[str, str]) -> Any:
+    """``forward`` with each global ``name`` of ``renamed`` read as ``renamed[name]``: the
+    same code and defaults, each decorator around it rebuilt around the new function
+    (:func:`rotary_calls` checked that it can be)."""
     inner = getattr(forward, "__wrapped__", None)
     if inner is None:
-        names = tuple(replacement if n == name else n for n in forward.__code__.co_names)
+        names = tuple(renamed.get(n, n) for n in forward.__code__.co_names)
         made = types.FunctionType(
             forward.__code__.replace(co_names=names),
             forward.__globals__,
@@ -185,7 +226,7 @@ def rebuilt_forward(forward: Any, name: str, replacement: str) -> Any:
             forward.__closure__,
         )
     else:
-        rebuilt = rebuilt_forward(inner, name, replacement)
+        rebuilt = rebuilt_forward(inner, renamed)
         cells = tuple(
             types.CellType(rebuilt) if _content(cell) is inner else cell
             for cell in forward.__closure__
@@ -247,15 +288,19 @@ def _calls_rotary(cls: type) -> bool:
     return code is not None and any(name in code.co_names for name in ROTARY_FUNCTIONS)
 
 
-def classify(module: nn.Module) -> RotarySpec | str:
-    """What the rotary function ``module``'s class calls computes, or why no kernel may take
-    its place. Runs the function, never the module (a module on the meta device is read
-    alike)."""
+def classify(module: nn.Module) -> RotaryCalls | str:
+    """What the rotary functions ``module``'s class calls compute (those that compute a
+    rotation the kernels know), or why none does. Runs the functions, never the module (a
+    module on the meta device is read alike)."""
     cls: type = getattr(type(module), "_layerswap_original", type(module))
-    found = rotary_call(cls)
+    found = rotary_calls(cls)
     if isinstance(found, str):
         return found
-    return _read(*found)
+    read = [_read(name, function) for name, function in found]
+    specs = tuple(spec for spec in read if isinstance(spec, RotarySpec))
+    if specs:
+        return RotaryCalls(specs)
+    return "; ".join(str(reason) for reason in read)
 
 
 @functools.lru_cache(maxsize=256)
@@ -279,11 +324,17 @@ def _read_here(name: str, function: Callable[..., Any]) -> RotarySpec | str:
     if len(parameters) == 3:  # (xq, xk, freqs_cis): Llama 4's complex product
         return _read_complex(name, function, parameters, draw)
     for operands in (2, 1):
-        if len(parameters) != operands + 3 or parameters[-1] != "unsqueeze_dim":
+        tail = parameters[operands + 2 :]
+        if tail not in (("unsqueeze_dim",), ("position_ids", "unsqueeze_dim")):
             continue
         q, k = draw(2, 3, 5, 8), draw(2, 1, 5, 8)
         cos, sin = draw(2, 5, 8), draw(2, 5, 8)
         if not _rotates(function, operands, (q, k), cos, sin, torch.float32):
+            if _rotates(function, operands, (q, k), cos, sin, torch.float32, interleave=True):
+                low = [t.to(torch.bfloat16) for t in (q, k, cos, sin)]
+                if not _bitwise(function, operands, low, upcast=False, interleave=True):
+                    return f"{name} rounds bfloat16 otherwise than in its inputs' dtype"
+                return RotarySpec(name, operands, False, False, parameters, kind="interleave")
             other = _layout(function, operands, (q, k), cos, sin)
             return f"{name} does not compute the rotate-half rotation" + (
                 f" (it computes the {other!r} layout)" if other else ""
@@ -355,8 +406,12 @@ def _call(
         return None
 
 
-def _expected(x: Tensor, cos: Tensor, sin: Tensor, upcast: bool) -> Tensor:
+def _expected(
+    x: Tensor, cos: Tensor, sin: Tensor, upcast: bool, interleave: bool = False
+) -> Tensor:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleave:
+        return interleaved_rotation(x, cos, sin)
     if upcast:
         # each term casts the states (so each term's gradient is rounded to their dtype
         # before the two are summed), the result cast back
@@ -383,10 +438,12 @@ def _rotates(
     cos: Tensor,
     sin: Tensor,
     dtype: torch.dtype,
+    *,
+    interleave: bool = False,
 ) -> bool:
     got = _outputs(_call(function, operands, tensors, cos, sin), operands)
     for out, x in zip(got, tensors[:operands], strict=True):
-        want = _expected(x.double(), cos.double(), sin.double(), upcast=False)
+        want = _expected(x.double(), cos.double(), sin.double(), False, interleave)
         if not isinstance(out, Tensor) or out.shape != x.shape or out.dtype != dtype:
             return False
         if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5):
@@ -395,14 +452,19 @@ def _rotates(
 
 
 def _bitwise(
-    function: Callable[..., Any], operands: int, low: list[Tensor], *, upcast: bool
+    function: Callable[..., Any],
+    operands: int,
+    low: list[Tensor],
+    *,
+    upcast: bool,
+    interleave: bool = False,
 ) -> bool:
     """Whether ``function`` rounds as the rotation does in ``low``'s dtype (or in float32
     and cast back), its outputs and its inputs' gradients to the last bit."""
     q, k, cos, sin = (t.detach().requires_grad_(i < 2) for i, t in enumerate(low))
     got = _outputs(_call(function, operands, (q, k), cos, sin), operands)
     for out, x in zip(got, (q, k)[:operands], strict=True):
-        want = _expected(x, cos, sin, upcast)
+        want = _expected(x, cos, sin, upcast, interleave)
         if not (isinstance(out, Tensor) and out.dtype == x.dtype and torch.equal(out, want)):
             return False
         if not out.requires_grad:

@@ -25,7 +25,7 @@ from layerswap import sources
 from layerswap.backends.fused.rotary import FusedRotary, HalfRotation
 from layerswap.backends.rotary import RotaryReplacement
 from layerswap.errors import SubstitutionError, UnknownSubstitutionError, UpstreamDriftError
-from layerswap.rotaries import RotarySpec, classify, rebuilt_forward, rotary_call
+from layerswap.rotaries import RotaryCalls, RotarySpec, classify, rebuilt_forward, rotary_calls
 
 #: the model types people run in late 2026 whose attentions the slot takes
 POPULAR = (
@@ -82,8 +82,9 @@ class _Ops(TorchDispatchMode):
 def test_a_rotary_function_is_named_by_what_it_computes(
     model_type: str, operands: int, partial: bool, upcast: bool
 ) -> None:
-    spec = classify(_attention(model_type))
-    assert isinstance(spec, RotarySpec), spec
+    found = classify(_attention(model_type))
+    assert isinstance(found, RotaryCalls), found
+    (spec,) = found.calls
     assert (spec.function, spec.operands, spec.partial, spec.upcast) == (
         "apply_rotary_pos_emb",
         operands,
@@ -138,7 +139,7 @@ def test_classifying_runs_the_function_never_the_module() -> None:
             layerswap.get_family("llama").tiny_config()
         )
     spec = classify(model.model.layers[0].self_attn)
-    assert isinstance(spec, RotarySpec) and spec.label == "rotate-half, q and k"
+    assert isinstance(spec, RotaryCalls) and spec.label == "rotate-half, q and k"
 
 
 def test_the_rebuilt_forward_keeps_each_decorator_and_calls_the_new_name() -> None:
@@ -147,7 +148,7 @@ def test_the_rebuilt_forward_keeps_each_decorator_and_calls_the_new_name() -> No
     from transformers.models.llama import modeling_llama
 
     forward = modeling_llama.LlamaAttention.forward
-    made = rebuilt_forward(forward, "apply_rotary_pos_emb", "_renamed")
+    made = rebuilt_forward(forward, {"apply_rotary_pos_emb": "_renamed"})
     assert made.__wrapped__ is not forward.__wrapped__
     assert "_renamed" in made.__wrapped__.__code__.co_names
     assert "apply_rotary_pos_emb" not in made.__wrapped__.__code__.co_names
@@ -162,7 +163,7 @@ def test_a_forward_reading_the_name_otherwise_than_as_a_global_is_refused() -> N
         def forward(self, x: Tensor) -> Tensor:
             return self.apply_rotary_pos_emb(x)  # type: ignore[no-any-return]
 
-    found = rotary_call(Attention)
+    found = rotary_calls(Attention)
     assert isinstance(found, str) and found.startswith(
         "its forward reads apply_rotary_pos_emb otherwise than as a global"
     )
@@ -281,7 +282,7 @@ def test_reading_is_done_on_the_cpu_whatever_the_default_device() -> None:
     _read.cache_clear()
     with torch.device("meta"):
         spec = classify(attention)
-    assert isinstance(spec, RotarySpec) and spec.label == "rotate-half, q and k"
+    assert isinstance(spec, RotaryCalls) and spec.label == "rotate-half, q and k"
 
 
 def test_second_derivatives_through_the_kernel_are_the_originals() -> None:
@@ -331,15 +332,73 @@ def test_gradients_round_as_the_originals_under_autocast_and_in_bfloat16(model_t
         assert all(torch.equal(swapped_grads[n], grads[n]) for n in grads)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "granitemoehybrid", "zamba2"])
+@pytest.mark.parametrize("model_type", ["granitemoehybrid", "zamba2"])
 def test_a_model_type_whose_attention_calls_its_rotary_only_elsewhere_is_not_offered(
     model_type: str,
 ) -> None:
-    """DeepSeek V3 calls ``apply_rotary_pos_emb`` only where ``rope_interleave`` is off (its
-    default is on), GraniteMoeHybrid only with rotary position embeddings (its default:
-    none): a swap would report its attentions swapped and compute nothing new."""
+    """GraniteMoeHybrid and Zamba2 rotate only with rotary position embeddings (their
+    default: none): a swap would report its attentions swapped and compute nothing new."""
     with pytest.raises(UnknownSubstitutionError, match="only under a condition"):
         layerswap.get(f"{model_type}.rotary.fused")
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_deepseek_v3_takes_both_of_its_rotary_functions(interleave: bool) -> None:
+    """DeepSeek V3's attention calls ``apply_rotary_pos_emb_interleave`` where
+    ``rope_interleave`` is set (its default) and ``apply_rotary_pos_emb`` where not: both
+    are read and renamed, and the swapped model is bitwise the original's either way."""
+    found = classify(_attention("deepseek_v3"))
+    assert isinstance(found, RotaryCalls)
+    assert [(c.function, c.kind) for c in found.calls] == [
+        ("apply_rotary_pos_emb", "half"),
+        ("apply_rotary_pos_emb_interleave", "interleave"),
+    ]
+    from layerswap.families.infer import model_type_classes, tiny_config_for
+
+    classes = model_type_classes("deepseek_v3")
+    config = tiny_config_for(classes.config_class)
+    config.rope_interleave = interleave
+    torch.manual_seed(0)
+    model = classes.causal_lm(config).eval()
+    ids = _ids(model)
+    with torch.no_grad():
+        logits = model(ids).logits
+    loss, grads = _train_step(model, ids)
+    model.eval()
+    with layerswap.swap(model, "deepseek_v3.rotary.fused") as handle:
+        assert "apply_rotary_pos_emb_interleave: interleaved pairs, q and k" in handle.report()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+        swapped_loss, swapped_grads = _train_step(model, ids)
+    assert torch.equal(swapped_loss, loss)
+    assert all(torch.equal(swapped_grads[n], grads[n]) for n in grads)
+
+
+def test_the_interleaved_rotation_and_its_gradients_are_the_originals() -> None:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb_interleave,
+    )
+
+    from layerswap.backends.fused.rotary import InterleavedRotation
+
+    generator = torch.Generator().manual_seed(0)
+    for states, tables in [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),  # autocast
+    ]:
+        q = torch.randn(2, 3, 5, 8, generator=generator).to(states).requires_grad_()
+        cos, sin = (torch.randn(2, 5, 8, generator=generator).to(tables) for _ in "cs")
+        expected, _ = apply_rotary_pos_emb_interleave(q, q, cos, sin)
+        got = InterleavedRotation.apply(q, cos[..., :4].unsqueeze(1), sin[..., :4].unsqueeze(1))
+        assert torch.equal(got, expected)
+        grad = torch.randn(expected.shape, generator=generator).to(expected.dtype)
+        (want,) = torch.autograd.grad(expected, q, grad)
+        (have,) = torch.autograd.grad(got, q, grad)
+        assert torch.equal(have, want)
+    x = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    cos, sin = (torch.randn(2, 1, 5, 4, generator=generator, dtype=torch.float64) for _ in "cs")
+    assert torch.autograd.gradgradcheck(lambda t: InterleavedRotation.apply(t, cos, sin), (x,))
 
 
 def test_a_config_under_which_the_kernel_never_runs_is_refused_unchanged() -> None:
@@ -646,8 +705,8 @@ def test_llama4s_complex_rotary_is_read_and_taken_by_liger_alone() -> None:
     from layerswap.backends.liger.rotary import LigerRotary
 
     spec = classify(_attention("llama4_text"))
-    assert isinstance(spec, RotarySpec)
-    assert (spec.function, spec.kind, spec.label) == (
+    assert isinstance(spec, RotaryCalls)
+    assert (spec.calls[0].function, spec.calls[0].kind, spec.label) == (
         "apply_rotary_emb",
         "complex",
         "complex pairs, q and k, in float32",
@@ -664,7 +723,7 @@ def test_the_liger_rotary_takes_q_and_k_together_and_needs_a_gpu_here() -> None:
     from layerswap.backends.liger.rotary import LigerRotary
 
     spec = classify(_attention("gemma3n_text"))
-    assert isinstance(spec, RotarySpec)
+    assert isinstance(spec, RotaryCalls)
     assert "rotates one tensor at a time" in str(LigerRotary.refusal(spec))
     if not torch.cuda.is_available():
         sub = layerswap.get("qwen3_next.rotary.liger")

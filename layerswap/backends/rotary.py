@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 
 from layerswap.backends.class_swap import ClassReplacement
-from layerswap.rotaries import RotarySpec, rebuilt_forward
+from layerswap.rotaries import RotaryCalls, RotarySpec, rebuilt_forward
 
 __all__ = ["RotaryKernel", "RotaryReplacement", "calls", "is_replaced_rotary"]
 
@@ -129,10 +129,11 @@ class RotaryReplacement(ClassReplacement):
     kernels: ClassVar[Mapping[str, RotaryKernel]] = {}
     #: the operand counts it takes (2: q and k; 1: one tensor)
     operands: ClassVar[frozenset[int]] = frozenset({1, 2})
-    _layerswap_spec: ClassVar[RotarySpec]
+    _layerswap_spec: ClassVar[RotaryCalls]
 
     @classmethod
-    def refusal(cls, spec: RotarySpec) -> str | None:
+    def call_refusal(cls, spec: RotarySpec) -> str | None:
+        """Why this backend has no kernel for the rotary function ``spec`` reads."""
         if spec.kind not in cls.kernels:
             return (
                 f"its {spec.function} computes {spec.label}, which the {cls.backend} backend "
@@ -147,12 +148,32 @@ class RotaryReplacement(ClassReplacement):
         return None
 
     @classmethod
-    def made_namespace(cls, original: type, spec: RotarySpec) -> dict[str, Any]:
+    def refusal(cls, spec: RotaryCalls) -> str | None:
+        """Why no rotary function an attention calls is one this backend computes
+        (``None``: at least one is; the others stay the module's own)."""
+        reasons = [cls.call_refusal(call) for call in spec.calls]
+        if any(reason is None for reason in reasons):
+            return None
+        return "; ".join(str(reason) for reason in reasons)
+
+    @classmethod
+    def made_namespace(cls, original: type, spec: RotaryCalls) -> dict[str, Any]:
         forward = original.forward  # type: ignore[attr-defined]
         inner = forward
         while getattr(inner, "__wrapped__", None) is not None:
             inner = inner.__wrapped__
         namespace: dict[str, Any] = inner.__globals__
+        renamed = {
+            call.function: cls._bound(call, namespace)
+            for call in spec.calls
+            if cls.call_refusal(call) is None
+        }
+        return {"forward": rebuilt_forward(forward, renamed)}
+
+    @classmethod
+    def _bound(cls, spec: RotarySpec, namespace: dict[str, Any]) -> str:
+        """The name under which this backend's function for ``spec`` is bound in
+        ``namespace`` (bound there the first time)."""
         base = f"_layerswap_{cls.__name__}_{spec.function}_{spec.slug}"
         with _LOCK:
             name, count = base, 1
@@ -167,7 +188,7 @@ class RotaryReplacement(ClassReplacement):
                 bound.__qualname__ = bound.__name__ = name
                 bound._layerswap_owner = cls
                 namespace[name] = bound
-        return {"forward": rebuilt_forward(forward, spec.function, name)}
+        return name
 
     def extra_repr(self) -> str:
         return f"{self._layerswap_spec.label} ({self.backend})"

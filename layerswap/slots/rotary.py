@@ -2,18 +2,22 @@
 calls, swapped for one backend kernel.
 
 A ``<model type>.rotary.<backend>`` substitution takes the attention modules whose class is
-named as an attention of the model's modeling module and whose ``forward`` calls its
-module's ``apply_rotary_pos_emb`` (:func:`~layerswap.rotaries.candidate_rotary_classes`);
-where that function computes the rotate-half rotation (:func:`~layerswap.rotaries.classify`,
-by running it: q and k or one tensor, every channel or the leading ones, in the inputs'
-dtype or in float32), each such module gets a subclass of its class whose ``forward`` calls
-the backend's kernel instead (:mod:`layerswap.backends.rotary`): the ``fused`` backend's
-three-kernel rotation, ``liger`` Liger's RoPE. Everything else is the original's: the
-projections, q/k norms, cache, mask and attention; parameters, ``state_dict``,
-``save_pretrained``, PEFT targets and optimizers see the same objects; undo sets the
-classes back. Interleaved layouts (GLM, GPT-J, DeepSeek V2's complex rotation), MLA's
-separate rotary function and attentions another slot swapped (``qkv``) stay as they are,
-and the handle's report says which and why.
+named as an attention of the model's modeling module and whose ``forward`` calls one of its
+module's rotary functions (:data:`~layerswap.rotaries.ROTARY_FUNCTIONS`:
+``apply_rotary_pos_emb``, DeepSeek's ``apply_rotary_pos_emb_interleave``, Llama 4's
+``apply_rotary_emb``; :func:`~layerswap.rotaries.candidate_rotary_classes`). What each
+function computes is read by running it (:func:`~layerswap.rotaries.classify`: the
+rotate-half rotation of q and k or of one tensor, of every channel or of the leading ones,
+in the inputs' dtype or in float32; DeepSeek's interleaved pairs; Llama 4's complex
+product); each function a backend has a kernel for is renamed in a subclass of the module's
+class whose ``forward`` is the original's code otherwise (:mod:`layerswap.backends.rotary`):
+the ``fused`` backend writes the rotation in place, ``liger`` runs Liger's RoPE. Everything
+else is the original's: the projections, q/k norms, cache, mask and attention; parameters,
+``state_dict``, ``save_pretrained``, PEFT targets and optimizers see the same objects; undo
+sets the classes back. Other layouts (GLM's, Cohere's and GPT-J's interleaving, nanochat's
+reversed halves, DeepSeek V2's complex rotation) and attentions another slot swapped
+(``qkv``) stay as they are, and the handle's report says which and why; a swap under which
+no attention runs the kernel (the config selects no rotary it computes) is refused.
 
 Example::
 
@@ -31,11 +35,11 @@ from torch import nn
 
 from layerswap.backends.rotary import RotaryReplacement, calls
 from layerswap.rotaries import (
-    RotarySpec,
+    RotaryCalls,
     calls_conditionally,
     candidate_rotary_classes,
     classify,
-    rotary_call,
+    rotary_calls,
 )
 from layerswap.slots import ModelParts
 from layerswap.slots.class_swap import ClassPlan, ClassSwapHandle, ClassSwapSlot, settings
@@ -65,16 +69,16 @@ class RotarySlot(ClassSwapSlot):
     def candidates(self, model: nn.Module, module_name: str) -> dict[type, list[str]]:
         return candidate_rotary_classes(model, module_name)
 
-    def classify(self, module: nn.Module) -> RotarySpec | str:
+    def classify(self, module: nn.Module) -> RotaryCalls | str:
         return classify(module)
 
     def spec_of(self, module: nn.Module) -> Any:
         # what a module computes is its module's rotary function's, as bound now: one
         # rebound since (another library's patch) is read again
         cls = getattr(type(module), "_layerswap_original", type(module))
-        found = rotary_call(cls)
-        function = found[1] if isinstance(found, tuple) else None
-        return self._memo((type(self), *settings(module), function), module)
+        found = rotary_calls(cls)
+        functions = tuple(found) if isinstance(found, list) else None
+        return self._memo((type(self), *settings(module), functions), module)
 
     def proof_watch(self, sub: Substitution) -> Callable[[], str | None]:
         """The kernel's calls counted through the proof: a swap under which no attention
@@ -131,7 +135,7 @@ SLOT = RotarySlot()
 _IDLE = (
     "no attention computed its rotary by the kernel on the proof's tiny model of this "
     "config: its forward calls {function} only under a condition the config does not meet "
-    "(another rotary, or none: DeepSeek V3's rope_interleave, NoPE layers)"
+    "(another rotary, or none: NoPE layers)"
 )
 
 
@@ -154,14 +158,14 @@ def _idle_on_tiny(slot: RotarySlot, family: Family, replacement: str) -> str | N
         classes = slot.candidates(model, family.module)
         if not any(calls_conditionally(cls) for cls in classes):
             return None
-        functions = set()
+        functions: set[str] = set()
         for cls, names in classes.items():
             for name in names:
                 module = model.get_submodule(name)
                 spec = slot.spec_of(module)
                 if isinstance(spec, str) or made.refusal(spec) is not None:
                     continue
-                functions.add(spec.function)
+                functions.update(c.function for c in spec.calls if made.call_refusal(c) is None)
                 module.__class__ = made.subclass_for(cls, spec, f"{family.name}.rotary.reading")
         vocab = model.config.get_text_config().vocab_size
         entered, _ = calls()
@@ -175,7 +179,7 @@ def _idle_on_tiny(slot: RotarySlot, family: Family, replacement: str) -> str | N
     return (
         f"its forward calls {' / '.join(sorted(functions)) or 'its rotary function'} only "
         "under a condition its default config does not meet (another rotary, or none: "
-        "DeepSeek V3's rope_interleave, NoPE layers)"
+        "NoPE layers)"
     )
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from layerswap.backends.rotary import RotaryKernel, RotaryReplacement
 from layerswap.rotaries import RotarySpec
 
-__all__ = ["FusedRotary", "HalfRotation", "rotate"]
+__all__ = ["FusedRotary", "HalfRotation", "InterleavedRotation", "rotate", "rotate_interleaved"]
 
 
 class HalfRotation(torch.autograd.Function):
@@ -113,17 +113,30 @@ def _fits(x: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> bool:
     return bool(shape == (*x.shape[:-1], width))
 
 
+def _arguments(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Any, ...] | None:
+    """``(operands, cos, sin)`` unsqueezed as the call asks, from the arguments bound to
+    the original's parameters; ``None`` where they are not what the kernel was read on (a
+    ``position_ids`` given, an ``unsqueeze_dim`` that does not fit)."""
+    named = dict(zip(spec.parameters, given, strict=True))
+    dim = given[-1]
+    if named.get("position_ids") is not None or not isinstance(dim, int):
+        return None
+    tensors = given[: spec.operands]
+    cos, sin = given[spec.operands : spec.operands + 2]
+    try:
+        return tensors, cos.unsqueeze(dim), sin.unsqueeze(dim)
+    except (IndexError, RuntimeError):
+        return None
+
+
 def rotate(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None:
     """Each operand of ``given`` (``q, k, cos, sin, unsqueeze_dim`` bound) rotated by
     :class:`HalfRotation` (in float32 and cast back where ``spec.upcast``), or ``None``
     where the call is not one it was read on."""
-    *tensors, cos, sin, dim = given
-    if not isinstance(dim, int):
+    found = _arguments(given, spec)
+    if found is None:
         return None
-    try:
-        cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
-    except (IndexError, RuntimeError):
-        return None
+    tensors, cos, sin = found
     if not all(_fits(x, cos, sin, spec) for x in tensors):
         return None
     if spec.upcast:
@@ -139,8 +152,68 @@ def _apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out
 
 
+class InterleavedRotation(torch.autograd.Function):
+    """DeepSeek's rotation of ``x``'s adjacent channel pairs by ``cos``/``sin`` of half its
+    width (broadcast against the pairs), the pairs' first elements written first: the
+    original's products and sums, rounded as it rounds them, its backward as autograd's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        half = x.shape[-1] // 2
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+        first, second = x[..., 0::2], x[..., 1::2]
+        torch.mul(first, cos, out=out[..., :half])
+        turned = torch.mul(second, sin)
+        out[..., :half].sub_(turned)
+        torch.mul(second, cos, out=out[..., half:])
+        torch.mul(first, sin, out=turned)
+        out[..., half:].add_(turned)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        dtype = ctx.dtype
+        half = grad.shape[-1] // 2
+        top, bottom = grad[..., :half], grad[..., half:]
+        if torch.is_grad_enabled():  # a second derivative will be taken through it
+            first = (top * cos).to(dtype) + (bottom * sin).to(dtype)
+            second = (bottom * cos).to(dtype) - (top * sin).to(dtype)
+            return torch.stack((first, second), dim=-1).flatten(-2), None, None
+        out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+        evens, odds = out[..., 0::2], out[..., 1::2]
+        torch.mul(top, cos, out=evens)
+        evens.add_(torch.mul(bottom, sin).to(dtype))
+        torch.mul(bottom, cos, out=odds)
+        odds.sub_(torch.mul(top, sin).to(dtype))
+        return out, None, None
+
+
+def rotate_interleaved(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None:
+    """Each operand of ``given`` (``q, k, cos, sin[, position_ids], unsqueeze_dim`` bound)
+    rotated by :class:`InterleavedRotation`, or ``None`` where the call is not one it was
+    read on (cos/sin as wide as the states, even, broadcasting to them)."""
+    found = _arguments(given, spec)
+    if found is None:
+        return None
+    tensors, cos, sin = found
+    width = cos.shape[-1]
+    if not all(_fits(x, cos, sin, spec) and x.shape[-1] == width for x in tensors):
+        return None
+    cos, sin = cos[..., : width // 2], sin[..., : width // 2]
+    return tuple(
+        InterleavedRotation.apply(x, cos, sin)  # type: ignore[no-untyped-call]
+        for x in tensors
+    )
+
+
 class FusedRotary(RotaryReplacement):
     """A model's own attention whose rotary application is :class:`HalfRotation`."""
 
     backend = "fused"
-    kernels: ClassVar[Mapping[str, RotaryKernel]] = {"half": rotate}
+    kernels: ClassVar[Mapping[str, RotaryKernel]] = {
+        "half": rotate,
+        "interleave": rotate_interleaved,
+    }

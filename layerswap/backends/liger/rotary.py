@@ -25,6 +25,8 @@ __all__ = ["LigerRotary"]
 
 def _rope(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None:
     """Liger's RoPE on ``q, k, cos, sin, unsqueeze_dim`` (bound), where it takes them."""
+    if len(given) != 5:  # a position_ids parameter: a function Liger's patch does not bind
+        return None
     q, k, cos, sin, dim = given
     width = cos.shape[-1]
     if not (
