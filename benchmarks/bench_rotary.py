@@ -6,6 +6,8 @@ One process, rounds alternating between the two, medians compared:
 - **op**: ``apply_rotary_pos_emb(q, k, cos, sin)`` forward and backward at one layer's
   shape (``--batch x --seq``, ``--hidden`` wide, 64-channel heads, 4 query heads per key
   head), and the bytes autograd keeps for its backward pass (a saved-tensors hook);
+- **interleave**: DeepSeek's ``apply_rotary_pos_emb_interleave`` at the same shape with one
+  key head (multi-head latent attention's shared rotary key);
 - **train**: one training step (forward with labels, backward) of a Llama-shaped model with
   the same weights, one of them swapped.
 
@@ -105,9 +107,39 @@ def main() -> None:
         out = function(q, k, cos, sin)
         return torch.autograd.grad(out, (q, k), grads) + tuple(out)
 
+    # DeepSeek's interleaved pairs (its rope head of 64 channels, one key head: MLA)
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    from layerswap.backends.fused.rotary import FusedRotary
+    from layerswap.rotaries import RotarySpec
+
+    spec = RotarySpec(
+        "apply_rotary_pos_emb_interleave",
+        2,
+        False,
+        False,
+        ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"),
+        kind="interleave",
+    )
+    interleaved = {
+        "original": modeling_deepseek_v3.apply_rotary_pos_emb_interleave,
+        "rotary.fused": vars(modeling_deepseek_v3)[
+            FusedRotary.bind(spec, vars(modeling_deepseek_v3))
+        ],
+    }
+    latent_k = draw(args.batch, 1, args.seq, 64).requires_grad_()
+    latent_grads = (grads[0], draw(*latent_k.shape))
+
+    def latent_op(function: Any) -> tuple[torch.Tensor, ...]:
+        out = function(q, latent_k, cos, sin)
+        return torch.autograd.grad(out, (q, latent_k), latent_grads) + tuple(out)
+
     results = {name: op(fn) for name, fn in functions.items()}
+    latent = {name: latent_op(fn) for name, fn in interleaved.items()}
     same = all(
-        torch.equal(a, b) for a, b in zip(results["original"], results["rotary.fused"], strict=True)
+        torch.equal(a, b)
+        for found in (results, latent)
+        for a, b in zip(found["original"], found["rotary.fused"], strict=True)
     )
     kept = {name: _kept_bytes(lambda f=fn: f(q, k, cos, sin)) for name, fn in functions.items()}
     batch = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=args.device)
@@ -117,10 +149,14 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         model(batch, labels=batch).loss.backward()
 
-    times: dict[str, dict[str, list[float]]] = {n: {"op": [], "train": []} for n in models}
+    kinds = ("op", "interleave", "train")
+    times: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in models}
     for _ in range(args.rounds + 1):  # the first round warms up
         for name in models:
             times[name]["op"].append(_timed(lambda n=name: op(functions[n]), args.device))
+            times[name]["interleave"].append(
+                _timed(lambda n=name: latent_op(interleaved[n]), args.device)
+            )
             times[name]["train"].append(_timed(lambda n=name: step(models[n]), args.device))
 
     threads = f", {torch.get_num_threads()} threads" if args.device == "cpu" else ""
@@ -133,6 +169,7 @@ def main() -> None:
     print(f"{'op: bytes kept for backward':34}{a:12d}{b:14d}{b / a:7.2f}x")
     for kind, label in (
         ("op", f"op fwd+bwd {args.batch}x{args.seq}, s"),
+        ("interleave", "DeepSeek interleave fwd+bwd, s"),
         ("train", f"train step {args.batch}x{args.seq}, s"),
     ):
         a = statistics.median(times["original"][kind][1:])

@@ -164,14 +164,14 @@ class RotaryReplacement(ClassReplacement):
             inner = inner.__wrapped__
         namespace: dict[str, Any] = inner.__globals__
         renamed = {
-            call.function: cls._bound(call, namespace)
+            call.function: cls.bind(call, namespace)
             for call in spec.calls
             if cls.call_refusal(call) is None
         }
         return {"forward": rebuilt_forward(forward, renamed)}
 
     @classmethod
-    def _bound(cls, spec: RotarySpec, namespace: dict[str, Any]) -> str:
+    def bind(cls, spec: RotarySpec, namespace: dict[str, Any]) -> str:
         """The name under which this backend's function for ``spec`` is bound in
         ``namespace`` (bound there the first time)."""
         base = f"_layerswap_{cls.__name__}_{spec.function}_{spec.slug}"
