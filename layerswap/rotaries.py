@@ -306,8 +306,9 @@ def classify(module: nn.Module) -> RotaryCalls | str:
 @functools.lru_cache(maxsize=256)
 def _read(name: str, function: Callable[..., Any]) -> RotarySpec | str:
     # on the CPU whatever the default device (transformers builds a model under
-    # torch.device("meta"); a user may set a CUDA default), with autograd on
-    with torch.device("cpu"), torch.enable_grad():
+    # torch.device("meta"); a user may set a CUDA default), with autograd on, inside
+    # torch.inference_mode too: what is read (and kept) never depends on the caller's state
+    with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
         return _read_here(name, function)
 
 

@@ -285,6 +285,70 @@ def test_reading_is_done_on_the_cpu_whatever_the_default_device() -> None:
     assert isinstance(spec, RotaryCalls) and spec.label == "rotate-half, q and k"
 
 
+def test_reading_inside_inference_mode_reads_what_it_reads_outside() -> None:
+    """A first swap inside ``torch.inference_mode`` (an evaluation loop): the reading (kept
+    per process and on disk) is the same as anywhere else, not a refusal."""
+    from layerswap.rotaries import _read
+
+    attention = _attention("qwen3_next")
+    _read.cache_clear()
+    with torch.inference_mode():
+        spec = classify(attention)
+    assert isinstance(spec, RotaryCalls), spec
+
+
+def test_a_batched_backward_through_the_kernels_is_the_originals() -> None:
+    """``autograd.grad(..., is_grads_batched=True)`` (a jacobian) runs the backward under
+    vmap: the kernels' backward is then out of place, and its gradients the original's."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb_interleave,
+    )
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from layerswap.backends.fused.rotary import InterleavedRotation
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, generator=generator, requires_grad=True)
+    cos, sin = (torch.randn(2, 5, 8, generator=generator) for _ in "cs")
+    grads = torch.randn(4, 2, 3, 5, 8, generator=generator)
+    pairs = [
+        (
+            apply_rotary_pos_emb(x, x, cos, sin)[0],
+            HalfRotation.apply(x, cos[:, None], sin[:, None]),
+        ),
+        (
+            apply_rotary_pos_emb_interleave(x, x, cos, sin)[0],
+            InterleavedRotation.apply(x, cos[:, None, :, :4], sin[:, None, :, :4]),
+        ),
+    ]
+    for expected, got in pairs:
+        (want,) = torch.autograd.grad(expected, x, grads, is_grads_batched=True)
+        (have,) = torch.autograd.grad(got, x, grads, is_grads_batched=True)
+        assert torch.equal(have, want)
+
+
+def test_a_tensor_subclass_runs_the_modules_own_function() -> None:
+    """A subclass (a tensor-parallel ``DTensor``) is the original's to run: the kernel
+    allocates plain tensors."""
+    from transformers.models.llama import modeling_llama
+
+    from layerswap.backends.rotary import calls
+
+    class Marked(torch.Tensor):
+        pass
+
+    model = layerswap.get_family("llama").build()
+    with layerswap.swap(model, "llama.rotary.fused"):
+        name = next(n for n in vars(modeling_llama) if n.startswith("_layerswap_FusedRotary_"))
+        q = torch.randn(1, 2, 3, 8).as_subclass(Marked)
+        cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+        before = calls()
+        out, _ = vars(modeling_llama)[name](q, q, cos, sin)
+        assert type(out) is Marked
+        assert calls()[1] == before[1]  # none computed by the kernel
+        assert torch.equal(out, modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)[0])
+
+
 def test_second_derivatives_through_the_kernel_are_the_originals() -> None:
     """A gradient penalty (``create_graph=True``) differentiates the kernel's backward."""
     generator = torch.Generator().manual_seed(0)

@@ -39,7 +39,7 @@ from torch.autograd import forward_ad
 from layerswap.backends.class_swap import ClassReplacement
 from layerswap.rotaries import RotaryCalls, RotarySpec, rebuilt_forward
 
-__all__ = ["RotaryKernel", "RotaryReplacement", "calls", "is_replaced_rotary"]
+__all__ = ["RotaryKernel", "RotaryReplacement", "calls", "is_replaced_rotary", "transformed"]
 
 #: ``(arguments, spec) -> rotated operands``, the arguments bound to the original's
 #: parameters in order (``q, k, cos, sin, unsqueeze_dim``; ``xq, xk, freqs_cis``), or
@@ -62,12 +62,22 @@ def calls() -> tuple[int, int]:
 _WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
-def _transformed(*tensors: Tensor) -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``) or forward-mode AD runs over
-    ``tensors``: the kernel's autograd function has no rule for them."""
+_LEGACY_BATCHED = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+
+
+def transformed(*tensors: Tensor) -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``), autograd's batched
+    gradients (``is_grads_batched``, a vectorized jacobian) or forward-mode AD runs over
+    ``tensors``: the kernels' in-place operations have no batching rule and their autograd
+    functions no forward-mode one."""
     if forward_ad._current_level >= 0:
         return True
-    return _WRAPPED is not None and any(_WRAPPED(x) for x in tensors)
+    for x in tensors:
+        if _WRAPPED is not None and _WRAPPED(x):
+            return True
+        if _LEGACY_BATCHED is not None and _LEGACY_BATCHED(x):
+            return True
+    return False
 
 
 _MISSING = object()
@@ -108,9 +118,10 @@ def _dispatcher(
         given = bound(args, kwargs)
         if (
             given is not None
-            and all(isinstance(t, Tensor) for t in given[:tensors])
+            # plain tensors: a subclass (a tensor-parallel DTensor) is the original's to run
+            and all(type(t) is Tensor for t in given[:tensors])
             and not any(t.requires_grad for t in given[spec.operands : tensors])
-            and not _transformed(*given[:tensors])
+            and not transformed(*given[:tensors])
         ):
             out = kernel(given, spec)
             if out is not None:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from layerswap.backends.rotary import RotaryKernel, RotaryReplacement
+from layerswap.backends.rotary import RotaryKernel, RotaryReplacement, transformed
 from layerswap.rotaries import RotarySpec
 
 __all__ = ["FusedRotary", "HalfRotation", "InterleavedRotation", "rotate", "rotate_interleaved"]
@@ -33,7 +33,8 @@ class HalfRotation(torch.autograd.Function):
     Its backward rounds as autograd rounds the original's: where ``x``'s dtype is narrower
     than the output's (bfloat16 states with float32 cos/sin, under autocast), each term's
     gradient is cast to ``x``'s dtype before the terms are summed, as each product's
-    backward casts it; under ``create_graph`` it is built of differentiable operations."""
+    backward casts it; under ``create_graph`` and a batched backward (``vmap`` over the
+    gradients) it is built of differentiable, out-of-place operations."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -44,7 +45,9 @@ class HalfRotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         cos, sin = ctx.saved_tensors
-        if torch.is_grad_enabled():  # a second derivative will be taken through it
+        # a second derivative taken through it, or a batched backward (vmap over the
+        # gradients: jacobians, is_grads_batched): differentiable, out-of-place operations
+        if torch.is_grad_enabled() or transformed(grad):
             return _turned_back(grad, cos, sin, ctx.dtype), None, None
         return _turn_back(grad, cos, sin, ctx.dtype), None, None
 
@@ -83,14 +86,22 @@ def _turn_back(grad: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Te
 
 
 def _turned_back(grad: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
-    """:func:`_turn_back` of differentiable operations, the same roundings."""
+    """:func:`_turn_back` of differentiable, out-of-place operations, the same roundings
+    (no view or cast that is a no-op: autograd's batched gradients have no rule for an
+    alias)."""
     width = cos.shape[-1]
     half = width // 2
-    rotated = grad[..., :width]
-    first = (rotated[..., half:] * sin[..., half:]).to(dtype)
-    second = (rotated[..., :half] * sin[..., :half]).to(dtype)
-    out = (rotated * cos).to(dtype) + torch.cat((first, -second), dim=-1)
-    return torch.cat((out, grad[..., width:].to(dtype)), dim=-1) if width < grad.shape[-1] else out
+    rotated = grad if width == grad.shape[-1] else grad[..., :width]
+    first = _cast(rotated[..., half:] * sin[..., half:], dtype)
+    second = _cast(rotated[..., :half] * sin[..., :half], dtype)
+    out = _cast(rotated * cos, dtype) + torch.cat((first, -second), dim=-1)
+    if width < grad.shape[-1]:
+        return torch.cat((out, _cast(grad[..., width:], dtype)), dim=-1)
+    return out
+
+
+def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _fits(x: Tensor, cos: Tensor, sin: Tensor, spec: RotarySpec) -> bool:
@@ -178,10 +189,10 @@ class InterleavedRotation(torch.autograd.Function):
         dtype = ctx.dtype
         half = grad.shape[-1] // 2
         top, bottom = grad[..., :half], grad[..., half:]
-        if torch.is_grad_enabled():  # a second derivative will be taken through it
-            first = (top * cos).to(dtype) + (bottom * sin).to(dtype)
-            second = (bottom * cos).to(dtype) - (top * sin).to(dtype)
-            return torch.stack((first, second), dim=-1).flatten(-2), None, None
+        if torch.is_grad_enabled() or transformed(grad):  # as HalfRotation's
+            first = _cast(top * cos, dtype) + _cast(bottom * sin, dtype)
+            second = _cast(bottom * cos, dtype) - _cast(top * sin, dtype)
+            return torch.stack((first, second), dim=-1).reshape(grad.shape), None, None
         out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
         evens, odds = out[..., 0::2], out[..., 1::2]
         torch.mul(top, cos, out=evens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from layerswap.backends.rotary import RotaryKernel, RotaryReplacement
@@ -36,9 +37,8 @@ def _rope(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None
         and sin.shape == cos.shape
         and q.is_cuda
         and q.device == k.device == cos.device == sin.device
-        # one dtype (under autocast the original promotes bfloat16 states to float32 cos/sin;
-        # Liger's kernel writes into the states)
-        and q.dtype == k.dtype == cos.dtype == sin.dtype
+        and q.dtype == k.dtype
+        and cos.dtype == sin.dtype
         and width % 2 == 0
         and 0 < width <= q.shape[-1]
         and (width == q.shape[-1] or spec.partial)
@@ -51,6 +51,11 @@ def _rope(given: tuple[Any, ...], spec: RotarySpec) -> tuple[Tensor, ...] | None
     if spec.upcast:
         q32, k32 = rope(q.float(), k.float(), cos.float(), sin.float())
         return q32.to(q.dtype), k32.to(k.dtype)
+    if q.dtype != cos.dtype:
+        # under autocast: bfloat16 states, float32 cos/sin; the original computes (and
+        # returns) the promoted dtype, and so does Liger's kernel on promoted copies
+        promoted = torch.promote_types(q.dtype, cos.dtype)
+        q, k, cos, sin = (t.to(promoted) for t in (q, k, cos, sin))
     rotated: tuple[Tensor, Tensor] = rope(q, k, cos, sin)
     return rotated
 
