@@ -112,7 +112,7 @@ def check_structure(sub: Substitution, config: PreTrainedConfig) -> None:
     """
     import torch
 
-    from layerswap.weights import is_extra_state
+    from layerswap.weights import layout_problems
 
     check_call_contract(sub, config)
     version = transformers_version()
@@ -135,20 +135,7 @@ def check_structure(sub: Substitution, config: PreTrainedConfig) -> None:
     except Exception:
         # some replacements cannot be built on the meta device; the converter check stands
         return
-    expected = {
-        key: tuple(value.shape)
-        for key, value in replacement.state_dict().items()
-        if not is_extra_state(key)
-    }
-    produced = {key: tuple(value.shape) for key, value in converted.items()}
-    problems = []
-    for key in sorted(set(produced) - set(expected)):
-        problems.append(f"{key!r} {produced[key]} has no place in the replacement")
-    for key in sorted(set(expected) - set(produced)):
-        problems.append(f"the replacement's {key!r} {expected[key]} gets no tensor")
-    for key in sorted(set(expected) & set(produced)):
-        if expected[key] != produced[key]:
-            problems.append(f"{key!r} converts to {produced[key]}, replacement has {expected[key]}")
+    problems = layout_problems(converted, replacement.state_dict())
     if problems:
         raise UpstreamDriftError(
             f"{where} does not have the structure {sub.name} assumes: " + "; ".join(problems)

@@ -55,6 +55,7 @@ __all__ = [
     "gate_up_sizes",
     "head_dim",
     "is_extra_state",
+    "layout_problems",
     "qkv_concat",
     "qkv_sizes",
 ]
@@ -70,6 +71,33 @@ def is_extra_state(key: str) -> bool:
 
 
 # --- sizes read from a config ---------------------------------------------------------
+
+
+def layout_problems(converted: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
+    """How the tensors a converter ``converted`` differ from the state ``expected`` of the
+    module they are for (names and shapes; extra state left out): empty where they fit.
+
+    Example::
+
+        layout_problems({"w": torch.empty(2)}, {"w": torch.empty(3)})
+        # ["'w' converts to (2,), replacement has (3,)"]
+    """
+    want = {key: tuple(value.shape) for key, value in expected.items() if not is_extra_state(key)}
+    got = {key: tuple(value.shape) for key, value in converted.items()}
+    problems = [
+        f"{key!r} {got[key]} has no place in the replacement"
+        for key in sorted(got.keys() - want.keys())
+    ]
+    problems += [
+        f"the replacement's {key!r} {want[key]} gets no tensor"
+        for key in sorted(want.keys() - got.keys())
+    ]
+    problems += [
+        f"{key!r} converts to {got[key]}, replacement has {want[key]}"
+        for key in sorted(want.keys() & got.keys())
+        if want[key] != got[key]
+    ]
+    return problems
 
 
 def head_dim(config: PreTrainedConfig) -> int:

@@ -29,7 +29,8 @@ from torch import nn
 
 from layerswap.backends.experts import ExpertsReplacement
 from layerswap.experts import ExpertsSpec, candidate_experts_classes, classify
-from layerswap.slots.class_swap import ClassPlan, ClassSwapHandle, ClassSwapSlot, settings
+from layerswap.slots.class_plan import ClassPlan, ClassSwapHandle
+from layerswap.slots.class_swap import ClassSwapSlot, settings
 
 if TYPE_CHECKING:
     from layerswap.family import Family

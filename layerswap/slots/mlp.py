@@ -30,7 +30,8 @@ from torch import nn
 
 from layerswap.backends.mlp import MLPReplacement
 from layerswap.mlps import MLPSpec, candidate_mlp_classes, classify, is_mlp_class
-from layerswap.slots.class_swap import ClassPlan, ClassSwapHandle, ClassSwapSlot
+from layerswap.slots.class_plan import ClassPlan, ClassSwapHandle
+from layerswap.slots.class_swap import ClassSwapSlot
 
 if TYPE_CHECKING:
     from layerswap.family import Family

@@ -31,12 +31,8 @@ from torch import nn
 
 from layerswap.backends.norm import NormReplacement
 from layerswap.norms import NormSpec, candidate_norm_classes, classify
-from layerswap.slots.class_swap import (
-    ClassPlan,
-    ClassSwapHandle,
-    ClassSwapSlot,
-    check_class_structure,
-)
+from layerswap.slots.class_plan import ClassPlan, ClassSwapHandle
+from layerswap.slots.class_swap import ClassSwapSlot, check_class_structure
 
 if TYPE_CHECKING:
     from layerswap.family import Family

@@ -34,12 +34,8 @@ from layerswap.projections import (
     candidate_attention_classes,
     classify,
 )
-from layerswap.slots.class_swap import (
-    ClassPlan,
-    ClassSwapHandle,
-    ClassSwapSlot,
-    instance_forward,
-)
+from layerswap.slots.class_plan import ClassPlan, ClassSwapHandle
+from layerswap.slots.class_swap import ClassSwapSlot, instance_forward
 
 if TYPE_CHECKING:
     from layerswap.family import Family

@@ -42,7 +42,8 @@ from layerswap.rotaries import (
     rotary_calls,
 )
 from layerswap.slots import ModelParts
-from layerswap.slots.class_swap import ClassPlan, ClassSwapHandle, ClassSwapSlot, settings
+from layerswap.slots.class_plan import ClassPlan, ClassSwapHandle
+from layerswap.slots.class_swap import ClassSwapSlot, settings
 
 if TYPE_CHECKING:
     from layerswap.family import Family
