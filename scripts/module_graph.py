@@ -20,7 +20,8 @@ registry) must not reach it through any chain of imports.
 
     python scripts/module_graph.py            # the listing
     python scripts/module_graph.py --check    # exit 1 on a cycle, a private reach, a
-                                              # missing named target or a layer reached
+                                              # missing named target, a layer reached or
+                                              # a module or function over its size
 """
 
 from __future__ import annotations
@@ -287,13 +288,40 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+#: the most lines a hand-written module may have, and a function
+MODULE_LINES, FUNCTION_LINES = 600, 80
+#: what a generated module's docstring says of it (its size is its data's)
+GENERATED = "(generated: do not edit)"
+
+
+def oversized(known: dict[str, Path]) -> list[str]:
+    """Every hand-written module over :data:`MODULE_LINES` lines and every function over
+    :data:`FUNCTION_LINES`, as ``"module (N lines)"`` / ``"module.function (N lines)"``."""
+    found = []
+    for module, path in sorted(known.items()):
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        if GENERATED in (ast.get_docstring(tree) or "").partition("\n")[0]:
+            continue
+        lines = len(source.splitlines())
+        if lines > MODULE_LINES:
+            found.append(f"{module} ({lines} lines)")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    found.append(f"{module}.{node.name} ({length} lines)")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--check",
         action="store_true",
         help="exit 1 on a cycle (imports for type checkers included), a private reach, a "
-        "named target that does not exist or a package reaching what it sits below",
+        "named target that does not exist, a package reaching what it sits below, or a "
+        "module or function over its size",
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="the package folder to read")
     args = parser.parse_args(argv)
@@ -326,7 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"modules reaching what they sit below: {len(reaching)}")
     for _module, path in reaching:
         print("  " + " -> ".join(path))
-    return 1 if args.check and (found or typed or private or missing or reaching) else 0
+    large = oversized(known)
+    print(
+        f"modules over {MODULE_LINES} lines or functions over {FUNCTION_LINES}, "
+        f"generated ones aside: {len(large)}"
+    )
+    for name in large:
+        print(f"  {name}")
+    failed = found or typed or private or missing or reaching or large
+    return 1 if args.check and failed else 0
 
 
 if __name__ == "__main__":

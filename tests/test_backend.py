@@ -190,6 +190,24 @@ def test_the_import_graph_has_no_cycles_and_no_private_reaches() -> None:
     ]
 
 
+def test_no_hand_written_module_or_function_outgrows_its_size(tmp_path: Path) -> None:
+    """No module of the package is over 600 lines, and no function over 80; a generated
+    module (the inferred families' data) is its data's size."""
+    graph = runpy.run_path(str(ROOT / "scripts" / "module_graph.py"))
+    assert graph["oversized"](graph["modules"]()) == []
+    package = tmp_path / "layerswap"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    (package / "long.py").write_text(f"def f():\n{body}")
+    (package / "data.py").write_text('"""Rows (generated: do not edit)."""\n' + "x = 1\n" * 700)
+    (package / "big.py").write_text("x = 1\n" * 601)
+    assert graph["oversized"](graph["modules"](package)) == [
+        "layerswap.big (601 lines)",
+        "layerswap.long.f (81 lines)",
+    ]
+
+
 def test_no_cycle_runs_through_the_imports_written_for_type_checkers(tmp_path: Path) -> None:
     """Types that name each other (a substitution and its slot) live in one module: an
     import under ``if TYPE_CHECKING:`` that closes a circle is a cycle the check reports,
