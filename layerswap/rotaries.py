@@ -29,7 +29,7 @@ import dis
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "complex_turn",
     "half_rotation",
     "interleaved_rotation",
+    "never_rotates",
     "rebuilt_forward",
     "rotary_calls",
 ]
@@ -245,30 +246,120 @@ def rebuilt_forward(forward: Any, renamed: dict[str, str]) -> Any:
     return made
 
 
+def _forward_tree(cls: type) -> Any:
+    import ast
+    import textwrap
+
+    try:
+        return ast.parse(
+            textwrap.dedent(inspect.getsource(_unwrapped(getattr(cls, "forward", None))))
+        )
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _call_sites(tree: Any) -> Iterator[tuple[Any, list[tuple[Any, bool]]]]:
+    """Each call of a rotary function in ``tree``, with the branches it stands in: ``(node,
+    True/False)`` for an ``if``'s body or ``else``, ``(node, None)`` for any other branch."""
+    import ast
+
+    branches = (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp, ast.Match)
+
+    def walk(node: Any, inside: list[tuple[Any, bool | None]]) -> Iterator[Any]:
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ROTARY_FUNCTIONS:
+            yield node, inside
+            return
+        for field, child in ast.iter_fields(node):
+            children = child if isinstance(child, list) else [child]
+            for item in children:
+                if not isinstance(item, ast.AST):
+                    continue
+                if isinstance(node, ast.If) and field in ("body", "orelse"):
+                    yield from walk(item, [*inside, (node, field == "body")])
+                elif isinstance(node, branches) and not (
+                    isinstance(node, ast.If) and field == "test"
+                ):
+                    yield from walk(item, [*inside, (node, None)])
+                else:
+                    yield from walk(item, inside)
+
+    yield from walk(tree, [])
+
+
 @functools.lru_cache(maxsize=512)
 def calls_conditionally(cls: type) -> bool:
     """Whether ``cls.forward`` calls its rotary function only under a condition (a config
     switch, NoPE layers: DeepSeek V3's ``rope_interleave``, GraniteMoeHybrid's
     ``position_embedding_type``), read from its source; ``True`` where the source cannot
     be read. Whether it runs is then asked of a run."""
+    tree = _forward_tree(cls)
+    return tree is None or any(inside for _, inside in _call_sites(tree))
+
+
+@functools.lru_cache(maxsize=512)
+def _gates(cls: type) -> tuple[tuple[tuple[Any, bool], ...], ...] | None:
+    """Each rotary call site of ``cls.forward`` with the ``if`` tests it stands under,
+    ``(test, whether it must hold)``; ``None`` where one stands under another branch (a
+    loop, a conditional expression) or the source cannot be read."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return None
+    sites = []
+    for _, inside in _call_sites(tree):
+        if any(body is None for _, body in inside):
+            return None
+        sites.append(tuple((node.test, bool(body)) for node, body in inside))
+    return tuple(sites)
+
+
+class _Unknown(Exception):
+    """A condition that is not the module's own switches alone."""
+
+
+def _switch_value(test: Any, held: dict[str, Any]) -> Any:
+    """``test`` evaluated on a module's own attributes ``held``: ``self.x``, ``None``,
+    ``not``, ``is (not) None``, ``and``/``or``; anything else is :class:`_Unknown`."""
     import ast
-    import textwrap
 
+    if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name):
+        if test.value.id != "self" or test.attr not in held:
+            raise _Unknown
+        return held[test.attr]
+    if isinstance(test, ast.Constant) and test.value is None:
+        return None
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return not _switch_value(test.operand, held)
+    if isinstance(test, ast.BoolOp):
+        values = [bool(_switch_value(value, held)) for value in test.values]
+        return all(values) if isinstance(test.op, ast.And) else any(values)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        left, right = _switch_value(test.left, held), _switch_value(test.comparators[0], held)
+        if isinstance(test.ops[0], ast.Is):
+            return left is right
+        if isinstance(test.ops[0], ast.IsNot):
+            return left is not right
+    raise _Unknown
+
+
+def never_rotates(module: nn.Module) -> str | None:
+    """Why ``module`` never calls its rotary function: every call stands under ``if`` tests
+    of the module's own attributes (``self.use_rope``, ``self.sliding_window is not None``)
+    that it fails, as a NoPE layer does (SmolLM3's, Llama 4's, Cohere 2's global layers);
+    ``None`` where a call may run, or its conditions are not the module's own switches."""
+    import ast
+
+    cls: type = getattr(type(module), "_layerswap_original", type(module))
+    sites = _gates(cls)
+    if not sites:
+        return None
+    held = vars(module)
     try:
-        tree = ast.parse(
-            textwrap.dedent(inspect.getsource(_unwrapped(getattr(cls, "forward", None))))
-        )
-    except (OSError, TypeError, SyntaxError):
-        return True
-    branches = (ast.If, ast.IfExp, ast.For, ast.While, ast.Try, ast.BoolOp, ast.Match)
-
-    def conditional(node: ast.AST, inside: bool) -> bool:
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ROTARY_FUNCTIONS:
-            return inside
-        inside = inside or isinstance(node, branches)
-        return any(conditional(child, inside) for child in ast.iter_child_nodes(node))
-
-    return conditional(tree, False)
+        if any(all(bool(_switch_value(t, held)) == want for t, want in site) for site in sites):
+            return None
+    except Exception:  # a switch that is not a plain value, or not the module's own
+        return None
+    tests = sorted({ast.unparse(test) for site in sites for test, _ in site})
+    return f"a NoPE layer: {' / '.join(tests)} fails here, so it applies no rotary embedding"
 
 
 def candidate_rotary_classes(model: nn.Module, module_name: str) -> dict[type, list[str]]:

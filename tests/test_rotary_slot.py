@@ -466,17 +466,74 @@ def test_the_interleaved_rotation_and_its_gradients_are_the_originals() -> None:
 
 
 def test_a_config_under_which_the_kernel_never_runs_is_refused_unchanged() -> None:
-    """SmolLM3 with every layer NoPE: the proof counts the kernel's calls and finds none."""
+    """Falcon with ALiBi: its attention calls the rotary only where ``alibi is None`` (a
+    local, not a switch of the module), so the proof counts the kernel's calls, finds
+    none, and refuses."""
+    from layerswap.families.infer import model_type_classes, tiny_config_for
+
+    classes = model_type_classes("falcon")
+    config = tiny_config_for(classes.config_class)
+    config.alibi = True
+    torch.manual_seed(0)
+    model = classes.causal_lm(config).eval()
+    with pytest.raises(layerswap.errors.LayerswapError, match="would change nothing in this model"):
+        layerswap.swap(model, "falcon.rotary.fused")
+    assert not _swapped(model)
+
+
+def test_nope_layers_are_kept_and_named() -> None:
+    """SmolLM3's NoPE layers (``use_rope`` off) are kept, with the switch that makes them
+    so, and the report counts only the attentions that rotate; every layer NoPE is
+    refused, naming it, with the model unchanged."""
     from layerswap.families.infer import model_type_classes, tiny_config_for
 
     classes = model_type_classes("smollm3")
     config = tiny_config_for(classes.config_class)
-    config.no_rope_layers = [0] * config.num_hidden_layers
+    config.no_rope_layers = [1, 0] * (config.num_hidden_layers // 2)
     torch.manual_seed(0)
     model = classes.causal_lm(config).eval()
-    with pytest.raises(layerswap.errors.LayerswapError, match="would change nothing in this model"):
+    rotating = sum(1 for layer in model.model.layers if layer.self_attn.use_rope)
+    assert 0 < rotating < config.num_hidden_layers
+    expected = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
+    with layerswap.swap(model, "smollm3.rotary.fused") as handle:
+        assert len(handle) == rotating
+        kept = handle.kept["SmolLM3Attention"]
+        assert kept[0] == config.num_hidden_layers - rotating
+        assert "NoPE layer: self.use_rope fails here" in kept[1]
+        assert f"{rotating} attentions swapped" in handle.report()
+        got = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
+    assert torch.equal(got, expected)
+    config.no_rope_layers = [0] * config.num_hidden_layers
+    model = classes.causal_lm(config).eval()
+    with pytest.raises(SubstitutionError, match="NoPE layer: self.use_rope fails here"):
         layerswap.swap(model, "smollm3.rotary.fused")
     assert not _swapped(model)
+
+
+def test_a_nope_switch_is_read_from_the_source_or_left_to_a_run() -> None:
+    """Conditions of the module's own attributes are read (Llama 4's ``use_rope``, Cohere
+    2's ``sliding_window is not None``, Exaone 4's ``or``); any other condition (Falcon's
+    local ``alibi``, Zamba2's config switch) is left to the proof's run."""
+    from transformers.models.cohere2.modeling_cohere2 import Cohere2Attention
+    from transformers.models.exaone4.modeling_exaone4 import Exaone4Attention
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    from layerswap.rotaries import never_rotates
+
+    def bare(cls: type, **held: object) -> torch.nn.Module:
+        module = torch.nn.Module.__new__(cls)
+        torch.nn.Module.__init__(module)
+        vars(module).update(held)
+        return module
+
+    assert never_rotates(bare(Cohere2Attention, sliding_window=None)) is not None
+    assert never_rotates(bare(Cohere2Attention, sliding_window=4)) is None
+    assert never_rotates(bare(Exaone4Attention, sliding_window=4, is_sliding=False)) is not None
+    assert never_rotates(bare(Exaone4Attention, sliding_window=None, is_sliding=False)) is None
+    assert never_rotates(bare(Exaone4Attention, sliding_window=4, is_sliding=True)) is None
+    # an attribute the module lacks: not decided here
+    assert never_rotates(bare(Exaone4Attention, sliding_window=4)) is None
+    assert never_rotates(bare(FalconAttention)) is None
 
 
 def test_a_rotary_function_rebound_since_is_read_again() -> None:

@@ -39,6 +39,7 @@ from layerswap.rotaries import (
     calls_conditionally,
     candidate_rotary_classes,
     classify,
+    never_rotates,
     rotary_calls,
 )
 from layerswap.slots import ModelParts
@@ -71,7 +72,9 @@ class RotarySlot(ClassSwapSlot):
         return candidate_rotary_classes(model, module_name)
 
     def classify(self, module: nn.Module) -> RotaryCalls | str:
-        return classify(module)
+        # a NoPE layer's attention is kept, with the switch that makes it one: the kernel
+        # would never run in it
+        return never_rotates(module) or classify(module)
 
     def spec_of(self, module: nn.Module) -> Any:
         # what a module computes is its module's rotary function's, as bound now: one
