@@ -53,6 +53,7 @@ __all__ = [
     "check_class_structure",
     "instance_forward",
     "settings",
+    "tiny_on_meta",
 ]
 
 #: what each module computes, asked once per classifier, class and settings
@@ -82,7 +83,7 @@ def settings(module: nn.Module) -> tuple[Any, ...]:
     return (type(module), plain, params, children)
 
 
-def _tiny_on_meta(family: Family) -> Any:
+def tiny_on_meta(family: Family) -> Any:
     """``family``'s tiny model built on the meta device, or what building it raised; the
     last few are kept, since every class-swapping slot and backend asks of the same one."""
     key = (family.module, family.causal_lm, family.config_class, repr(family.tiny))
@@ -308,7 +309,7 @@ class ClassSwapSlot(Slot):
         from layerswap.family import resolve
 
         made: Any = resolve(replacement)
-        model = _tiny_on_meta(family)
+        model = tiny_on_meta(family)
         if isinstance(model, Exception):
             return not_built(model)
         size = sum(param.numel() for param in model.parameters())

@@ -44,7 +44,7 @@ from layerswap.rotaries import (
 )
 from layerswap.slots import ModelParts
 from layerswap.slots.class_plan import ClassPlan, ClassSwapHandle
-from layerswap.slots.class_swap import ClassSwapSlot, settings
+from layerswap.slots.class_swap import ClassSwapSlot, settings, tiny_on_meta
 
 if TYPE_CHECKING:
     from layerswap.family import Family
@@ -153,6 +153,13 @@ def _idle_on_tiny(slot: RotarySlot, family: Family, replacement: str) -> str | N
     from layerswap.proof_run import comparing
 
     made: Any = resolve(replacement)
+    # which classes call their rotary conditionally is read from the meta model the class
+    # swap's reading built already: a model is built and run only for those
+    on_meta = tiny_on_meta(family)
+    if isinstance(on_meta, Exception) or not any(
+        calls_conditionally(cls) for cls in slot.candidates(on_meta, family.module)
+    ):
+        return None
     with torch.random.fork_rng(devices=[]), torch.device("cpu"), comparing():
         torch.manual_seed(0)
         try:
@@ -160,8 +167,6 @@ def _idle_on_tiny(slot: RotarySlot, family: Family, replacement: str) -> str | N
         except Exception:  # what does not build is the proof's to refuse, with its reason
             return None
         classes = slot.candidates(model, family.module)
-        if not any(calls_conditionally(cls) for cls in classes):
-            return None
         functions: set[str] = set()
         for cls, names in classes.items():
             for name in names:
