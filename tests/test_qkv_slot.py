@@ -468,9 +468,13 @@ def test_use_builds_and_loads_with_the_attentions_packed(tmp_path: Path) -> None
     with torch.no_grad():
         expected = original(ids).logits
     original.save_pretrained(tmp_path)
-    with layerswap.use("deepseek_v3.qkv.fused"):
+    with layerswap.use("deepseek_v3.qkv.fused"), warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
         built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    # built on the meta device, then loaded: nothing to pack at construction, and no
+    # warning that it could not be (the first forward packs what was loaded)
+    assert not [w for w in told if issubclass(w.category, SwapWarning)]
     assert _packed(loaded) and _packed(built)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel
 
 import layerswap
 from layerswap.backends import fused
+from layerswap.distributed import applied_substitutions
 from layerswap.errors import ConversionError, RequirementError
 from layerswap.model import decoder_layers
 from layerswap.saving import fused_names
@@ -202,3 +203,20 @@ def test_fused_names_are_found_under_a_wrappers_checkpoint_names() -> None:
         "vision_tower.vision_model.encoder.layers.0.self_attn.qkv_proj.weight",
     ]
     assert fused_names(model, names) == names[:2]
+
+
+def test_the_qkv_slot_refuses_a_quantized_load_inside_use(checkpoint: Path) -> None:
+    """bitsandbytes converts ``nn.Linear`` itself only: the packed projections would stay
+    float32 under a config that says 8-bit, and the checkpoint saved then would not run.
+    Refused before a weight is read, the patches gone; a plain load still packs."""
+    config = _bnb(8)()
+    refused = pytest.raises(RequirementError, match="qkv slot packs each attention's projections")
+    with refused, layerswap.use("llama.qkv.fused"):
+        LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=config, device_map="cpu")
+    assert applied_substitutions() == ()
+    with layerswap.use("llama.qkv.fused"):
+        model = LlamaForCausalLM.from_pretrained(checkpoint)
+    plain = LlamaForCausalLM.from_pretrained(checkpoint)
+    torch.testing.assert_close(_logits(model), _logits(plain), rtol=1e-5, atol=1e-5)
+    groups = model.model.layers[0].self_attn._layerswap_groups
+    assert groups and all(group.packed() for group in groups)

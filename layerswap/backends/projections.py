@@ -447,9 +447,12 @@ class ProjectionsReplacement(ClassReplacement):
                 # packed again for the other at every call
                 group._unpacked("one of them is another attention's too")
                 continue
-            reason = group.pack()
-            if reason is not None:
-                group._unpacked(reason)
+            # on the meta device (a model from_pretrained builds before it loads) there is
+            # nothing to pack yet: the first forward packs what was loaded
+            if not any(member.weight.is_meta for member in members):
+                reason = group.pack()
+                if reason is not None:
+                    group._unpacked(reason)
             changes.record(group.unpack)
             for index, member in enumerate(members):
                 changes.set_attribute(member, "_layerswap_group", group)

@@ -24,11 +24,14 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerswap.backends.projections import ProjectionsReplacement
+from layerswap import hf_internals
+from layerswap.backends.projections import ProjectionsReplacement, is_packed
+from layerswap.errors import RequirementError
 from layerswap.projections import (
     ProjectionSpec,
     candidate_attention_classes,
@@ -39,6 +42,7 @@ from layerswap.slots.class_swap import ClassSwapSlot, instance_forward
 
 if TYPE_CHECKING:
     from layerswap.family import Family
+    from layerswap.patching import Scoped
     from layerswap.substitution import Substitution
 
 __all__ = ["SLOT", "QKVSlot", "QKVSwapHandle", "qkv_plan", "read_refusal"]
@@ -82,6 +86,33 @@ class QKVSlot(ClassSwapSlot):
         """The first attention class the family's modeling module defines; its causal LM
         where it defines none."""
         return self.first_attention_class(family)
+
+    def construction(self, sub: Substitution) -> list[Scoped]:
+        """The class swap's, and a quantized load refused before any weight is read: a
+        quantizer replaces or skips the packed projections (bitsandbytes and fine-grained
+        FP8 convert ``nn.Linear`` itself only, leaving them unquantized under a config
+        that says they are; the checkpoint saved then does not run)."""
+        from layerswap.patching import wrap
+
+        def refuse_quantized(
+            wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
+        ) -> Any:
+            model = args[0] if args else kwargs["model"]
+            hf_quantizer = hf_internals.quantizer_of_conversion_call(args, kwargs)
+            if hf_quantizer is not None and any(is_packed(m) for m in model.modules()):
+                raise RequirementError(
+                    f"{sub.name}: a model quantized with {type(hf_quantizer).__name__} "
+                    "cannot be loaded inside use(): the qkv slot packs each attention's "
+                    "projections into one storage, which a quantizer's weights do not "
+                    "share (bitsandbytes and fine-grained FP8 would leave them "
+                    "unquantized); load it outside use(), or without quantization_config"
+                )
+            return wrapped(*args, **kwargs)
+
+        return [
+            *super().construction(sub),
+            wrap(hf_internals.CONVERSION_MAPPING_TARGET, refuse_quantized),
+        ]
 
 
 SLOT = QKVSlot()
