@@ -22,8 +22,9 @@ model cannot answer for itself. The check is therefore around-advice on
   :func:`layerswap.use` until it is collected; the last release takes it off.
   ``lazy=True``: it never imports PEFT, and applies when PEFT is imported;
 - a pass-through for any model without swapped layers: PEFT gets the same call;
-- listed by :func:`layerswap.active_patches`; ``guard().stop()`` (or
-  :func:`layerswap.restore_all`) takes it off, the next swap puts it back;
+- listed by :func:`layerswap.active_patches`; ``guard().stop()`` takes it off, the next
+  swap puts it back; :func:`layerswap.restore_all` leaves it on while a swapped model
+  holds it (a safeguard: without it that model's saves would write its own layout);
 - under layerswap's pytest plugin it is taken off at the teardown of the test (or the
   wider fixture) whose swap armed it, silently: it is layerswap's own, not a leak.
 
@@ -55,6 +56,7 @@ from torch import nn
 
 from layerswap.errors import ConversionError
 from layerswap.patching import Patch, Scoped, wrap
+from layerswap.patching.scoped import safeguard
 from layerswap.state import LAYER_COPIED, LayoutLoadHook, fused_modules
 
 __all__ = ["check_targets", "fused_away", "guard", "hold", "hold_while_alive", "is_guard"]
@@ -251,9 +253,10 @@ def _arm() -> Patch:
     from layerswap.saving import ADVICE as SAVE_ADVICE
 
     if _GUARD is None:
-        _GUARD = wrap(INJECT, _check_then_inject, lazy=True)
+        # safeguards: restore_all() leaves them to the holds (a swapped model outlives it)
+        _GUARD = safeguard(wrap(INJECT, _check_then_inject, lazy=True))
         _LAYOUT.extend(
-            wrap(target, advice, lazy=True) for target, advice in (*ADVICE, *SAVE_ADVICE)
+            safeguard(wrap(target, advice, lazy=True)) for target, advice in (*ADVICE, *SAVE_ADVICE)
         )
     for patch in (_GUARD, *_LAYOUT):
         if not patch.is_active:

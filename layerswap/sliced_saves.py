@@ -24,7 +24,7 @@ unpickled, and stays on for the rest of the process: slices outlive the swap tha
 them (a state dict taken before ``undo()``, a model given them with
 ``load_state_dict(assign=True)``, a model ``torch.load`` brought from another process), and
 for a state dict without such slices it changes nothing. ``layerswap.active_patches()``
-lists it; ``restore_all()`` takes it off until the next packing.
+lists it; ``restore_all()`` leaves it on (a safeguard: the slices outlive any cleanup).
 
 Example::
 
@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from layerswap.patching import Patch, Scoped, wrap
+from layerswap.patching.scoped import safeguard
 
 __all__ = ["ADVICE", "arm", "is_own", "separated"]
 
@@ -139,7 +140,7 @@ def arm() -> None:
         return
     with _LOCK:
         if not _PATCHES:
-            _PATCHES.extend(wrap(target, advice, lazy=True) for target, advice in ADVICE)
+            _PATCHES.extend(safeguard(wrap(target, advice, lazy=True)) for target, advice in ADVICE)
         for patch in _PATCHES:
             if not patch.is_active:
                 patch.start()

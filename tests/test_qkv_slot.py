@@ -890,3 +890,33 @@ def test_the_command_line_patches_a_model_types_attentions() -> None:
     assert result.exit_code == 0, result.output
     assert "Qwen3NextAttention -> FusedProjections[Qwen3NextAttention]" in result.output
     assert "PASS: the swapped model matches the original" in result.output
+
+
+def test_restore_all_leaves_the_safeguards_of_swapped_models_on(tmp_path: Path) -> None:
+    """``restore_all()`` (a cleanup of leaked patches) took off the advice that keeps a
+    swapped model's saves in the original layout, while the models stayed swapped:
+    accelerate's save_model dropped k_proj and v_proj of a qkv-swapped model, and PEFT's
+    saves of a decoder-swapped one wrote the fused names. It stops the user's patches alone."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from layerswap.peft_targets import is_guard
+    from layerswap.sliced_saves import is_own
+
+    original = set(layerswap.get_family("llama").build(seed=0).state_dict())
+    packed = layerswap.get_family("llama").build(seed=0).eval()
+    layerswap.swap(packed, "llama.qkv.fused")
+    fused = layerswap.get_family("llama").build(seed=0).eval()
+    handle = layerswap.swap(fused, "llama.decoder.fused")
+    mine = SimpleNamespace(value=1)
+    layerswap.patch(mine, "value", 2).start()
+    assert layerswap.restore_all() == 1 and mine.value == 1
+    kept = [info.patch for info in layerswap.active_patches()]
+    assert any(is_own(p) for p in kept) and any(is_guard(p) for p in kept)
+    Accelerator(cpu=True).save_model(packed, tmp_path / "packed")
+    assert set(load_file(tmp_path / "packed" / "model.safetensors")) == original
+    fused.save_pretrained(tmp_path / "fused")
+    assert set(load_file(tmp_path / "fused" / "model.safetensors")) == original
+    handle.undo()

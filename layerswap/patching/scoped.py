@@ -30,7 +30,15 @@ from typing import Any, TypeAlias, TypeVar
 from layerswap.errors import PatchStateError, TargetTypeError
 from layerswap.patching.wraps import delegating_async_generator, safe_update_wrapper
 
-__all__ = ["Origin", "PatchInfo", "Scoped", "active_patches", "caller_outside", "restore_all"]
+__all__ = [
+    "Origin",
+    "PatchInfo",
+    "Scoped",
+    "active_patches",
+    "caller_outside",
+    "restore_all",
+    "safeguard",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 S = TypeVar("S", bound="Scoped")
@@ -348,13 +356,24 @@ def active_patches() -> list[PatchInfo]:
     return [s.info() for s in live]
 
 
+def safeguard(scoped: S) -> S:
+    """Mark ``scoped`` as a safeguard its owner stops: :func:`restore_all` leaves it on.
+    layerswap's save and PEFT advice are such: a swapped model outlives any cleanup of
+    patches, and without them it would write its own layout. Returns ``scoped``."""
+    scoped.__dict__["_safeguard"] = True
+    return scoped
+
+
 def restore_all() -> int:
     """Stop every patch started with ``start()``, newest first. Returns how many.
 
     Patches entered with ``with`` or applied by a decorator are left to their own
-    scope, as they will stop when it ends.
+    scope, as they will stop when it ends; safeguards (:func:`safeguard`) to their owner.
     """
-    manual = sorted((s for s in list(_ACTIVE.values()) if s._manual), key=lambda s: -s._seq)
+    manual = sorted(
+        (s for s in list(_ACTIVE.values()) if s._manual and not s.__dict__.get("_safeguard")),
+        key=lambda s: -s._seq,
+    )
     for scoped in manual:
         scoped.stop()
     return len(manual)
