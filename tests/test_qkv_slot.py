@@ -400,7 +400,7 @@ def test_a_product_is_handed_over_only_in_the_mode_it_was_made_in() -> None:
 
 
 def test_projections_hooked_by_accelerate_before_the_swap_are_kept_and_after_it_packed() -> None:
-    from accelerate.hooks import ModelHook, add_hook_to_module
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 
     model = layerswap.get_family("llama").build(seed=0).eval()
     ids = _ids(model)
@@ -411,10 +411,21 @@ def test_projections_hooked_by_accelerate_before_the_swap_are_kept_and_after_it_
         )
         assert len(handle) == model.config.num_hidden_layers - 1
     products = _products(model, ids)
-    with layerswap.swap(model, "llama.qkv.fused"):
-        add_hook_to_module(model.model.layers[1].self_attn.v_proj, ModelHook())
-        # the hook runs the projection's own forward, which takes its slice
-        assert _products(model, ids) == products - 2 * (model.config.num_hidden_layers - 1)
+    with torch.no_grad():
+        expected = model(ids).logits
+    v_proj = model.model.layers[1].self_attn.v_proj
+    handle = layerswap.swap(model, "llama.qkv.fused")
+    add_hook_to_module(v_proj, ModelHook())
+    # the hook runs the projection's own forward, which takes its slice
+    assert _products(model, ids) == products - 2 * (model.config.num_hidden_layers - 1)
+    # the hook calls PackedLinear's forward: undone under it, v_proj would call a forward
+    # its class no longer has; refused, then undone once the hook is off
+    with pytest.raises(SubstitutionError, match="v_proj's forward was set on the instance"):
+        handle.undo()
+    remove_hook_from_module(v_proj)
+    handle.undo()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
 
 
 def test_torch_func_transforms_run_the_projections_as_the_original() -> None:
@@ -920,3 +931,64 @@ def test_restore_all_leaves_the_safeguards_of_swapped_models_on(tmp_path: Path) 
     fused.save_pretrained(tmp_path / "fused")
     assert set(load_file(tmp_path / "fused" / "model.safetensors")) == original
     handle.undo()
+
+
+def test_undo_checks_the_packed_projections_before_changing_anything() -> None:
+    """A projection's forward hooked since the swap (accelerate's ``cpu_offload`` hooks the
+    projections, not the attention) or its class changed since (a parametrization) refuses
+    the undo with nothing undone; with the hooks or the parametrization taken off, the
+    undo restores the original bitwise. Before, the first undid the classes under a
+    stale bound forward (every later forward failed) and the second stopped half-way."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+    from torch.nn.utils import parametrize
+
+    class Same(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight * 1.0
+
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    before = _state(model)
+    handle = layerswap.swap(model, "llama.qkv.fused")
+    cpu_offload(model, execution_device="cpu")
+    with pytest.raises(SubstitutionError, match=r"q_proj's forward was set.*nothing was undone"):
+        handle.undo()
+    assert handle.active and _packed(model)
+    remove_hook_from_module(model, recurse=True)
+    handle.undo()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert not any(type(m) is PackedLinear for m in model.modules())
+
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    handle = layerswap.swap(model, "llama.qkv.fused")
+    q_proj = model.model.layers[0].self_attn.q_proj
+    parametrize.register_parametrization(q_proj, "weight", Same())
+    with pytest.raises(SubstitutionError, match=r"q_proj is now a ParametrizedPackedLinear"):
+        handle.undo()
+    assert handle.active and len(_packed(model)) == len(handle)
+    parametrize.remove_parametrizations(q_proj, "weight")
+    handle.undo()
+    after = _state(model)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_undo_after_a_bias_was_taken_gives_every_projection_its_own_storage() -> None:
+    """A bias removed since the swap (the group then computes each projection alone, with
+    a warning): the undo completes, and the remaining biases are no longer slices of the
+    packed tensor."""
+    model = _model("qwen2")
+    ids = _ids(model)
+    handle = layerswap.swap(model, "qwen2.qkv.fused")
+    attention = model.model.layers[0].self_attn
+    attention.k_proj.bias = None
+    with pytest.warns(SwapWarning, match="bias"), torch.no_grad():
+        model(ids)
+    handle.undo()
+    assert not handle.active and not _packed(model)
+    q, v = attention.q_proj.bias, attention.v_proj.bias
+    assert q.untyped_storage().nbytes() == q.numel() * q.element_size()
+    assert q.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()

@@ -89,6 +89,12 @@ class ClassReplacement(nn.Module):
         """What a swap changes beyond the class, each change logged in ``changes`` (nothing:
         the class alone; the ``qkv`` slot packs the projections)."""
 
+    def _layerswap_members(self) -> dict[str, tuple[nn.Module, type]]:
+        """The modules inside this one whose class :meth:`_layerswap_attach` set, by name,
+        with that class (none; the ``qkv`` slot: each packed projection, a
+        ``PackedLinear``): an undo checks them as it checks this module."""
+        return {}
+
     def _layerswap_detach(self) -> None:
         """Take back what :meth:`_layerswap_attach` changed, on a module given its original
         class outside an undo (:meth:`~layerswap.slots.class_swap.ClassSwapSlot.rebuild_originals`)."""

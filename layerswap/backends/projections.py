@@ -322,12 +322,15 @@ class PackedGroup:
         )
 
     def unpack(self) -> None:
-        """Give each projection a storage of its own (the same values)."""
+        """Give each projection a storage of its own (the same values); a tensor set or
+        taken since the packing (a bias removed) is left as it is."""
         with self._lock:
             for name in ("weight", "bias") if self.bias else ("weight",):
                 parts = self._parts(name)
-                if _is_slice_chain(parts):
-                    for part in parts:
+                present = [part for part in parts if isinstance(part, Tensor)]
+                whole = len(present) == len(parts) and _is_slice_chain(parts)
+                for part in present:
+                    if whole or part.untyped_storage().data_ptr() in self._made:
                         part.data = part.detach().clone()
             self._made = {}
             self._verified = None
@@ -460,6 +463,13 @@ class ProjectionsReplacement(ClassReplacement):
                 changes.set_class(member, PackedLinear)
             groups.append(group)
         changes.set_attribute(self, "_layerswap_groups", tuple(groups))
+
+    def _layerswap_members(self) -> dict[str, tuple[nn.Module, type]]:
+        return {
+            name: (member, PackedLinear)
+            for group in self.__dict__.get("_layerswap_groups", ())
+            for name, member in zip(group.names, group.members, strict=True)
+        }
 
     def _layerswap_detach(self) -> None:
         for names in self._layerswap_spec.groups:

@@ -99,23 +99,21 @@ class ClassSwapHandle(SwapHandle):
         with SWAP_LOCK:
             if not self._active:
                 return
+            # each swapped module, and those inside it whose class its swap set (the
+            # qkv slot's packed projections): all checked before anything is undone
+            changed: list[tuple[str, nn.Module, type]] = []
             for name, module, made in self._plan.swapped:
-                if type(module) is not made:
-                    raise SubstitutionError(
-                        f"cannot undo {self.substitution.name}: {name} is now a "
-                        f"{type(module).__qualname__}, not {made.__qualname__} (changed since)"
-                    )
-                if "forward" in vars(module) and not _own_forward_bound(module):
-                    # set since the swap (a module holding one is not swapped): it calls the
-                    # replacement's forward, which the original class does not have
-                    raise SubstitutionError(
-                        f"cannot undo {self.substitution.name}: {name}'s forward was set on "
-                        "the instance since the swap (accelerate's hooks: dispatch_model, "
-                        "cpu_offload), and calls the replacement's; remove the hooks first "
-                        "(accelerate.hooks.remove_hook_from_module(model, recurse=True)), "
-                        "undo, then add them again; nothing was undone"
-                    )
-            for _, module, _ in self._plan.swapped:
+                changed.append((name, module, made))
+                if isinstance(module, ClassReplacement):
+                    changed += [
+                        (f"{name}.{inner}", member, cls)
+                        for inner, (member, cls) in module._layerswap_members().items()
+                    ]
+            for name, module, made in changed:
+                refused = _undo_refusal(name, module, made)
+                if refused is not None:
+                    raise SubstitutionError(f"cannot undo {self.substitution.name}: {refused}")
+            for _, module, _ in changed:
                 # what removing accelerate's hooks leaves: the class's own forward, bound on
                 # the instance; the class set back, it would call the replacement's
                 if "forward" in vars(module):
@@ -160,6 +158,28 @@ class ClassSwapHandle(SwapHandle):
             f"<{type(self).__name__} {self.substitution.name}: {len(self)} "
             f"{self._slot.plural}, {state}>"
         )
+
+
+def _undo_refusal(name: str, module: nn.Module, made: type) -> str | None:
+    """Why ``module`` (``name``), given class ``made`` by a swap, cannot be given its
+    original class back now: its class or its ``forward`` changed since."""
+    if type(module) is not made:
+        return (
+            f"{name} is now a {type(module).__qualname__}, not {made.__qualname__} (changed "
+            "since: a parametrization registered on it, or another class set; take that "
+            "back first, e.g. torch.nn.utils.parametrize.remove_parametrizations); nothing "
+            "was undone"
+        )
+    if "forward" in vars(module) and not _own_forward_bound(module):
+        # set since the swap (a module holding one is not swapped): it calls the
+        # replacement's forward, which the original class does not have
+        return (
+            f"{name}'s forward was set on the instance since the swap (accelerate's hooks: "
+            "dispatch_model, cpu_offload), and calls the replacement's; remove the hooks "
+            "first (accelerate.hooks.remove_hook_from_module(model, recurse=True)), undo, "
+            "then add them again; nothing was undone"
+        )
+    return None
 
 
 def _own_forward_bound(module: nn.Module) -> bool:
