@@ -656,3 +656,18 @@ def test_a_parametrized_norm_is_reported_kept_with_the_reason() -> None:
         assert handle.kept["LlamaRMSNorm"][0] == 1
         assert "parametrize" in handle.kept["LlamaRMSNorm"][1]
         assert "parametrize" in handle.report()
+
+
+def test_a_model_swapped_without_a_handle_is_refused_with_the_way_back() -> None:
+    """A model built inside use() has no handle to undo: the refusal of a second swap says
+    how to give it its originals back, and that way works."""
+    family = layerswap.get_family("llama")
+    with layerswap.use("llama.norm.fused"):
+        model = family.causal_lm_class()(family.tiny_config())
+    advice = r"rebuild_originals\(model, 'llama\.norm\.fused'\)"
+    with pytest.raises(SubstitutionError, match=advice):
+        layerswap.swap(model, "llama.norm.fused")
+    from layerswap.swap import rebuild_originals
+
+    assert rebuild_originals(model, "llama.norm.fused") > 0
+    layerswap.swap(model, "llama.norm.fused").undo()

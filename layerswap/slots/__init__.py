@@ -31,6 +31,7 @@ from layerswap.substitution import ModelParts, Slot
 
 __all__ = [
     "ModelParts",
+    "undo_first",
     "Slot",
     "get_slot",
     "register_slot",
@@ -38,6 +39,18 @@ __all__ = [
     "takes_any_model_type",
     "unregister_slot",
 ]
+
+
+def undo_first(owner: object) -> str:
+    """What to do about modules ``owner`` (a substitution, or its name) swapped already:
+    undo that swap; a model with no handle to undo is given its originals back by
+    :func:`layerswap.swap.rebuild_originals`."""
+    name = getattr(owner, "name", owner)
+    return (
+        "undo that swap first (a model with no handle, built inside use(), copied or "
+        "loaded whole: from layerswap.swap import rebuild_originals; "
+        f"rebuild_originals(model, {str(name)!r}))"
+    )
 
 
 #: the builtin slots, imported when first asked for

@@ -34,7 +34,7 @@ from layerswap.patching.undo import UndoLog
 from layerswap.placement import Placement
 from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
-from layerswap.slots import ModelParts, Slot, get_slot, slot_names
+from layerswap.slots import ModelParts, Slot, get_slot, slot_names, undo_first
 from layerswap.slots.class_plan import SWAP_LOCK, ClassPlan, ClassSwapHandle, kept_text
 from layerswap.trials import not_built
 from layerswap.versions import transformers_version
@@ -345,7 +345,7 @@ class ClassSwapSlot(Slot):
             name, owner = plan.taken[0]
             raise SubstitutionError(
                 f"{len(plan.taken)} {self.plural} of this model are already swapped by "
-                f"{owner} ({name}...); undo that swap first"
+                f"{owner} ({name}...); {undo_first(owner)}"
             )
         lost = _lost_on_undo(model, self, plan)
         if lost is not None:

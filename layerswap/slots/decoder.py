@@ -60,7 +60,7 @@ from layerswap.placement import Placement
 from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
 from layerswap.quantized import check_quantized_load
-from layerswap.slots import ModelParts, Slot
+from layerswap.slots import ModelParts, Slot, undo_first
 from layerswap.slots.layer_call import check_layer_call
 
 if TYPE_CHECKING:
@@ -301,7 +301,7 @@ def _refuse_unswappable(
         owner = substitution_of(dict(layers)[done[0]])
         raise SubstitutionError(
             f"{len(done)} layers of this model are already swapped by "
-            f"{getattr(owner, 'name', owner)}; undo that swap first"
+            f"{getattr(owner, 'name', owner)}; {undo_first(owner)}"
         )
     adapted = next(
         (

@@ -33,7 +33,7 @@ from layerswap.patching.undo import UndoLog
 from layerswap.placement import Placement
 from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
-from layerswap.slots import ModelParts, Slot
+from layerswap.slots import ModelParts, Slot, undo_first
 from layerswap.slots.class_swap import instance_forward
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def _check_swappable(model: nn.Module, sub: Substitution) -> type[nn.Module]:
     if current is not None:
         raise SubstitutionError(
             f"the head of this {type(model).__name__} is already swapped by {current}; "
-            "undo that swap first"
+            f"{undo_first(current)}"
         )
     if type(model) is not original:
         raise SubstitutionError(
