@@ -992,3 +992,21 @@ def test_undo_after_a_bias_was_taken_gives_every_projection_its_own_storage() ->
     q, v = attention.q_proj.bias, attention.v_proj.bias
     assert q.untyped_storage().nbytes() == q.numel() * q.element_size()
     assert q.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+
+
+def test_undo_gives_a_copied_projection_its_class_back() -> None:
+    """PEFT's ``modules_to_save`` deep-copies a packed projection into the model (with a
+    copy of its group): the undo leaves no layerswap class behind, and the numbers stay."""
+    from peft import LoraConfig, get_peft_model
+
+    model = layerswap.get_family("llama").build(seed=0).eval()
+    ids = _ids(model)
+    handle = layerswap.swap(model, "llama.qkv.fused")
+    tuned = get_peft_model(model, LoraConfig(target_modules=["o_proj"], modules_to_save=["q_proj"]))
+    with torch.no_grad():
+        expected = tuned(ids).logits
+    handle.undo()
+    left = [n for n, m in tuned.named_modules() if type(m).__module__.startswith("layerswap")]
+    assert left == []
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(ids).logits, expected, rtol=1e-5, atol=1e-5)

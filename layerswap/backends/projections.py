@@ -419,6 +419,20 @@ class PackedLinear(nn.Linear):
                 return out
         return F.linear(input, self.weight, self.bias)
 
+    def _layerswap_detach(self) -> None:
+        """Back to ``nn.Linear`` with tensors of its own: a copy made since the swap (PEFT's
+        ``modules_to_save``), which the swap's undo does not reach through its group."""
+        for name in ("weight", "bias"):
+            tensor = self._parameters.get(name)
+            if tensor is not None and tensor.untyped_storage().nbytes() != (
+                tensor.numel() * tensor.element_size()
+            ):
+                tensor.data = tensor.detach().clone()
+        self.__dict__.pop("_layerswap_group", None)
+        self.__dict__.pop("_layerswap_index", None)
+        restored: Any = self
+        restored.__class__ = nn.Linear
+
 
 class ProjectionsReplacement(ClassReplacement):
     """The base of a backend's ``qkv`` replacement: the attention's own ``forward``, its

@@ -120,18 +120,24 @@ class ClassSwapHandle(SwapHandle):
                     del module.__dict__["forward"]
             self._changes.undo()
             self._active = False
-            self._undo_copies()
+            self._undo_copies(changed)
 
-    def _undo_copies(self) -> None:
+    def _undo_copies(self, changed: list[tuple[str, nn.Module, type]]) -> None:
         """Give copies of swapped modules made since the swap (PEFT's ``modules_to_save``
-        deep-copies a module into the model) their original class back too."""
+        deep-copies a module into the model) their original class back too: of a swapped
+        module, or of one inside it (a packed projection, which detaches itself)."""
         made = {cls for _, _, cls in self._plan.swapped}
-        swapped = {id(module) for _, module, _ in self._plan.swapped}
+        inner = {cls for _, _, cls in changed} - made
+        undone = {id(module) for _, module, _ in changed}
         for module in self.model.modules():
-            if type(module) in made and id(module) not in swapped:
-                replaced: Any = module
+            if id(module) in undone:
+                continue
+            replaced: Any = module
+            if type(module) in made:
                 replaced._layerswap_detach()
                 replaced.__class__ = replaced._layerswap_original
+            elif type(module) in inner:
+                replaced._layerswap_detach()
 
     def report(self) -> str:
         """A readable summary: the modules swapped (per class and kind) and those kept."""
