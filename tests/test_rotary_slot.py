@@ -505,7 +505,7 @@ def test_nope_layers_are_kept_and_named() -> None:
     assert torch.equal(got, expected)
     config.no_rope_layers = [0] * config.num_hidden_layers
     model = classes.causal_lm(config).eval()
-    with pytest.raises(SubstitutionError, match="NoPE layer: self.use_rope fails here"):
+    with pytest.raises(SubstitutionError, match=r"NoPE layer: self\.use_rope fails here"):
         layerswap.swap(model, "smollm3.rotary.fused")
     assert not _swapped(model)
 
