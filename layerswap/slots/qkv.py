@@ -73,11 +73,14 @@ class QKVSlot(ClassSwapSlot):
     def spec_of(self, module: nn.Module) -> Any:
         # a projection whose forward is set on the instance (accelerate's hooks) runs that
         # forward whatever its class: it would never take its slice of the group's product
-        for name, child in module.named_children():
-            reason = instance_forward(child)
-            if reason is not None:
-                return f"{name}: {reason}"
-        return super().spec_of(module)
+        # (the others, o_proj among them, keep their class: theirs may be set)
+        spec = super().spec_of(module)
+        if isinstance(spec, ProjectionSpec):
+            for name in dict.fromkeys(name for group in spec.groups for name in group):
+                reason = instance_forward(getattr(module, name))
+                if reason is not None:
+                    return f"{name}: {reason}"
+        return spec
 
     def spec_label(self, spec: Any) -> str:
         return str(spec.label)
