@@ -371,7 +371,8 @@ class ClassSwapSlot(Slot):
         config = getattr(model, "config", None)
         if config is None:
             raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
-        self._checked_plan(model, sub)  # refused before the proof runs
+        with SWAP_LOCK:  # refused before the proof runs; never seeing a swap half-applied
+            self._checked_plan(model, sub)
         self.prepare(sub, config, Placement.of(model))
         changes = UndoLog()
         # planned again and applied as one step: two threads swapping one model cannot
