@@ -253,15 +253,21 @@ def _arm() -> Patch:
     from layerswap.saving import ADVICE as SAVE_ADVICE
 
     if _GUARD is None:
-        # safeguards: restore_all() leaves them to the holds (a swapped model outlives it)
-        _GUARD = safeguard(wrap(INJECT, _check_then_inject, lazy=True))
+        # safeguards: restore_all() leaves them on while a swapped model holds them
+        _GUARD = safeguard(wrap(INJECT, _check_then_inject, lazy=True), _held)
         _LAYOUT.extend(
-            safeguard(wrap(target, advice, lazy=True)) for target, advice in (*ADVICE, *SAVE_ADVICE)
+            safeguard(wrap(target, advice, lazy=True), _held)
+            for target, advice in (*ADVICE, *SAVE_ADVICE)
         )
     for patch in (_GUARD, *_LAYOUT):
         if not patch.is_active:
             patch.start()
     return _GUARD
+
+
+def _held() -> bool:
+    """Whether a swapped model holds the check (one collected since no longer does)."""
+    return bool(_HOLDS)
 
 
 def hold(model: nn.Module) -> Callable[[], None]:

@@ -6,6 +6,7 @@ the model's own parameters, and every path that moves them is checked when it ru
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import threading
 import warnings
@@ -913,7 +914,7 @@ def test_restore_all_leaves_the_safeguards_of_swapped_models_on(tmp_path: Path) 
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from layerswap.peft_targets import is_guard
+    from layerswap.peft_targets import _held, is_guard
     from layerswap.sliced_saves import is_own
 
     original = set(layerswap.get_family("llama").build(seed=0).state_dict())
@@ -931,6 +932,12 @@ def test_restore_all_leaves_the_safeguards_of_swapped_models_on(tmp_path: Path) 
     fused.save_pretrained(tmp_path / "fused")
     assert set(load_file(tmp_path / "fused" / "model.safetensors")) == original
     handle.undo()
+    del packed, fused, handle
+    gc.collect()
+    # no swapped model holds the PEFT and save advice any more: restore_all() stops it
+    layerswap.restore_all()
+    guards = [info for info in layerswap.active_patches() if is_guard(info.patch)]
+    assert _held() or not guards
 
 
 def test_undo_checks_the_packed_projections_before_changing_anything() -> None:

@@ -356,12 +356,18 @@ def active_patches() -> list[PatchInfo]:
     return [s.info() for s in live]
 
 
-def safeguard(scoped: S) -> S:
-    """Mark ``scoped`` as a safeguard its owner stops: :func:`restore_all` leaves it on.
-    layerswap's save and PEFT advice are such: a swapped model outlives any cleanup of
-    patches, and without them it would write its own layout. Returns ``scoped``."""
-    scoped.__dict__["_safeguard"] = True
+def safeguard(scoped: S, needed: Callable[[], bool] = lambda: True) -> S:
+    """Mark ``scoped`` as a safeguard its owner stops: :func:`restore_all` leaves it on
+    while ``needed()`` says so. layerswap's save and PEFT advice are such: a swapped model
+    outlives any cleanup of patches, and without them it would write its own layout.
+    Returns ``scoped``."""
+    scoped.__dict__["_safeguard"] = needed
     return scoped
+
+
+def _guarding(scoped: Scoped) -> bool:
+    needed = scoped.__dict__.get("_safeguard")
+    return needed is not None and bool(needed())
 
 
 def restore_all() -> int:
@@ -371,7 +377,7 @@ def restore_all() -> int:
     scope, as they will stop when it ends; safeguards (:func:`safeguard`) to their owner.
     """
     manual = sorted(
-        (s for s in list(_ACTIVE.values()) if s._manual and not s.__dict__.get("_safeguard")),
+        (s for s in list(_ACTIVE.values()) if s._manual and not _guarding(s)),
         key=lambda s: -s._seq,
     )
     for scoped in manual:
