@@ -205,12 +205,18 @@ def test_fused_names_are_found_under_a_wrappers_checkpoint_names() -> None:
     assert fused_names(model, names) == names[:2]
 
 
-def test_the_qkv_slot_refuses_a_quantized_load_inside_use(checkpoint: Path) -> None:
-    """bitsandbytes converts ``nn.Linear`` itself only: the packed projections would stay
-    float32 under a config that says 8-bit, and the checkpoint saved then would not run.
-    Refused before a weight is read, the patches gone; a plain load still packs."""
+def test_the_qkv_slot_refuses_a_quantized_load_that_skips_its_projections(
+    checkpoint: Path,
+) -> None:
+    """bitsandbytes converts ``nn.Linear`` itself only: it converted o_proj and left the
+    packed projections float32 under a config that says 8-bit, and the checkpoint saved
+    then did not run. Refused before a weight is read, the patches gone; a plain load
+    still packs, and a quantizer that converts nothing beside them (torchao quantizes the
+    weights where they are) loads inside use() with the original's numbers."""
     config = _bnb(8)()
-    refused = pytest.raises(RequirementError, match="qkv slot packs each attention's projections")
+    refused = pytest.raises(
+        RequirementError, match=r"converted model\.layers\.0\.self_attn\.o_proj but left"
+    )
     with refused, layerswap.use("llama.qkv.fused"):
         LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=config, device_map="cpu")
     assert applied_substitutions() == ()
@@ -220,3 +226,7 @@ def test_the_qkv_slot_refuses_a_quantized_load_inside_use(checkpoint: Path) -> N
     torch.testing.assert_close(_logits(model), _logits(plain), rtol=1e-5, atol=1e-5)
     groups = model.model.layers[0].self_attn._layerswap_groups
     assert groups and all(group.packed() for group in groups)
+    with layerswap.use("llama.qkv.fused"):
+        quantized = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=_torchao())
+    reference = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=_torchao())
+    torch.testing.assert_close(_logits(quantized), _logits(reference), rtol=1e-4, atol=1e-4)

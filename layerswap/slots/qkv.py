@@ -91,31 +91,62 @@ class QKVSlot(ClassSwapSlot):
         return self.first_attention_class(family)
 
     def construction(self, sub: Substitution) -> list[Scoped]:
-        """The class swap's, and a quantized load refused before any weight is read: a
-        quantizer replaces or skips the packed projections (bitsandbytes and fine-grained
-        FP8 convert ``nn.Linear`` itself only, leaving them unquantized under a config
-        that says they are; the checkpoint saved then does not run)."""
+        """The class swap's, and a quantized load refused before any weight is read where
+        the quantizer converted the linear layers beside the packed projections but left
+        those (bitsandbytes and fine-grained FP8 convert ``nn.Linear`` itself only): they
+        would stay unquantized under a config that says they are, and the checkpoint saved
+        then would not run."""
         from layerswap.patching import wrap
 
-        def refuse_quantized(
+        def refuse_skipped(
             wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any
         ) -> Any:
             model = args[0] if args else kwargs["model"]
             hf_quantizer = hf_internals.quantizer_of_conversion_call(args, kwargs)
-            if hf_quantizer is not None and any(is_packed(m) for m in model.modules()):
+            skipped = None if hf_quantizer is None else _skipped_by_quantizer(model)
+            if skipped is not None:
+                left, converted = skipped
                 raise RequirementError(
-                    f"{sub.name}: a model quantized with {type(hf_quantizer).__name__} "
-                    "cannot be loaded inside use(): the qkv slot packs each attention's "
-                    "projections into one storage, which a quantizer's weights do not "
-                    "share (bitsandbytes and fine-grained FP8 would leave them "
-                    "unquantized); load it outside use(), or without quantization_config"
+                    f"{sub.name}: {type(hf_quantizer).__name__} converted {converted} but left "
+                    f"{left}, a projection the qkv slot packed (it converts nn.Linear itself "
+                    "only): the projections would stay unquantized under a config that says "
+                    "they are, and a checkpoint saved would not run; load it outside use(), "
+                    "or keep the attentions out of quantization (modules_to_not_convert)"
                 )
             return wrapped(*args, **kwargs)
 
         return [
             *super().construction(sub),
-            wrap(hf_internals.CONVERSION_MAPPING_TARGET, refuse_quantized),
+            wrap(hf_internals.CONVERSION_MAPPING_TARGET, refuse_skipped),
         ]
+
+
+def _skipped_by_quantizer(model: nn.Module) -> tuple[str, str] | None:
+    """``(packed projection, converted linear)`` of the first packed attention of ``model``
+    where a quantizer converted a linear layer (a subclass of ``nn.Linear`` now) and left a
+    projection the slot packed as it was; ``None`` where it converted none beside them (it
+    quantizes other modules, or none: MXFP4 dequantized, ``modules_to_not_convert``) or
+    replaced the packed projections too (each then computes its own product)."""
+    for name, attention in model.named_modules():
+        if not is_packed(attention):
+            continue
+        members: Any = attention._layerswap_members()
+        held = {id(member) for member, _ in members.values()}
+        converted = [
+            child_name
+            for child_name, child in attention.named_modules()
+            if isinstance(child, nn.Linear)
+            and type(child) is not nn.Linear
+            and id(child) not in held
+        ]
+        left = [
+            member_name
+            for member_name, (member, cls) in members.items()
+            if type(member) is cls and attention.get_submodule(member_name) is member
+        ]
+        if converted and left:
+            return f"{name}.{left[0]}", f"{name}.{converted[0]}"
+    return None
 
 
 SLOT = QKVSlot()
