@@ -19,12 +19,13 @@ attention module shared by two layers) stays one tensor, deduplicated as before.
 ``state_dict()`` itself is unchanged: its tensors still alias the parameters, so what
 writes through them in place (an EMA's ``copy_``) still reaches the model.
 
-The advice is armed (:func:`arm`) when a group is first packed or a packed group is
-unpickled, and stays on for the rest of the process: slices outlive the swap that made
-them (a state dict taken before ``undo()``, a model given them with
-``load_state_dict(assign=True)``, a model ``torch.load`` brought from another process), and
-for a state dict without such slices it changes nothing. ``layerswap.active_patches()``
-lists it; ``restore_all()`` leaves it on (a safeguard: the slices outlive any cleanup).
+The advice is armed (:func:`arm`) when a group is packed or a packed group is copied or
+unpickled: slices outlive the swap that made them (a state dict taken before ``undo()``, a
+model given them with ``load_state_dict(assign=True)``, a model ``torch.load`` brought from
+another process), and for a state dict without such slices it changes nothing.
+``layerswap.active_patches()`` lists it; ``restore_all()`` leaves it on while a packed
+storage made in this process lives (for good once a packed group was copied or unpickled:
+its storages are not known), and takes it off once none does.
 
 Example::
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -126,24 +127,44 @@ ADVICE = (
 
 _LOCK = threading.Lock()
 _PATCHES: list[Patch] = []
+#: weak references to the packed storages made in this process; ``None`` once a packed
+#: group arrived whose storages are not known (a copy, or unpickled): needed for good
+_PACKED: list[Any] | None = []
 
 
-def arm() -> None:
-    """The advice on, for the rest of the process (see the module docstring). Idempotent,
-    thread-safe; ``lazy``: it imports none of the savers, and applies when one is imported.
+def arm(storages: Iterable[torch.UntypedStorage] | None = None) -> None:
+    """The advice on (see the module docstring), for as long as a packed storage of
+    ``storages`` lives; ``None`` (a packed group copied or unpickled, its storages not
+    known): for the rest of the process. ``restore_all()`` takes it off only once none
+    lives. Idempotent, thread-safe; ``lazy``: it imports none of the savers, and applies
+    when one is imported.
 
     Example::
 
-        arm()   # what packing a group does
+        arm([packed.untyped_storage()])   # what packing a group does
     """
-    if _PATCHES and all(patch.is_active for patch in _PATCHES):
-        return
+    global _PACKED
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     with _LOCK:
+        if storages is None:
+            _PACKED = None
+        elif _PACKED is not None:
+            _PACKED[:] = [ref for ref in _PACKED if not ref.expired()]
+            _PACKED.extend(StorageWeakRef(storage) for storage in storages)  # type: ignore[no-untyped-call]
         if not _PATCHES:
-            _PATCHES.extend(safeguard(wrap(target, advice, lazy=True)) for target, advice in ADVICE)
+            _PATCHES.extend(
+                safeguard(wrap(target, advice, lazy=True), _needed) for target, advice in ADVICE
+            )
         for patch in _PATCHES:
             if not patch.is_active:
                 patch.start()
+
+
+def _needed() -> bool:
+    """Whether a packed storage may still live: slices of it can reach a saver."""
+    packed = _PACKED
+    return packed is None or any(not ref.expired() for ref in packed)
 
 
 def is_own(scoped: Scoped) -> bool:

@@ -915,7 +915,7 @@ def test_restore_all_leaves_the_safeguards_of_swapped_models_on(tmp_path: Path) 
     from safetensors.torch import load_file
 
     from layerswap.peft_targets import _held, is_guard
-    from layerswap.sliced_saves import is_own
+    from layerswap.sliced_saves import _needed, is_own
 
     original = set(layerswap.get_family("llama").build(seed=0).state_dict())
     packed = layerswap.get_family("llama").build(seed=0).eval()
@@ -938,6 +938,9 @@ def test_restore_all_leaves_the_safeguards_of_swapped_models_on(tmp_path: Path) 
     layerswap.restore_all()
     guards = [info for info in layerswap.active_patches() if is_guard(info.patch)]
     assert _held() or not guards
+    # nor, once no packed storage lives (none copied or unpickled), the sliced-save advice
+    sliced = [info for info in layerswap.active_patches() if is_own(info.patch)]
+    assert _needed() or not sliced
 
 
 def test_undo_checks_the_packed_projections_before_changing_anything() -> None:
@@ -1020,3 +1023,41 @@ def test_undo_gives_a_copied_projection_its_class_back() -> None:
     assert left == []
     with torch.no_grad():
         torch.testing.assert_close(tuned(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_restore_all_takes_the_sliced_save_advice_off_once_no_packed_storage_lives(
+    tmp_path: Path,
+) -> None:
+    """In a fresh process: on while the model is packed, and while a state dict taken
+    before the undo holds slices of the packed storage; off at the next ``restore_all()``
+    once neither lives, so ``active_patches()`` can be emptied again; on at the next
+    packing."""
+    from fresh import run_json
+
+    found = run_json(
+        """
+        import gc, json, layerswap
+        from layerswap.sliced_saves import is_own
+
+        def own():
+            return sum(is_own(info.patch) for info in layerswap.active_patches())
+
+        model = layerswap.get_family("llama").build(seed=0)
+        handle = layerswap.swap(model, "llama.qkv.fused")
+        seen = [layerswap.restore_all(), own()]
+        state = model.state_dict()
+        handle.undo()
+        gc.collect()
+        seen += [layerswap.restore_all(), own()]
+        del state
+        gc.collect()
+        seen += [layerswap.restore_all(), own(), len(layerswap.active_patches())]
+        layerswap.swap(model, "llama.qkv.fused")
+        seen.append(own())
+        print(json.dumps(seen))
+        """,
+        tmp_path,
+    )
+    armed = found[1]
+    assert armed > 0
+    assert found == [0, armed, 0, armed, armed, 0, 0, armed]

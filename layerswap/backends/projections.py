@@ -274,7 +274,11 @@ class PackedGroup:
                     for part, start in zip(parts, self._starts, strict=True):
                         part.data = whole.narrow(0, start, part.shape[0])
             self._made = made
-            sliced_saves.arm()  # savers that deduplicate by storage: every slice whole
+            # savers that deduplicate by storage: every slice whole, while these live
+            sliced_saves.arm(
+                [self.members[0].weight.untyped_storage()]
+                + ([self.members[0].bias.untyped_storage()] if self.bias else [])
+            )
             return None if self.packed() else "their weights could not be packed"
 
     def _resized(self, sizes: tuple[int, ...]) -> None:
