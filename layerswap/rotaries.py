@@ -287,29 +287,32 @@ def _call_sites(tree: Any) -> Iterator[tuple[Any, list[tuple[Any, bool]]]]:
 
 
 @functools.lru_cache(maxsize=512)
+def _rotary_sites(cls: type) -> tuple[tuple[tuple[Any, bool | None], ...], ...] | None:
+    """The branches each rotary call of ``cls.forward`` stands in (:func:`_call_sites`),
+    read once per class; ``None`` where the source cannot be read."""
+    tree = _forward_tree(cls)
+    if tree is None:
+        return None
+    return tuple(tuple(inside) for _, inside in _call_sites(tree))
+
+
 def calls_conditionally(cls: type) -> bool:
     """Whether ``cls.forward`` calls its rotary function only under a condition (a config
     switch, NoPE layers: DeepSeek V3's ``rope_interleave``, GraniteMoeHybrid's
     ``position_embedding_type``), read from its source; ``True`` where the source cannot
     be read. Whether it runs is then asked of a run."""
-    tree = _forward_tree(cls)
-    return tree is None or any(inside for _, inside in _call_sites(tree))
+    sites = _rotary_sites(cls)
+    return sites is None or any(sites)
 
 
-@functools.lru_cache(maxsize=512)
 def _gates(cls: type) -> tuple[tuple[tuple[Any, bool], ...], ...] | None:
     """Each rotary call site of ``cls.forward`` with the ``if`` tests it stands under,
     ``(test, whether it must hold)``; ``None`` where one stands under another branch (a
     loop, a conditional expression) or the source cannot be read."""
-    tree = _forward_tree(cls)
-    if tree is None:
+    sites = _rotary_sites(cls)
+    if sites is None or any(body is None for site in sites for _, body in site):
         return None
-    sites = []
-    for _, inside in _call_sites(tree):
-        if any(body is None for _, body in inside):
-            return None
-        sites.append(tuple((node.test, bool(body)) for node, body in inside))
-    return tuple(sites)
+    return tuple(tuple((node.test, bool(body)) for node, body in site) for site in sites)
 
 
 class _Unknown(Exception):
