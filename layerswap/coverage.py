@@ -21,7 +21,7 @@ import functools
 import importlib
 import json
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import as_completed
+from concurrent.futures import Future, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -124,17 +124,23 @@ def coverage(
     A model type a registered family covers lists every backend's answer for the family's
     decoder layer (``None``: covered, else the backend's reason); one no family covers
     says why (inference refused it, or it was inferred and verified but is not builtin),
-    and every backend gives that reason. Inferring takes about 20 s for all model types
-    on one core the first time on a release (each answer is kept, :func:`why_not_covered`);
-    the model types not yet answered are inferred in ``jobs`` processes (default: one per
-    CPU; see :func:`infer_in_processes`). ``on_step(done, total, model_type)`` is called
-    before each (for progress displays).
+    and every backend gives that reason. What is not answered yet on this release (each
+    answer is kept) is asked in ``jobs`` processes (default: one per CPU; see
+    :func:`inferring`); ``on_step(done, total, model_type)`` is called before each.
 
     Example::
 
         report = layerswap.coverage()
         sorted(t for t, c in report.items() if c.backends.get("te") is None)
     """
+    # every backend's answers kept on disk together: one write per table, not per answer
+    with verdicts.kept_together():
+        return _coverage(on_step, jobs)
+
+
+def _coverage(
+    on_step: Callable[[int, int, str], None] | None, jobs: int | None
+) -> dict[str, Coverage]:
     by_type = {family.model_type: family for family in families().values()}
     declared = backends()
     report: dict[str, Coverage] = {}
@@ -142,7 +148,8 @@ def coverage(
     # a model type whose causal LM is a family's language model (Mllama) is among these:
     # inferred for nothing, its answer never read, but finding them reads every config
     unanswered = [t for t in model_types if t not in by_type and _stored(t) is None]
-    with inferring(unanswered, jobs, on_step):
+    own = tuple(t for t in model_types if t in by_type)  # their slots: in the processes too
+    with inferring(unanswered, jobs, on_step, family_types=own) as below:
         # meanwhile, in this process: the family covering each model type, and its answers
         covering = {
             model_type: by_type.get(model_type)
@@ -153,13 +160,6 @@ def coverage(
             model_type: {name: backend.unsupported(family) for name, backend in declared.items()}
             for model_type, family in covering.items()
             if family is not None
-        }
-        # the slots below the decoder layer of each family's model type (those of the
-        # model types no family covers come from the processes, with their reasons)
-        below = {
-            model_type: _below_decoder(model_type, by_type[model_type], declared)
-            for model_type in model_types
-            if model_type in by_type
         }
     for done, model_type in enumerate(model_types):
         if on_step is not None:
@@ -173,9 +173,9 @@ def coverage(
         reason = why_not_covered(model_type)
         report[model_type] = Coverage(model_type, None, reason, dict.fromkeys(declared, reason))
     for model_type, row in report.items():
-        slots = below.get(model_type)
+        slots = below.get(model_type)  # no processes (or one failed): asked here
         if slots is None:
-            slots = _below_decoder(model_type, None, declared)
+            slots = _below_decoder(model_type, by_type.get(model_type), declared)
         report[model_type] = dataclasses.replace(row, slots=slots)
     for model_type, (family, media) in _wrapped().items():
         answers = {name: backend.unsupported(family) for name, backend in declared.items()}
@@ -369,10 +369,15 @@ def inferring(
     model_types: list[str],
     jobs: int | None = None,
     on_step: Callable[[int, int, str], None] | None = None,
-) -> Iterator[None]:
+    *,
+    family_types: tuple[str, ...] = (),
+) -> Iterator[dict[str, dict[str, dict[str, str | None]]]]:
     """Infer ``model_types`` in ``jobs`` processes (default: one per CPU this process may
     use) while the block runs here; on leaving it, store each answer for
-    :func:`why_not_covered` (``on_step(done, total, model_type)`` as each comes back).
+    :func:`why_not_covered` (``on_step(done, total, model_type)`` as each comes back). The
+    slots below the decoder layer of ``family_types`` (registered families' model types)
+    are asked there too: the dictionary yielded holds their answers on leaving
+    (``{model_type: {slot: {backend: reason}}}``), empty where no process ran.
 
     Most of the time goes on importing each model type's modeling module and building its
     model on the meta device, so the work splits across processes. The processes are
@@ -384,33 +389,50 @@ def inferring(
     here after, one by one.
     """
     jobs = fork_jobs(jobs, len(model_types))
+    below: dict[str, dict[str, dict[str, str | None]]] = {}
     if not jobs:
-        yield
+        yield below
         return
     # what every modeling module imports (transformers' modeling, generation and
     # integrations, seconds): imported once here, before forking, not in each process
     importlib.import_module("transformers.modeling_utils")
-    # each slot's answers, kept together at the end (one write of its table)
-    answers: dict[str, dict[str, tuple[str | None, str | None]]] = {}
-    # on an error (or an interrupt) here, the model types not started are dropped
-    with forked_pool(jobs) as pool:
-        futures = {pool.submit(_answers_of, t): t for t in model_types}
-        yield
+    # on an error (or an interrupt) here, the model types not started are dropped; each
+    # table of answers is written once, at the end
+    with forked_pool(jobs) as pool, verdicts.kept_together():
+        # the families' first: fewer model types, each asked of every slot's reading
+        asked = {pool.submit(_collected, _family_answers, t): t for t in family_types}
+        futures = {pool.submit(_collected, _answers_of, t): t for t in model_types}
+        yield below
+        for asking in as_completed(asked):
+            try:
+                below[asked[asking]] = _adopted(asking)
+            except BrokenProcessPool:
+                break  # what was not answered is asked in this process
         for done, future in enumerate(as_completed(futures)):
             model_type = futures[future]
             if on_step is not None:
                 on_step(done, len(model_types), model_type)
             try:
-                reason, slots = future.result()
-                _store(model_type, reason)
-                for (slot, backend), answer in slots.items():
-                    answers.setdefault(_SLOT_KIND.format(slot=slot), {})[
-                        f"{backend}|{model_type}"
-                    ] = (answer, _module_of(model_type))
+                reason, slots = _adopted(future)
             except BrokenProcessPool:
                 break  # what was not answered is inferred in this process
-        for kind, entries in answers.items():
-            verdicts.remember_all(kind, entries)
+            _store(model_type, reason)
+            for (slot, backend), answer in slots.items():
+                kind, key = _SLOT_KIND.format(slot=slot), f"{backend}|{model_type}"
+                verdicts.remember(kind, key, answer, module=_module_of(model_type))
+
+
+def _collected(work: Callable[[str], Any], model_type: str) -> tuple[Any, dict[str, Any]]:
+    """In a forked process: ``work(model_type)``, and what the declarations kept meanwhile."""
+    with verdicts.collected() as found:
+        return work(model_type), found
+
+
+def _adopted(future: Future[tuple[Any, dict[str, Any]]]) -> Any:
+    """A forked process's answer, what it kept now kept here too."""
+    answer, found = future.result()
+    verdicts.adopt(found)
+    return answer
 
 
 def _answers_of(model_type: str) -> tuple[str, dict[tuple[str, str], str | None]]:
@@ -421,6 +443,13 @@ def _answers_of(model_type: str) -> tuple[str, dict[tuple[str, str], str | None]
         for slot, name, backend in _below_decoder_slots(backends())
     }
     return _infer_reason(model_type), slots
+
+
+def _family_answers(model_type: str) -> dict[str, dict[str, str | None]]:
+    """In a forked process: each backend's answer for each slot below the decoder layer
+    of the family covering ``model_type``."""
+    family = {f.model_type: f for f in families().values()}[model_type]
+    return _below_decoder(model_type, family, backends())
 
 
 def _infer_reason(model_type: str) -> str:

@@ -24,15 +24,19 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from layerswap.versions import __version__, transformers_version
 
 __all__ = [
+    "adopt",
+    "collected",
     "directory",
     "key_for",
+    "kept_together",
     "layerswap_digest",
     "read",
     "remember",
@@ -173,6 +177,11 @@ def write(key: str, verdict: dict[str, Any], kind: str | None = None) -> bool:
 
 _ANSWERS: dict[str, dict[str, Any]] = {}
 _ANSWERS_LOCK = threading.Lock()
+#: while :func:`kept_together` runs (its depth), and the kinds whose tables wait to be
+#: written on leaving it
+_TOGETHER: dict[str, Any] = {"depth": 0, "waiting": set()}
+#: what each :func:`collected` block has been given to keep, innermost last
+_COLLECTORS: list[dict[str, dict[str, Any]]] = []
 
 
 def remembered(
@@ -219,7 +228,82 @@ def remember_all(kind: str, answers: Mapping[str, tuple[str | None, str | None]]
         for key, (answer, module) in answers.items():
             stamp = _source_stamp(module) if module is not None else None
             table[key] = {"answer": answer, "stamp": stamp}
+            for collector in _COLLECTORS:
+                collector.setdefault(kind, {})[key] = table[key]
+        _keep(kind, table)
+
+
+def _keep(kind: str, table: dict[str, Any]) -> None:
+    """Write ``kind``'s table, or mark it waiting inside :func:`kept_together` (under
+    ``_ANSWERS_LOCK``)."""
+    if _TOGETHER["depth"]:
+        _TOGETHER["waiting"].add(kind)
+    else:
         write(_answers_key(kind), table, kind="answers")
+
+
+@contextmanager
+def collected() -> Iterator[dict[str, dict[str, Any]]]:
+    """Within the block, every answer :func:`remember` keeps is also put in the dictionary
+    this yields (``{kind: {key: entry}}``): what a forked process sends back to its parent,
+    which keeps it with :func:`adopt`.
+
+    Example::
+
+        with verdicts.collected() as found:
+            backend.unsupported(family, "norm")
+        return found                              # in the parent: verdicts.adopt(found)
+    """
+    found: dict[str, dict[str, Any]] = {}
+    with _ANSWERS_LOCK:
+        _COLLECTORS.append(found)
+    try:
+        yield found
+    finally:
+        with _ANSWERS_LOCK:
+            # by identity: two collectors may hold equal answers
+            del _COLLECTORS[next(i for i, c in enumerate(_COLLECTORS) if c is found)]
+
+
+def adopt(found: Mapping[str, Mapping[str, Any]]) -> None:
+    """Keep the answers :func:`collected` gathered (in another process), as they were."""
+    with _ANSWERS_LOCK:
+        for kind, entries in found.items():
+            if entries:
+                table = _answers(kind)
+                table.update(entries)
+                _keep(kind, table)
+
+
+@contextmanager
+def kept_together() -> Iterator[None]:
+    """Within the block, every answer :func:`remember` keeps waits in memory; on leaving
+    it (an error too), each table that changed is written once.
+
+    A table is one file written whole, so keeping answers one by one rewrites it once per
+    answer: thousands of writes for ``layerswap list --all`` on a new transformers
+    release. Answers are read back from memory meanwhile, so nothing is asked twice. A
+    process forked inside the block writes nothing of its own (its parent keeps what it
+    sends back).
+
+    Example::
+
+        with verdicts.kept_together():
+            for family in families:
+                backend.unsupported(family, "norm")   # each answer remembered, one write
+    """
+    with _ANSWERS_LOCK:
+        _TOGETHER["depth"] += 1
+        owner = os.getpid()
+    try:
+        yield
+    finally:
+        with _ANSWERS_LOCK:
+            _TOGETHER["depth"] -= 1
+            if not _TOGETHER["depth"] and os.getpid() == owner:
+                waiting, _TOGETHER["waiting"] = _TOGETHER["waiting"], set()
+                for kind in sorted(waiting):
+                    write(_answers_key(kind), _answers(kind), kind="answers")
 
 
 def _answers_key(kind: str) -> str:

@@ -13,8 +13,10 @@ from typer.testing import CliRunner
 
 import layerswap
 from layerswap.cli import app
-from layerswap.coverage import _infer_reason, infer_in_processes, model_coverage
+from layerswap.coverage import _below_decoder, _infer_reason, infer_in_processes, model_coverage
 from layerswap.errors import UnknownSubstitutionError
+from layerswap.registry import backends
+from layerswap.registry import families as registry_families
 
 
 def _rows(target: object) -> dict[str, object]:
@@ -257,6 +259,42 @@ def test_model_types_inferred_in_processes_get_the_answers_inferred_here(tmp_pat
     assert found["steps"] == list(range(len(UNCOVERED)))
     expected = {model_type: _infer_reason(model_type) for model_type in UNCOVERED}
     assert found["answers"] == expected
+
+
+@pytest.mark.slow  # a fresh interpreter that forks, inferring 16 model types
+def test_families_slots_asked_in_processes_are_answered_and_kept_here(tmp_path: Path) -> None:
+    """``list --all`` asks the families' slots below the decoder layer in the forked
+    processes too: the same answers as asked here, and kept by this process."""
+    families = ("llama", "qwen3_moe", "gemma3_text")
+    code = f"""
+        import json
+        from layerswap import verdicts
+        from layerswap.coverage import _below_decoder, inferring
+        from layerswap.registry import backends, families
+        import layerswap.slots.class_swap as class_swap
+        with verdicts.kept_together():
+            with inferring({list(UNCOVERED)!r}, jobs=2, family_types={families!r}) as below:
+                pass
+        # as a new process: read from disk, never building a tiny model again
+        verdicts._ANSWERS.clear()
+        def asked_again(family):
+            raise AssertionError(f"asked again: {{family.name}}")
+        class_swap.tiny_on_meta = asked_again
+        by_type = {{f.model_type: f for f in families().values()}}
+        again = {{t: _below_decoder(t, by_type[t], backends()) for t in {families!r}}}
+        print(json.dumps({{"below": below, "again": again}}))
+    """
+    found = run_json(code, tmp_path)
+    by_type = {family.model_type: family for family in registry_families().values()}
+    expected = {t: _below_decoder(t, by_type[t], backends()) for t in families}
+    assert found["below"] == expected
+    assert found["again"] == expected
+    assert any(
+        why is None
+        for t in families
+        for answers in expected[t].values()
+        for why in answers.values()
+    )
 
 
 @pytest.mark.slow  # a fresh interpreter that forks

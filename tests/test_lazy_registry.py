@@ -123,6 +123,61 @@ def test_an_answer_is_kept_per_release_and_asked_again_when_its_source_changes(
     assert list(tmp_path.joinpath("answers").glob("*.json"))
 
 
+def test_answers_kept_together_are_written_once_on_leaving_even_on_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``layerswap list --all`` keeps thousands of answers: one write per table, not per
+    answer; each is read back from memory meanwhile, and an error keeps what was asked."""
+    monkeypatch.setenv("LAYERSWAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(verdicts, "_ANSWERS", {})
+    writes: list[str] = []
+    real = verdicts.write
+
+    def counted(key: str, verdict: dict[str, object], kind: str | None = None) -> bool:
+        writes.append(key)
+        return real(key, verdict, kind)
+
+    monkeypatch.setattr(verdicts, "write", counted)
+    with pytest.raises(KeyboardInterrupt), verdicts.kept_together():
+        for i in range(5):
+            assert verdicts.remembered("test", f"k{i}", lambda i=i: f"a{i}") == f"a{i}"
+        assert verdicts.remembered("test", "k0", lambda: "asked again") == "a0"
+        verdicts.remembered("other", "k", lambda: "b")
+        assert not writes
+        raise KeyboardInterrupt
+    assert len(writes) == 2  # one per table
+    monkeypatch.setattr(verdicts, "_ANSWERS", {})  # a new process: read from disk
+    kept = [verdicts.remembered("test", f"k{i}", lambda: "asked again") for i in range(5)]
+    assert kept == [f"a{i}" for i in range(5)]
+    assert verdicts.remembered("other", "k", lambda: "asked again") == "b"
+    verdicts.remembered("test", "later", lambda: "c")  # outside the block: written at once
+    assert len(writes) == 3
+
+
+def test_answers_collected_in_one_process_are_kept_by_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a forked process asked is sent back and kept by its parent, stamps included."""
+    monkeypatch.setenv("LAYERSWAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(verdicts, "_ANSWERS", {})
+    monkeypatch.setattr(verdicts, "_source_stamp", lambda module: "100:1")
+    module = "transformers.models.llama.modeling_llama"
+    verdicts.remembered("test", "before", lambda: "outside")
+    with verdicts.collected() as outer:
+        with verdicts.collected() as found:
+            verdicts.remembered("test", "llama", lambda: "answer", module=module)
+            verdicts.remembered("test", "before", lambda: "asked again")  # kept already
+        verdicts.remembered("test", "after", lambda: "later")
+    assert found == {"test": {"llama": {"answer": "answer", "stamp": "100:1"}}}
+    assert set(outer["test"]) == {"llama", "after"}
+    monkeypatch.setattr(verdicts, "_ANSWERS", {})  # the parent: it never asked
+    tmp_path.joinpath("answers").rename(tmp_path / "elsewhere")
+    verdicts.adopt(found)
+    monkeypatch.setattr(verdicts, "_ANSWERS", {})  # read from disk
+    assert verdicts.remembered("test", "llama", lambda: "asked again", module=module) == "answer"
+    assert verdicts.remembered("test", "after", lambda: "asked again") == "asked again"
+
+
 def test_a_visible_family_is_seen_by_its_own_thread_alone() -> None:
     """How inference proves a family it inferred: known while proven, to that thread only,
     never registered (two threads inferring at once cannot see each other's)."""
