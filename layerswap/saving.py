@@ -21,10 +21,21 @@ through. ``push_to_hub=True`` saves once into the staging directory to check, th
 once more as asked. ``distributed_checkpoint=True`` (a DCP directory, not safetensors)
 is not checked here.
 
+accelerate's ``Accelerator.save_model`` exports a model for loading elsewhere, but
+writes ``model.state_dict()`` as it is: on swapped layers, their own layout. It runs
+under the same kind of advice: each swapped layer answers ``state_dict`` in the original
+layout while it saves (:func:`original_layout_state`: the converter's ``to_original``, or
+the quantized split), into a staging directory, and the names written (safetensors or
+``.bin``) are checked the same way before the files move into the target. A state it
+gathers elsewhere (DeepSpeed ZeRO-3's consolidated state dict) is refused by that check,
+and writes nothing. ``save_state`` (a checkpoint to resume from) keeps the swapped layout:
+``load_state`` reads either.
+
 Example::
 
     layerswap.swap(model, backend="fused")
     model.save_pretrained("out")      # q_proj, k_proj, ... or ConversionError, "out" untouched
+    accelerator.save_model(model, "exported")                 # the same original names
 """
 
 from __future__ import annotations
@@ -35,18 +46,21 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from layerswap import hf_internals
 from layerswap.errors import ConversionError
-from layerswap.quantized import check_quantized_save, original_layout_state
+from layerswap.quantized import check_quantized_save
+from layerswap.quantized import original_layout_state as quantized_original_layout
 from layerswap.state import fused_modules, layout_hooks
+from layerswap.weights import is_extra_state
 
-__all__ = ["ADVICE", "fused_names", "fused_names_written"]
+__all__ = ["ADVICE", "fused_names", "fused_names_written", "original_layout_state"]
 
 _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}\.(safetensors|bin)")
 
@@ -91,14 +105,73 @@ def fused_names(model: nn.Module, names: Iterable[str]) -> list[str]:
 
 
 def fused_names_written(model: nn.Module, directory: Path) -> list[str]:
-    """The fused names (:func:`fused_names`) in the safetensors files of ``directory``."""
+    """The fused names (:func:`fused_names`) in the weight files of ``directory``
+    (safetensors, and the ``.bin`` files of ``safe_serialization=False``)."""
     from safetensors import safe_open
 
     written: list[str] = []
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             written.extend(handle.keys())
+    for path in sorted(directory.glob("*.bin")):
+        state = torch.load(path, map_location="meta", weights_only=True)
+        written.extend(state if isinstance(state, dict) else ())
     return fused_names(model, written)
+
+
+@contextlib.contextmanager
+def original_layout_state(model: nn.Module) -> Iterator[None]:
+    """While inside, every swapped layer of ``model`` answers ``state_dict`` in the
+    original layout: its converter's ``to_original`` (the quantized split for a quantized
+    model, :func:`layerswap.quantized.original_layout_state`), each tensor a split gives
+    copied into a storage of its own (savers take slices of one storage for tied weights
+    and drop them), and the replacement's extra state (TransformerEngine's) left out.
+
+    Example::
+
+        with original_layout_state(model):
+            model.state_dict()            # q_proj, k_proj, ... as the original's
+    """
+    if hf_internals.quantizer_of(model) is not None:
+        with quantized_original_layout(model):
+            yield
+        return
+    handles = [
+        layer.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            _ToOriginal(hook.substitution, hook.config)
+        )
+        for _, layer, hook in layout_hooks(model)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _ToOriginal:
+    """``state_dict`` post-hook of one replacement layer: its entries, converted back."""
+
+    def __init__(self, substitution: Any, config: Any) -> None:
+        self.converter = substitution.converter
+        self.config = hf_internals.text_config_of(config)
+
+    def __call__(
+        self,
+        module: nn.Module,
+        state_dict: MutableMapping[str, Any],
+        prefix: str,
+        local_metadata: Mapping[str, Any],
+    ) -> None:
+        local = {
+            key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)
+        }
+        for key in local:
+            del state_dict[prefix + key]
+        own = {key: value for key, value in local.items() if not is_extra_state(key)}
+        given = {id(value) for value in own.values()}
+        for key, value in self.converter.to_original(own, self.config).items():
+            state_dict[prefix + key] = value if id(value) in given else value.clone()
 
 
 def _bind(wrapped: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any] | None:
@@ -154,7 +227,7 @@ def _save_checked(
         return wrapped(*args, **kwargs)  # transformers logs its own error and writes nothing
     check_quantized_save(instance)
     with _staging(target) as staging:
-        with original_layout_state(instance):
+        with quantized_original_layout(instance):
             result = wrapped(**{**arguments, "save_directory": staging, "push_to_hub": False})
         stranded = fused_names_written(instance, staging)
         if stranded:
@@ -164,11 +237,44 @@ def _save_checked(
                 f"not load; nothing was written to {str(target)!r}"
             )
         if arguments.get("push_to_hub"):
-            with original_layout_state(instance):
+            with quantized_original_layout(instance):
                 return wrapped(*args, **kwargs)  # the save just checked, now as asked
         _move(staging, target)
     return result
 
 
+def _save_model_checked(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Around accelerate's ``Accelerator.save_model`` (see the module docstring)."""
+    arguments = _bind(wrapped, args, kwargs)
+    model = None if arguments is None else arguments.get("model")
+    unwrap = getattr(instance, "unwrap_model", None)
+    if isinstance(model, nn.Module) and callable(unwrap):
+        model = unwrap(model)
+    if arguments is None or not isinstance(model, nn.Module) or not layout_hooks(model):
+        return wrapped(*args, **kwargs)
+    target = Path(os.fspath(arguments["save_directory"]))
+    if target.is_file():
+        return wrapped(*args, **kwargs)  # accelerate logs its own error and writes nothing
+    check_quantized_save(model)
+    with _staging(target) as staging:
+        with original_layout_state(model):
+            result = wrapped(**{**arguments, "save_directory": staging})
+        stranded = fused_names_written(model, staging)
+        if stranded:
+            raise ConversionError(
+                f"Accelerator.save_model would write {len(stranded)} tensors under the "
+                f"swapped layers' own names ({stranded[0]!r} first), which plain "
+                f"transformers does not load; nothing was written to {str(target)!r}"
+            )
+        if any(staging.iterdir()):  # a process that writes nothing (not the main one)
+            _move(staging, target)
+    return result
+
+
 #: (target, advice) armed while a swapped model exists
-ADVICE = ((hf_internals.SAVE_PRETRAINED_TARGET, _save_checked),)
+ADVICE = (
+    (hf_internals.SAVE_PRETRAINED_TARGET, _save_checked),
+    ("accelerate.accelerator:Accelerator.save_model", _save_model_checked),
+)

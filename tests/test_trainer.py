@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 import layerswap
+from layerswap.errors import ConversionError
 
 STEPS = 4
 
@@ -210,3 +211,64 @@ def test_lora_on_a_swapped_model_checkpoints_resumes_and_ships_to_plain_transfor
         torch.testing.assert_close(
             plain.eval()(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=0
         )
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_accelerate_save_model_writes_the_original_layout(tmp_path: Path, safe: bool) -> None:
+    """``Accelerator.save_model`` exports a model for plain transformers; it wrote a swapped
+    model's ``state_dict()`` as it is (``qkv_proj``, ``gate_up_proj``). Now it writes the
+    original's names and values, sharded or not, over an earlier save's shards, and plain
+    transformers loads it whole; the swapped model stays as it was."""
+    from accelerate import Accelerator
+
+    original = tiny_model("qwen3", num_hidden_layers=2).eval()
+    expected = original.state_dict()
+    swapped = tiny_model("qwen3", num_hidden_layers=2).eval()
+    swapped.load_state_dict(expected)
+    layerswap.swap(swapped, backend="fused")
+    before = {k: v.clone() for k, v in swapped.state_dict().items()}
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(swapped)
+    target = tmp_path / "exported"
+    accelerator.save_model(prepared, target, max_shard_size="200KB", safe_serialization=safe)
+    stale = target / (
+        "model-00009-of-00099.safetensors" if safe else "pytorch_model-00009-of-00099.bin"
+    )
+    stale.write_bytes(b"")  # as an earlier, larger save left it
+    accelerator.save_model(prepared, target, max_shard_size="200KB", safe_serialization=safe)
+    assert not stale.exists()
+    written: dict[str, torch.Tensor] = {}
+    files = sorted(target.glob("*.safetensors" if safe else "*.bin"))
+    assert len(files) > 1  # sharded
+    for path in files:
+        written.update(load_file(path) if safe else torch.load(path, weights_only=True))
+    assert set(written) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(written[key], value), key
+    plain = tiny_model("qwen3", num_hidden_layers=2).eval()
+    plain.load_state_dict(written, strict=True)
+    ids = _Tokens(512).ids[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, original(ids).logits, atol=0, rtol=0)
+    after = swapped.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_accelerate_save_model_that_would_write_fused_names_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state gathered past the layers' own ``state_dict`` (DeepSpeed ZeRO-3's
+    consolidated one) keeps the swapped layout: refused, with the target untouched."""
+    from accelerate import Accelerator
+
+    swapped = _swapped("llama").eval()
+    accelerator = Accelerator(cpu=True)
+    gathered = {k: v.clone() for k, v in swapped.state_dict().items()}
+    monkeypatch.setattr(Accelerator, "get_state_dict", lambda self, model, unwrap=True: gathered)
+    target = tmp_path / "exported"
+    target.mkdir()
+    (target / "README.md").write_text("kept")
+    with pytest.raises(ConversionError, match=r"save_model would write .*gate_up_proj"):
+        accelerator.save_model(swapped, target)
+    assert [p.name for p in target.iterdir()] == ["README.md"]
+    assert [p.name for p in tmp_path.iterdir()] == ["exported"]  # no staging left
