@@ -272,3 +272,30 @@ def test_accelerate_save_model_that_would_write_fused_names_writes_nothing(
         accelerator.save_model(swapped, target)
     assert [p.name for p in target.iterdir()] == ["README.md"]
     assert [p.name for p in tmp_path.iterdir()] == ["exported"]  # no staging left
+
+
+def test_other_savers_write_the_original_layout_inside_original_layout_state(
+    tmp_path: Path,
+) -> None:
+    """safetensors' ``save_model`` and huggingface_hub's ``save_torch_model`` take
+    ``state_dict()`` as it is (the swapped layout); inside ``original_layout_state`` they
+    write the original's names and values, and after it ``state_dict()`` is as before."""
+    from huggingface_hub import save_torch_model
+    from safetensors.torch import save_model
+
+    from layerswap.saving import original_layout_state
+
+    expected = tiny_model("llama", num_hidden_layers=2).state_dict()
+    swapped = _swapped("llama")
+    swapped.load_state_dict(expected)
+    before = set(swapped.state_dict())
+    assert before != set(expected)
+    (tmp_path / "hub").mkdir()
+    with original_layout_state(swapped):
+        save_model(swapped, str(tmp_path / "model.safetensors"))
+        save_torch_model(swapped, tmp_path / "hub")
+    for path in (tmp_path / "model.safetensors", tmp_path / "hub" / "model.safetensors"):
+        written = load_file(path)
+        assert set(written) == set(expected)
+        assert all(torch.equal(written[k], v) for k, v in expected.items())
+    assert set(swapped.state_dict()) == before
