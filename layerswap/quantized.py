@@ -45,7 +45,7 @@ from torch import nn
 
 from layerswap import hf_internals
 from layerswap.errors import ConversionError, RequirementError
-from layerswap.state import fused_modules, layout_hooks
+from layerswap.state import fused_modules, layer_state_hooks
 from layerswap.weights import row_concats
 
 __all__ = [
@@ -195,17 +195,8 @@ def original_layout_state(model: nn.Module) -> Iterator[None]:
         yield
         return
     layout = _layout(hf_quantizer)
-    handles = [
-        layer.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-            _SplitFused(layout, hook.substitution, hook.config)
-        )
-        for _, layer, hook in layout_hooks(model)
-    ]
-    try:
+    with layer_state_hooks(model, lambda hook: _SplitFused(layout, hook.substitution, hook.config)):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class _SplitFused:

@@ -57,7 +57,7 @@ from layerswap import hf_internals
 from layerswap.errors import ConversionError
 from layerswap.quantized import check_quantized_save
 from layerswap.quantized import original_layout_state as quantized_original_layout
-from layerswap.state import fused_modules, layout_hooks
+from layerswap.state import fused_modules, layer_state_hooks, layout_hooks
 from layerswap.weights import is_extra_state
 
 __all__ = ["ADVICE", "fused_names", "fused_names_written", "original_layout_state"]
@@ -136,17 +136,8 @@ def original_layout_state(model: nn.Module) -> Iterator[None]:
         with quantized_original_layout(model):
             yield
         return
-    handles = [
-        layer.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-            _ToOriginal(hook.substitution, hook.config)
-        )
-        for _, layer, hook in layout_hooks(model)
-    ]
-    try:
+    with layer_state_hooks(model, lambda hook: _ToOriginal(hook.substitution, hook.config)):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class _ToOriginal:
@@ -215,6 +206,17 @@ def _move(staging: Path, target: Path) -> None:
             old.unlink()
 
 
+def _refuse_fused_names(model: nn.Module, staging: Path, target: Path, saver: str) -> None:
+    """Raise where ``saver`` wrote a name of the swapped layers' layout into ``staging``."""
+    stranded = fused_names_written(model, staging)
+    if stranded:
+        raise ConversionError(
+            f"{saver} would write {len(stranded)} tensors under the swapped layers' own "
+            f"names ({stranded[0]!r} first), which plain transformers does not load; "
+            f"nothing was written to {str(target)!r}"
+        )
+
+
 def _save_checked(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -229,13 +231,7 @@ def _save_checked(
     with _staging(target) as staging:
         with quantized_original_layout(instance):
             result = wrapped(**{**arguments, "save_directory": staging, "push_to_hub": False})
-        stranded = fused_names_written(instance, staging)
-        if stranded:
-            raise ConversionError(
-                f"save_pretrained would write {len(stranded)} tensors under the swapped "
-                f"layers' own names ({stranded[0]!r} first), which plain transformers does "
-                f"not load; nothing was written to {str(target)!r}"
-            )
+        _refuse_fused_names(instance, staging, target, "save_pretrained")
         if arguments.get("push_to_hub"):
             with quantized_original_layout(instance):
                 return wrapped(*args, **kwargs)  # the save just checked, now as asked
@@ -261,13 +257,7 @@ def _save_model_checked(
     with _staging(target) as staging:
         with original_layout_state(model):
             result = wrapped(**{**arguments, "save_directory": staging})
-        stranded = fused_names_written(model, staging)
-        if stranded:
-            raise ConversionError(
-                f"Accelerator.save_model would write {len(stranded)} tensors under the "
-                f"swapped layers' own names ({stranded[0]!r} first), which plain "
-                f"transformers does not load; nothing was written to {str(target)!r}"
-            )
+        _refuse_fused_names(model, staging, target, "Accelerator.save_model")
         if any(staging.iterdir()):  # a process that writes nothing (not the main one)
             _move(staging, target)
     return result

@@ -30,7 +30,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +51,7 @@ __all__ = [
     "fused_modules",
     "install_load_hook",
     "is_own",
+    "layer_state_hooks",
     "layout_hooks",
 ]
 
@@ -102,6 +104,29 @@ def layout_hooks(model: nn.Module) -> list[tuple[str, nn.Module, LayoutLoadHook]
                 found.append((name, module, hook))
                 break
     return found
+
+
+@contextlib.contextmanager
+def layer_state_hooks(
+    model: nn.Module, make: Callable[[LayoutLoadHook], Callable[..., None]]
+) -> Iterator[None]:
+    """While inside, each replacement layer of ``model`` (:func:`layout_hooks`) carries
+    the ``state_dict`` post-hook ``make(its load hook)``; on leaving, none does.
+
+    Example::
+
+        with layer_state_hooks(model, lambda hook: ToOriginal(hook.substitution, hook.config)):
+            model.state_dict()
+    """
+    handles = [
+        layer.register_state_dict_post_hook(make(hook))  # type: ignore[no-untyped-call]
+        for _, layer, hook in layout_hooks(model)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def install_load_hook(
