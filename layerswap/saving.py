@@ -26,10 +26,14 @@ writes ``model.state_dict()`` as it is: on swapped layers, their own layout. It 
 under the same kind of advice: each swapped layer answers ``state_dict`` in the original
 layout while it saves (:func:`original_layout_state`: the converter's ``to_original``, or
 the quantized split), into a staging directory, and the names written (safetensors or
-``.bin``) are checked the same way before the files move into the target. A state it
-gathers elsewhere (DeepSpeed ZeRO-3's consolidated state dict) is refused by that check,
-and writes nothing. ``save_state`` (a checkpoint to resume from) keeps the swapped layout:
-``load_state`` reads either.
+``.bin``) are checked the same way before the files move into the target. A model sharded
+by FSDP is refused first (FSDP's own state-dict hooks expect the swapped names); a state
+gathered past the layers' ``state_dict`` (DeepSpeed ZeRO-3's consolidated one, an
+offloaded model's) is refused by the check. Either writes nothing. ``save_state`` (a
+checkpoint to resume from) keeps the swapped layout: ``load_state`` reads either.
+
+The staging directory is made inside the target, so the files move on one filesystem;
+saves of models whose layers are hooked wait for each other.
 
 Example::
 
@@ -46,6 +50,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -62,7 +67,13 @@ from layerswap.weights import is_extra_state
 
 __all__ = ["ADVICE", "fused_names", "fused_names_written", "original_layout_state"]
 
+#: held while a save hooks a model's layers (:func:`original_layout_state`), and the ids of
+#: the models hooked
+_SAVING = threading.RLock()
+_HOOKED: set[int] = set()
+
 _SHARD = re.compile(r"(.*?)-\d{5}-of-\d{5}\.(safetensors|bin)")
+_SUFFIX = re.compile(r"\.(safetensors|bin)$")
 
 
 def fused_names(model: nn.Module, names: Iterable[str]) -> list[str]:
@@ -127,17 +138,32 @@ def original_layout_state(model: nn.Module) -> Iterator[None]:
     copied into a storage of its own (savers take slices of one storage for tied weights
     and drop them), and the replacement's extra state (TransformerEngine's) left out.
 
+    The hooks sit on the model's own layers, so saves in other threads wait for this one
+    (layerswap's save advice holds the same lock), and a ``state_dict()`` another thread
+    takes meanwhile is in the original layout too, its split tensors copies.
+
     Example::
 
         with original_layout_state(model):
             model.state_dict()            # q_proj, k_proj, ... as the original's
     """
-    if hf_internals.quantizer_of(model) is not None:
-        with quantized_original_layout(model):
+    with _SAVING:
+        if id(model) in _HOOKED:  # inside a save of it already: hooked once
             yield
-        return
-    with layer_state_hooks(model, lambda hook: _ToOriginal(hook.substitution, hook.config)):
-        yield
+            return
+        _HOOKED.add(id(model))
+        try:
+            if hf_internals.quantizer_of(model) is not None:
+                with quantized_original_layout(model):
+                    yield
+            else:
+                hooks = layer_state_hooks(
+                    model, lambda hook: _ToOriginal(hook.substitution, hook.config)
+                )
+                with hooks:
+                    yield
+        finally:
+            _HOOKED.discard(id(model))
 
 
 class _ToOriginal:
@@ -181,14 +207,23 @@ def _bind(wrapped: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any]
 
 @contextlib.contextmanager
 def _staging(target: Path) -> Iterator[Path]:
-    parent = target.absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=parent))
+    """A directory for a save into ``target``, made inside it: on the filesystem the files
+    will stay on (a target that is a mount point, or a link to another filesystem, too).
+    Removed on leaving, and ``target`` with it where the save made it and failed."""
+    made = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".layerswap-partial-", dir=target))
     umask = os.umask(0)
     os.umask(umask)
     staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would become the saved files' directory mode
     try:
         yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if made:
+            with contextlib.suppress(OSError):
+                target.rmdir()  # only if nothing else came into it meanwhile
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -197,7 +232,7 @@ def _move(staging: Path, target: Path) -> None:
     """The staged files into ``target``; its shards from an earlier save not rewritten go."""
     target.mkdir(parents=True, exist_ok=True)
     written = {path.name for path in staging.iterdir()}
-    stems = {_SHARD.sub(r"\1", name).removesuffix(".safetensors") for name in written}
+    stems = {_SUFFIX.sub("", _SHARD.sub(r"\1", name)) for name in written}
     for name in written:
         os.replace(staging / name, target / name)
     for old in target.iterdir():
@@ -228,7 +263,7 @@ def _save_checked(
     if target.is_file():
         return wrapped(*args, **kwargs)  # transformers logs its own error and writes nothing
     check_quantized_save(instance)
-    with _staging(target) as staging:
+    with _SAVING, _staging(target) as staging:
         with quantized_original_layout(instance):
             result = wrapped(**{**arguments, "save_directory": staging, "push_to_hub": False})
         _refuse_fused_names(instance, staging, target, "save_pretrained")
@@ -253,6 +288,13 @@ def _save_model_checked(
     target = Path(os.fspath(arguments["save_directory"]))
     if target.is_file():
         return wrapped(*args, **kwargs)  # accelerate logs its own error and writes nothing
+    if _sharded_by_fsdp(arguments["model"]):
+        raise ConversionError(
+            "Accelerator.save_model of a swapped model sharded by FSDP: FSDP gathers its "
+            "state past the swapped layers' own state_dict, so the file would hold their "
+            "layout, which plain transformers does not load; nothing was written to "
+            f"{str(target)!r}. Save with save_pretrained, or undo() the swap first"
+        )
     check_quantized_save(model)
     with _staging(target) as staging:
         with original_layout_state(model):
@@ -261,6 +303,16 @@ def _save_model_checked(
         if any(staging.iterdir()):  # a process that writes nothing (not the main one)
             _move(staging, target)
     return result
+
+
+def _sharded_by_fsdp(model: nn.Module) -> bool:
+    """Whether a module of ``model`` is sharded by FSDP (``FullyShardedDataParallel`` or
+    ``fully_shard``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 #: (target, advice) armed while a swapped model exists

@@ -7,11 +7,14 @@ resumed run is the uninterrupted run, loss for loss and weight for weight.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fresh import run_json
 from models import tiny_model
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, Trainer, TrainingArguments
@@ -299,3 +302,98 @@ def test_other_savers_write_the_original_layout_inside_original_layout_state(
         assert set(written) == set(expected)
         assert all(torch.equal(written[k], v) for k, v in expected.items())
     assert set(swapped.state_dict()) == before
+
+
+def test_accelerate_save_model_of_a_model_sharded_by_fsdp_is_refused(tmp_path: Path) -> None:
+    """FSDP's own state-dict hooks expect the swapped layers' names: a save of a swapped
+    model sharded by ``fully_shard`` failed inside torch with an AttributeError. It is
+    refused first, naming FSDP, and writes nothing."""
+    code = f"""
+        import json, os, socket
+        import torch.distributed as dist
+        from accelerate import Accelerator
+        from torch.distributed.fsdp import fully_shard
+        import layerswap
+        from layerswap.errors import ConversionError
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+        model = layerswap.get_family("llama").build(seed=0)
+        layerswap.swap(model, "llama.decoder.fused")
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        target = os.path.join({str(tmp_path)!r}, "out")
+        try:
+            Accelerator(cpu=True).save_model(model, target)
+            found = ["saved", sorted(os.listdir(target))]
+        except ConversionError as exc:
+            found = [str(exc), os.path.exists(target)]
+        dist.destroy_process_group()
+        print(json.dumps(found))
+    """
+    message, exists = run_json(code, tmp_path / "cache")
+    assert "sharded by FSDP" in message and "nothing was written" in message
+    assert exists is False
+
+
+def test_accelerate_save_model_of_one_model_in_two_threads_and_nested(tmp_path: Path) -> None:
+    """The original-layout hooks sit on the model's own layers: two saves of one model at
+    once failed ("tensor 'self_attn.qkv_proj.weight' is missing"), and so did a save
+    inside ``original_layout_state``. Both now write the original layout."""
+    import threading
+
+    from accelerate import Accelerator
+
+    from layerswap.saving import original_layout_state
+
+    expected = set(tiny_model("llama", num_hidden_layers=2).state_dict())
+    swapped = _swapped("llama")
+    accelerator = Accelerator(cpu=True)
+    errors: list[BaseException] = []
+
+    def save(name: str) -> None:
+        try:
+            for _ in range(3):
+                accelerator.save_model(swapped, tmp_path / name)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(f"t{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    with original_layout_state(swapped):
+        accelerator.save_model(swapped, tmp_path / "nested")
+    for name in ("t0", "t1", "nested"):
+        assert set(load_file(tmp_path / name / "model.safetensors")) == expected
+
+
+def test_a_save_into_a_target_on_another_filesystem_and_stale_bin_shards(tmp_path: Path) -> None:
+    """The staging directory sat beside the target: a target linked to another filesystem
+    failed to move ("Invalid cross-device link"); it is now made inside the target. An
+    unsharded ``.bin`` save removes an earlier save's ``.bin`` shards, as accelerate does."""
+    from accelerate import Accelerator
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    swapped = _swapped("llama")
+    accelerator = Accelerator(cpu=True)
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        (tmp_path / "out").symlink_to(elsewhere)
+        accelerator.save_model(swapped, tmp_path / "out")
+        swapped.save_pretrained(tmp_path / "out")
+        assert (elsewhere / "model.safetensors").is_file()
+    finally:
+        shutil.rmtree(elsewhere)
+    target = tmp_path / "bins"
+    accelerator.save_model(swapped, target, max_shard_size="200KB", safe_serialization=False)
+    assert len(list(target.glob("pytorch_model-*.bin"))) > 1
+    accelerator.save_model(swapped, target, safe_serialization=False)
+    assert (target / "pytorch_model.bin").is_file()
+    assert not list(target.glob("pytorch_model-*.bin"))
