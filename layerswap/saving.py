@@ -8,7 +8,7 @@ runs under around-advice that:
 
 - refuses first a quantized model whose fused tensors do not split back
   (:func:`layerswap.quantized.check_quantized_save`);
-- saves into a temporary directory beside the target, with quantized layers answering
+- saves into a temporary directory inside the target, with quantized layers answering
   ``state_dict`` in the original layout (:func:`layerswap.quantized.original_layout_state`);
 - reads back the names written and raises :class:`~layerswap.errors.ConversionError`
   on a name of the replacement's layout (:func:`fused_names_written`), leaving the
