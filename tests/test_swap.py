@@ -320,3 +320,47 @@ def test_an_accelerate_hook_on_a_layer_runs_the_replacement_layer() -> None:
             got = model(ids).logits
     assert Counting.calls == len(model.model.layers)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+_EDITS = {
+    # LLM2Vec-style: a decoder made to attend both ways on its attention modules
+    "is_causal": (
+        lambda layer: setattr(layer.self_attn, "is_causal", False),
+        r"self_attn\.is_causal is False on the layer, where its config builds True",
+    ),
+    "scaling": (
+        lambda layer: setattr(layer.self_attn, "scaling", 0.1),
+        r"self_attn\.scaling is 0\.1 on the layer",
+    ),
+    "epsilon": (
+        lambda layer: setattr(layer.input_layernorm, "variance_epsilon", 0.1),
+        r"input_layernorm\.variance_epsilon is 0\.1",
+    ),
+    "module": (
+        lambda layer: setattr(layer.mlp, "act_fn", torch.nn.GELU()),
+        r"mlp\.act_fn is a GELU, where its config builds a SiLUActivation",
+    ),
+    "forward": (
+        lambda layer: setattr(layer.mlp, "forward", lambda x: x),
+        r"mlp has a forward set on the instance",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_EDITS))
+def test_a_layer_changed_since_its_config_built_it_is_refused(edit: str) -> None:
+    """The replacement is built from the config and the original's classes, and the
+    first-use proof too: a change made on a layer object was dropped without a word (the
+    swapped model computed something else: ``is_causal=False`` 0.94 apart in the logits).
+    It is refused, naming the layer and the change, with the model untouched; the same
+    model without the change swaps."""
+    change, said = _EDITS[edit]
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    change(model.model.layers[1])
+    before = _snapshot(model)
+    with pytest.raises(SubstitutionError, match=rf"layer 'model\.layers\.1': {said}"):
+        layerswap.swap(model, "llama.decoder.fused")
+    _assert_untouched(model, before)
+    plain = tiny_model("llama", num_hidden_layers=2).eval()
+    with layerswap.swap(plain, "llama.decoder.fused"):
+        assert isinstance(plain.model.layers[1], fused.FusedDecoderLayer)

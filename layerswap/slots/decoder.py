@@ -39,6 +39,7 @@ from layerswap.errors import (
     UnknownSubstitutionError,
 )
 from layerswap.handle import SwapHandle
+from layerswap.layer_edits import layer_edit
 from layerswap.layers import convert_back, convert_layer, layer_index, normal_tensors
 from layerswap.loading import (
     adopt_constructed,
@@ -48,6 +49,7 @@ from layerswap.loading import (
 )
 from layerswap.model import (
     decoder_layers,
+    layer_config,
     locate,
     pretrained_ancestors,
     pretrained_owner,
@@ -362,6 +364,33 @@ def _refuse_unswappable(
             )
     if not layers:
         raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
+    _refuse_edited(layers, sub, original_cls, getattr(target, "config", None))
+
+
+def _refuse_edited(
+    layers: list[tuple[str, nn.Module]],
+    sub: Substitution,
+    original_cls: type[nn.Module],
+    config: Any,
+) -> None:
+    """Raise at the first layer changed since its config built it, saying what changed
+    (:mod:`layerswap.layer_edits`)."""
+    if config is None:
+        return
+    text = layer_config(config)
+    for position, (name, layer) in enumerate(layers):
+        try:
+            with torch.device("meta"):
+                built = original_cls(text, layer_index(layer, position))
+        except Exception:  # a class that builds elsewhere only: not read
+            continue
+        what = layer_edit(layer, built)
+        if what is not None:
+            raise SubstitutionError(
+                f"layer {name!r}: {what}; {sub.name} builds each layer anew from the config "
+                "and the original's classes (the first-use proof too), so it would drop "
+                "that change: set it in the config, or keep the original layers"
+            )
 
 
 class DecoderSlot(Slot):
