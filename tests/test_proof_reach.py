@@ -651,6 +651,50 @@ def test_a_model_run_under_autocast_is_proven_under_autocast_before_it_runs(proo
     assert autocasts.count("bfloat16") == 1, autocasts
 
 
+def test_accelerates_mixed_precision_is_proven_under_its_autocast(proofs: Path) -> None:
+    """accelerate's ``mixed_precision="bf16"`` (Trainer's ``bf16=True``) wraps the model's
+    ``forward`` in ``torch.autocast``, inside the hook on the model: the autocast run was
+    never proven, and a replacement 10% off there ran. The check on the base model sees
+    it: refused before the pass; a correct replacement runs, proven under autocast."""
+    from accelerate import Accelerator
+
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    model = tiny_llama()
+    layerswap.swap(model, _wrong_under_autocast())
+    prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
+    with pytest.raises(UpstreamDriftError, match="under autocast to bfloat16"):
+        prepared(**batch)
+    right = tiny_llama()
+    with layerswap.swap(right, "llama.decoder.fused"):
+        Accelerator(cpu=True, mixed_precision="bf16").prepare(right)(**batch)
+    autocasts = [
+        v.autocast for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"
+    ]
+    assert autocasts.count("bfloat16") == 1, autocasts
+
+
+def test_the_base_model_cast_or_run_alone_is_proven_where_it_computes(proofs: Path) -> None:
+    """The guard's hook sat on the swapped model alone: its base model cast on its own
+    (``model.model.to(torch.bfloat16)``) or run on its own under autocast ran unproven.
+    Both are proven (and refused here) before the pass; undone, no hook is left."""
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    model = tiny_llama()
+    handle = layerswap.swap(model, _wrong_under_autocast())
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(UpstreamDriftError, match="under autocast to bfloat16"),
+    ):
+        model.model(**batch)
+    model.model(**batch)  # outside autocast: as proven
+    handle.undo()
+    assert not model._forward_pre_hooks and not model.model._forward_pre_hooks
+    model = tiny_llama()
+    with layerswap.swap(model, _wrong_in_bfloat16()):
+        model.model.to(torch.bfloat16)
+        with pytest.raises(UpstreamDriftError, match="forward in bfloat16 differs"):
+            model.model(**batch)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_model_run_under_autocast_is_proven_under_cuda_autocast(proofs: Path) -> None:
