@@ -364,7 +364,6 @@ def _refuse_unswappable(
             )
     if not layers:
         raise SubstitutionError(f"no {original_cls.__name__} found in {type(target).__name__}")
-    _refuse_edited(layers, sub, original_cls, getattr(target, "config", None))
 
 
 def _refuse_edited(
@@ -413,6 +412,7 @@ class DecoderSlot(Slot):
         _refuse_unswappable(target, layers, sub, original_cls)
         # before any layer changes: a drifted contract refuses here
         self.prepare(sub, config, Placement.of(target))
+        _refuse_edited(layers, sub, original_cls, config)
         names = [name for name, _ in layers]
         records: list[_LayerRecord] = []
         changes = UndoLog()
