@@ -49,7 +49,11 @@ import torch
 from torch import nn
 
 from layerswap.errors import LayerswapError
-from layerswap.hf_internals import attention_implementation, text_config_object
+from layerswap.hf_internals import (
+    attention_function,
+    attention_implementation,
+    text_config_object,
+)
 from layerswap.placement import COMPUTE_DTYPES, Placement, autocast_dtype
 
 if TYPE_CHECKING:
@@ -60,9 +64,11 @@ if TYPE_CHECKING:
 __all__ = ["guard"]
 
 #: (dtype, device) of a model's first floating-point weight, the dtype torch.autocast
-#: runs it in there (``None``: off), and the attention implementation its text config
-#: selects (:func:`~layerswap.hf_internals.attention_implementation`)
-Probe = tuple[torch.dtype, torch.device, "torch.dtype | None", Any]
+#: runs it in there (``None``: off), the attention implementation its text config
+#: selects (:func:`~layerswap.hf_internals.attention_implementation`), and the function
+#: transformers dispatches that name to (:func:`~layerswap.hf_internals.attention_function`:
+#: another registered under it since is other code)
+Probe = tuple[torch.dtype, torch.device, "torch.dtype | None", Any, Any]
 
 _LOCK = threading.RLock()
 
@@ -93,7 +99,7 @@ def _probe(model: nn.Module, state: _Guard) -> Probe | None:
         if param.dtype in COMPUTE_DTYPES:
             device = param.device
             chosen = None if state.text is None else attention_implementation(state.text)
-            return param.dtype, device, autocast_dtype(device), chosen
+            return param.dtype, device, autocast_dtype(device), chosen, attention_function(chosen)
     return None
 
 

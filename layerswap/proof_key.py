@@ -22,6 +22,7 @@ import torch
 
 from layerswap import sources, verdicts
 from layerswap.comparison.placement import dtype_name
+from layerswap.hf_internals import attention_function, attention_implementation
 from layerswap.model import layer_config
 from layerswap.placement import LOW_PRECISION
 from layerswap.shrink import config_kind
@@ -74,7 +75,13 @@ def proof_keys(
     live = _live_replacement(sub)
     # another device runs other kernels (SDPA's, a backend's)
     where = (device or proof_device(sub)).type
-    kind = "family" if config is None else config_kind(layer_config(config))
+    text = None if config is None else layer_config(config)
+    kind = "family" if text is None else config_kind(text)
+    # the functions transformers dispatches attention to: one registered under "sdpa"
+    # (or the config's own implementation) since is other code
+    chosen = None if text is None else attention_implementation(text)
+    names = ["sdpa", *([chosen] if isinstance(chosen, str) and chosen != "sdpa" else [])]
+    dispatched = {name: attention_function(name) for name in names}
     parts = {
         **verdicts.versions(),
         # transformers' code, and a plugin's or the user's own layer's, as it is here
@@ -84,6 +91,11 @@ def proof_keys(
         # two converters under one name map the weights two ways
         "converter": _ADDRESS.sub("", repr(converter)),
         "device": where,
+        "attention_functions": {
+            name: sources.function_digest(function)
+            for name, function in dispatched.items()
+            if function is not None
+        },
     }
     if dtype in LOW_PRECISION:
         parts["dtype"] = dtype_name(dtype)

@@ -292,6 +292,26 @@ def _read_class(cls: type) -> bytes:
     return b"".join(found)
 
 
+def function_digest(function: Any) -> str:
+    """Where ``function``'s code was written (file, line, name, through what it wraps),
+    and outside transformers and layerswap (whose files are digested already) the digest
+    of its module's code: another function, or the same one edited, gives another.
+
+    Example::
+
+        function_digest(sdpa_attention_forward)
+        # 'transformers/integrations/sdpa_attention.py:67:sdpa_attention_forward'
+    """
+    written = _written(function)
+    module = getattr(function, "__module__", None) or ""
+    if module.split(".")[0] in ("transformers", "layerswap") or not module:
+        return written
+    try:
+        return f"{written}@{code_digest(module)}"
+    except Exception:  # a module that cannot be read (made at run time): where it was written
+        return written
+
+
 def _written(function: Any) -> str:
     """Where ``function``'s code (and that of what it wraps) was written."""
     found = []

@@ -1384,3 +1384,32 @@ def test_the_proofs_prompts_hold_no_media_token_and_are_the_same_whatever_the_rn
     assert set(ids.tolist()) & (media - {3, 4, 5, 10})  # the other ids are drawn
     assert torch.equal(first["input_ids"], again["input_ids"])
     assert first["attention_mask"][1, :3].sum() == 0 and first["attention_mask"][0].all()
+
+
+def test_another_function_registered_as_sdpa_is_proven_before_it_runs(proofs: Path) -> None:
+    """The verdict named the attention implementation, not the function transformers
+    dispatches it to: a function registered under ``"sdpa"`` since (a user's or another
+    library's kernel, computing otherwise) ran beside a replacement proven on
+    transformers' own, from the verdict in memory and on disk. It is other code now: a
+    swap after the registration proves it (refused here), and so does the next pass of a
+    model swapped before it; with transformers' own back, the model runs again."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rescaled(module: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["scaling"] = 2.0 * (kwargs.get("scaling") or module.scaling)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    swapped = tiny_llama()
+    layerswap.swap(swapped, "llama.decoder.fused")
+    swapped(**batch)
+    try:
+        AttentionInterface.register("sdpa", rescaled)
+        with pytest.raises(UpstreamDriftError, match="differs"):
+            swapped(**batch)
+        with pytest.raises(UpstreamDriftError, match="differs"):
+            layerswap.swap(tiny_llama(), "llama.decoder.fused")
+    finally:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
+    swapped(**batch)

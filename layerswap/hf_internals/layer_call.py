@@ -8,6 +8,7 @@ every touch point is named.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -270,6 +271,23 @@ def attention_implementation(config: Any) -> Any:
     if ATTENTION_FIELD in held:
         return held[ATTENTION_FIELD]
     return getattr(config, "_attn_implementation", None)
+
+
+def attention_function(name: Any) -> Any:
+    """The function transformers' ``ALL_ATTENTION_FUNCTIONS`` dispatches the attention
+    implementation ``name`` to (``"sdpa"``: ``sdpa_attention_forward``, or what was
+    registered under that name since: ``AttentionInterface.register``); ``None`` for a
+    name it holds no function for (``"eager"``: the modeling module's own), or before
+    ``transformers.modeling_utils`` is imported. A dictionary lookup: the placement guard
+    asks it at every forward pass."""
+    module = sys.modules.get("transformers.modeling_utils")
+    functions = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
+    if functions is None or not isinstance(name, str):
+        return None
+    try:
+        return functions.get(name)
+    except Exception:  # a mapping of another shape on another release
+        return None
 
 
 def torch_dtype_of(config: Any) -> torch.dtype | None:
