@@ -17,7 +17,8 @@ quantizer's, not a change), and the plain values (numbers, strings, booleans, tu
 checkpointing's switch, private attributes (``_hf_hook``...), an attribute the built module
 does not have, and a rotary embedding's cache of the longest sequence seen. A ``forward``
 set on the instance is accelerate's where the module holds its ``_hf_hook`` (the swap
-carries that hook over).
+carries that hook over), and the class's own where it is that bound to the module (what
+removing accelerate's hooks leaves).
 
 Example::
 
@@ -60,7 +61,7 @@ def layer_edit(layer: nn.Module, built: nn.Module) -> str | None:
                 f"{where} is a {type(module).__name__}, where its config builds a "
                 f"{type(own).__name__}"
             )
-        if "forward" in vars(module) and getattr(module, "_hf_hook", None) is None:
+        if _own_forward(module):
             return f"{where} has a forward set on the instance"
         changed = _changed_value(module, own)
         if changed is not None:
@@ -71,6 +72,17 @@ def layer_edit(layer: nn.Module, built: nn.Module) -> str | None:
         name = next(iter(fresh))
         return f"{name} ({type(fresh[name]).__name__}) was removed from the layer"
     return None
+
+
+def _own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` holds a ``forward`` of its own: not accelerate's (it holds the
+    module's ``_hf_hook``), nor its class's bound to it (what removing accelerate's hooks
+    leaves behind, as PEFT's loading does)."""
+    forward = vars(module).get("forward")
+    if forward is None or getattr(module, "_hf_hook", None) is not None:
+        return False
+    bound = getattr(forward, "__func__", None) is getattr(type(module), "forward", None)
+    return not (bound and getattr(forward, "__self__", None) is module)
 
 
 def _changed_value(module: nn.Module, built: nn.Module) -> tuple[str, Any, Any] | None:
