@@ -155,8 +155,8 @@ class _InnerCheck:
 
     __slots__ = ("_model",)
 
-    def __init__(self, model: nn.Module) -> None:
-        self._model = weakref.ref(model)
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._model: Callable[[], nn.Module | None] = _gone if model is None else weakref.ref(model)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -171,7 +171,13 @@ class _InnerCheck:
         return _InnerCheck(copied) if copied is not None else self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_InnerCheck, (self._model(),))
+        # not the model: a base model pickled alone would carry the whole model (its
+        # head too), or nothing to load once the model is gone; unpickled, it checks nothing
+        return (_InnerCheck, ())
+
+
+def _gone() -> None:
+    return None
 
 
 class _GuardedApply:
