@@ -29,6 +29,7 @@ import functools
 import hashlib
 import importlib.util
 import operator
+import re
 import sys
 import uuid
 import weakref
@@ -302,6 +303,15 @@ def function_digest(function: Any) -> str:
         function_digest(sdpa_attention_forward)
         # 'transformers/integrations/sdpa_attention.py:67:sdpa_attention_forward'
     """
+    if isinstance(function, functools.partial):  # what it calls, and with what
+        bound = _ADDRESS.sub("", repr((function.args, sorted(function.keywords.items()))))
+        return f"partial({function_digest(function.func)}, {bound})"
+    if not hasattr(function, "__code__") and not isinstance(function, type):
+        call = getattr(type(function), "__call__", None)  # noqa: B004 (the class's, not a test)
+        if hasattr(call, "__code__"):  # an instance of a class of one's own: its call, its state
+            held = sorted(vars(function).items()) if hasattr(function, "__dict__") else []
+            state = _ADDRESS.sub("", repr(held))
+            return f"{function_digest(call)}[{state}]"
     written = _written(function)
     module = getattr(function, "__module__", None) or ""
     if module.split(".")[0] in ("transformers", "layerswap") or not module:
@@ -338,6 +348,9 @@ def _place(filename: str) -> str:
             return "/".join(path.parts[index:])
     return filename
 
+
+#: an object's address in its ``repr``: another each run
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 #: a package with more files than this is digested by its version and the module's own file
 _PACKAGE_FILES = 300

@@ -1413,3 +1413,57 @@ def test_another_function_registered_as_sdpa_is_proven_before_it_runs(proofs: Pa
     finally:
         AttentionInterface.register("sdpa", sdpa_attention_forward)
     swapped(**batch)
+
+
+def test_a_base_model_pickled_alone_carries_no_more_than_itself(proofs: Path) -> None:
+    """The guard's hook on the base model held the model for pickling: ``torch.save`` of
+    the base model alone wrote the whole model (its head too), and failed to load once the
+    model was gone. It pickles as a hook that checks nothing."""
+    import gc
+    import io
+
+    def saved(module: torch.nn.Module) -> io.BytesIO:
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        return buffer
+
+    plain = len(saved(tiny_llama().model).getvalue())
+    model = tiny_llama()
+    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    layerswap.swap(model, "llama.decoder.fused")
+    base = model.model
+    assert len(saved(base).getvalue()) < plain + head // 2
+    del model
+    gc.collect()
+    loaded = torch.load(saved(base), weights_only=False)
+    loaded(input_ids=torch.arange(3, 11).reshape(1, 8))
+
+
+def test_attention_functions_are_digested_by_what_they_compute() -> None:
+    """Every ``functools.partial`` digested as "partial", and every instance of a class
+    by its type: a verdict proven beside one was taken for any other. A partial is
+    digested by the function it calls and its arguments, an instance by its class's call
+    and its state; equal ones alike, in any process."""
+    import functools
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def scaled(module: Any, *args: Any, factor: float = 1.0, **kwargs: Any) -> Any:
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    class Scaled:
+        def __init__(self, factor: float) -> None:
+            self.factor = factor
+
+        def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+            return sdpa_attention_forward(module, *args, **kwargs)
+
+    one, two = functools.partial(scaled, factor=1.0), functools.partial(scaled, factor=2.0)
+    assert sources.function_digest(one) != sources.function_digest(two)
+    assert sources.function_digest(one) == sources.function_digest(
+        functools.partial(scaled, factor=1.0)
+    )
+    assert sources.function_digest(Scaled(1.0)) != sources.function_digest(Scaled(2.0))
+    assert sources.function_digest(Scaled(1.0)) == sources.function_digest(Scaled(1.0))
+    assert "0x" not in sources.function_digest(functools.partial(scaled, object()))

@@ -364,3 +364,20 @@ def test_a_layer_changed_since_its_config_built_it_is_refused(edit: str) -> None
     plain = tiny_model("llama", num_hidden_layers=2).eval()
     with layerswap.swap(plain, "llama.decoder.fused"):
         assert isinstance(plain.model.layers[1], fused.FusedDecoderLayer)
+
+
+def test_a_layer_whose_accelerate_hooks_were_removed_swaps() -> None:
+    """Removing accelerate's hooks (``remove_hook_from_submodules``, as PEFT's loading of an
+    offloaded model does) leaves each module its class's ``forward`` bound on the
+    instance: no change of the layer, so the swap goes ahead, exact."""
+    from accelerate.hooks import attach_align_device_hook, remove_hook_from_submodules
+
+    model = tiny_model("llama", num_hidden_layers=2).eval()
+    attach_align_device_hook(model, execution_device="cpu")
+    remove_hook_from_submodules(model)
+    assert "forward" in vars(model.model.layers[0].self_attn.q_proj)
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        expected = model(ids).logits
+    with layerswap.swap(model, "llama.decoder.fused"), torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
