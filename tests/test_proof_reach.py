@@ -657,16 +657,22 @@ def test_accelerates_mixed_precision_is_proven_under_its_autocast(proofs: Path) 
     never proven, and a replacement 10% off there ran. The check on the base model sees
     it: refused before the pass; a correct replacement runs, proven under autocast."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
     model = tiny_llama()
     layerswap.swap(model, _wrong_under_autocast())
-    prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
-    with pytest.raises(UpstreamDriftError, match="under autocast to bfloat16"):
-        prepared(**batch)
-    right = tiny_llama()
-    with layerswap.swap(right, "llama.decoder.fused"):
-        Accelerator(cpu=True, mixed_precision="bf16").prepare(right)(**batch)
+    # accelerate's state is one per process: another test's Accelerator() set it already
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        with pytest.raises(UpstreamDriftError, match="under autocast to bfloat16"):
+            accelerator.prepare(model)(**batch)
+        right = tiny_llama()
+        with layerswap.swap(right, "llama.decoder.fused"):
+            accelerator.prepare(right)(**batch)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     autocasts = [
         v.autocast for v in proof._MEMO.values() if v.substitution == "llama.decoder.fused"
     ]
