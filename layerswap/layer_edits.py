@@ -5,7 +5,8 @@ classes, and carries over the weights (:func:`layerswap.layers.convert_layer`). 
 else set on the layer object itself is not carried over: an attribute written on a module
 of the layer (``self_attn.is_causal = False`` to make a decoder attend both ways, a
 ``scaling`` or ``variance_epsilon`` of its own), a module put in another's place
-(``mlp.act_fn = nn.GELU()``), or a ``forward`` set on the instance. The first-use proof
+(``mlp.act_fn = nn.GELU()``), a ``forward`` set on the instance, or a hook registered on
+one of its modules (those modules are not the replacement's). The first-use proof
 cannot see them either: it builds its tiny model from the config. So a swap reads each
 layer against one its config builds on the meta device and refuses, naming the first such
 change, where one would be dropped.
@@ -63,6 +64,12 @@ def layer_edit(layer: nn.Module, built: nn.Module) -> str | None:
             )
         if _own_forward(module):
             return f"{where} has a forward set on the instance"
+        hook = _own_hook(module) if name else None  # the layer's own hooks are carried over
+        if hook is not None:
+            return (
+                f"{where} holds a hook of its own ({hook}), which the replacement's new "
+                "modules would not run (register it after the swap)"
+            )
         changed = _changed_value(module, own)
         if changed is not None:
             key, value, expected = changed
@@ -83,6 +90,25 @@ def _own_forward(module: nn.Module) -> bool:
         return False
     bound = getattr(forward, "__func__", None) is getattr(type(module), "forward", None)
     return not (bound and getattr(forward, "__self__", None) is module)
+
+
+#: hook dictionaries of a module whose hooks run as it computes
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+#: packages whose hooks the swap follows itself: transformers' output capture (installed
+#: on the replacement as on the original), layerswap's own, accelerate's
+_FOLLOWED = frozenset({"transformers", "layerswap", "accelerate"})
+
+
+def _own_hook(module: nn.Module) -> str | None:
+    """The name of the first hook ``module`` runs that no followed package made."""
+    for attribute in _HOOKS:
+        for hook in getattr(module, attribute, {}).values():
+            function = getattr(hook, "func", hook)  # a partial's
+            function = getattr(function, "__func__", function)  # a bound method's
+            made = getattr(function, "__module__", None) or type(function).__module__ or ""
+            if made.split(".")[0] not in _FOLLOWED:
+                return getattr(function, "__qualname__", type(function).__qualname__)
+    return None
 
 
 def _changed_value(module: nn.Module, built: nn.Module) -> tuple[str, Any, Any] | None:

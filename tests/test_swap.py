@@ -344,7 +344,16 @@ _EDITS = {
         lambda layer: setattr(layer.mlp, "forward", lambda x: x),
         r"mlp has a forward set on the instance",
     ),
+    "hook": (
+        lambda layer: layer.self_attn.register_forward_hook(_log_attention),
+        r"self_attn holds a hook of its own \(_log_attention\), which the replacement's new "
+        r"modules would not run",
+    ),
 }
+
+
+def _log_attention(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """A user's forward hook on an attention module (an activation logger)."""
 
 
 @pytest.mark.parametrize("edit", sorted(_EDITS))
@@ -362,6 +371,8 @@ def test_a_layer_changed_since_its_config_built_it_is_refused(edit: str) -> None
         layerswap.swap(model, "llama.decoder.fused")
     _assert_untouched(model, before)
     plain = tiny_model("llama", num_hidden_layers=2).eval()
+    # transformers' own output-capture hooks (on the attentions) are followed, not changes
+    plain(tokens(plain.config.vocab_size), output_attentions=True, output_hidden_states=True)
     with layerswap.swap(plain, "llama.decoder.fused"):
         assert isinstance(plain.model.layers[1], fused.FusedDecoderLayer)
 
