@@ -6,7 +6,8 @@ else set on the layer object itself is not carried over: an attribute written on
 of the layer (``self_attn.is_causal = False`` to make a decoder attend both ways, a
 ``scaling`` or ``variance_epsilon`` of its own), a module put in another's place
 (``mlp.act_fn = nn.GELU()``), a ``forward`` set on the instance, or a hook registered on
-one of its modules (those modules are not the replacement's). The first-use proof
+one of its modules (those modules are not the replacement's), or a backward hook on the
+layer (the swap carries its forward hooks over only). The first-use proof
 cannot see them either: it builds its tiny model from the config. So a swap reads each
 layer against one its config builds on the meta device and refuses, naming the first such
 change, where one would be dropped.
@@ -64,11 +65,12 @@ def layer_edit(layer: nn.Module, built: nn.Module) -> str | None:
             )
         if _own_forward(module):
             return f"{where} has a forward set on the instance"
-        hook = _own_hook(module) if name else None  # the layer's own hooks are carried over
+        # the layer's own forward hooks are carried over to its replacement, not others
+        hook = _own_hook(module, _HOOKS if name else _BACKWARD)
         if hook is not None:
             return (
-                f"{where} holds a hook of its own ({hook}), which the replacement's new "
-                "modules would not run (register it after the swap)"
+                f"{where} holds a hook of its own ({hook}), which the replacement would not "
+                "run (remove it, and register it again after the swap)"
             )
         changed = _changed_value(module, own)
         if changed is not None:
@@ -93,20 +95,22 @@ def _own_forward(module: nn.Module) -> bool:
 
 
 #: hook dictionaries of a module whose hooks run as it computes
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-#: packages whose hooks the swap follows itself: transformers' output capture (installed
-#: on the replacement as on the original), layerswap's own, accelerate's
-_FOLLOWED = frozenset({"transformers", "layerswap", "accelerate"})
+_BACKWARD = ("_backward_pre_hooks", "_backward_hooks")
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", *_BACKWARD)
+#: modules whose hooks the swap follows itself: transformers' output capture (installed on
+#: the replacement as on the original) and layerswap's own
+_FOLLOWED = ("transformers.utils.output_capturing", "layerswap")
 
 
-def _own_hook(module: nn.Module) -> str | None:
-    """The name of the first hook ``module`` runs that no followed package made."""
-    for attribute in _HOOKS:
+def _own_hook(module: nn.Module, attributes: tuple[str, ...]) -> str | None:
+    """The name of the first hook of ``attributes`` that ``module`` runs and the swap does
+    not follow itself."""
+    for attribute in attributes:
         for hook in getattr(module, attribute, {}).values():
             function = getattr(hook, "func", hook)  # a partial's
             function = getattr(function, "__func__", function)  # a bound method's
             made = getattr(function, "__module__", None) or type(function).__module__ or ""
-            if made.split(".")[0] not in _FOLLOWED:
+            if not any(made == top or made.startswith(f"{top}.") for top in _FOLLOWED):
                 return getattr(function, "__qualname__", type(function).__qualname__)
     return None
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from models import FAMILIES, swapped_layer_count, tiny_config, tiny_model, tokens
+from transformers.debug_utils import DebugUnderflowOverflow
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
 
 import layerswap
@@ -346,10 +347,24 @@ _EDITS = {
     ),
     "hook": (
         lambda layer: layer.self_attn.register_forward_hook(_log_attention),
-        r"self_attn holds a hook of its own \(_log_attention\), which the replacement's new "
-        r"modules would not run",
+        r"self_attn holds a hook of its own \(_log_attention\), which the replacement would "
+        r"not run",
+    ),
+    # the layer's own forward hooks are carried over; its backward hooks are not
+    "backward": (
+        lambda layer: layer.register_full_backward_hook(_log_gradient),
+        r"the layer holds a hook of its own \(_log_gradient\)",
+    ),
+    # transformers' own, but not its output capture: the debugger's hooks would be lost
+    "debugger": (
+        lambda layer: layer.mlp.register_forward_hook(DebugUnderflowOverflow.forward_hook),
+        r"mlp holds a hook of its own \(DebugUnderflowOverflow\.forward_hook\)",
     ),
 }
+
+
+def _log_gradient(module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+    """A user's backward hook on a decoder layer (a gradient logger)."""
 
 
 def _log_attention(module: torch.nn.Module, args: Any, output: Any) -> None:
