@@ -49,7 +49,12 @@ import torch
 
 from layerswap import verdicts, zero3
 from layerswap.comparison.first_difference import CHECKS
-from layerswap.errors import SwapWarning, UnsupportedFamilyError, UpstreamDriftError
+from layerswap.errors import (
+    RequirementError,
+    SwapWarning,
+    UnsupportedFamilyError,
+    UpstreamDriftError,
+)
 from layerswap.placement import LOW_PRECISION, Placement
 from layerswap.proof_key import proof_device, proof_key, proof_keys
 from layerswap.proof_run import Verdict, comparing, proving, run
@@ -203,6 +208,16 @@ def ensure_proven(
     """
     if not sub.parts.slot.proves(sub) or sub.upstream is None or proving():
         return  # replace_decoder's classes take no converted weights: nothing to compare
+    device = None if placement is None else placement.device
+    if device is not None and device.type not in (*sub.devices, "cpu", "cuda"):
+        # a CPU or CUDA model is proven where the substitution runs (moved after, proven
+        # again there); on another device (mps, xpu) a verdict of the CPU's would vouch
+        # for kernels that never ran in it
+        raise RequirementError(
+            f"{sub.name} is proven on {' or '.join(sub.devices)}, where its layers run; this "
+            f"model computes on {device.type}, where no proof of it runs: swap it on "
+            f"{sub.devices[0]}, or keep the original layers"
+        )
     verdict = _verdict(sub, config, force=False, placement=placement)
     if verdict.passed:
         return

@@ -30,7 +30,7 @@ import layerswap
 from layerswap import proof, shrink, sources
 from layerswap.comparison.inputs import default_length, inputs_for
 from layerswap.comparison.judgement import proof_batch
-from layerswap.errors import SwapWarning, UpstreamDriftError
+from layerswap.errors import RequirementError, SwapWarning, UpstreamDriftError
 from layerswap.placement import Placement
 from layerswap.registry import get, get_family
 
@@ -1473,3 +1473,18 @@ def test_attention_functions_are_digested_by_what_they_compute() -> None:
     assert sources.function_digest(Scaled(1.0)) != sources.function_digest(Scaled(2.0))
     assert sources.function_digest(Scaled(1.0)) == sources.function_digest(Scaled(1.0))
     assert "0x" not in sources.function_digest(functools.partial(scaled, object()))
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu"])
+def test_a_model_on_a_device_no_proof_runs_on_is_refused(proofs: Path, device: str) -> None:
+    """A model on a device the substitution is not proven on (``mps``, ``xpu``) was proven
+    on the CPU, and that verdict taken for kernels that never ran there. It is refused,
+    naming the device; a CPU model (moved to CUDA after, proven again there) is not."""
+    from layerswap.proof import ensure_proven
+
+    sub = get("llama.decoder.fused")
+    config = tiny_llama().config
+    with pytest.raises(RequirementError, match=rf"computes on {device}, where no proof"):
+        ensure_proven(sub, config, Placement(torch.float32, torch.device(device), None))
+    assert not list(proofs.glob("*.json"))  # nothing proven, nothing stored
+    ensure_proven(sub, config, Placement(torch.float32, torch.device("cpu"), None))
