@@ -11,10 +11,10 @@ proof never ran. :func:`guard` watches the model two ways:
   wrapped on the instance): once the model is cast, each substitution is prepared where
   it now computes, and the call raises the proof's error where one fails (the model
   stays cast);
-* one forward pre-hook, on the model and again on its base model (the decoder stack,
-  which runs inside any ``torch.autocast`` the model's own ``forward`` enters, as
-  accelerate's mixed precision and Trainer's ``bf16=True`` wrap it, and runs when it is
-  called alone): while the dtype and device of its first floating-point weight,
+* one forward pre-hook, on its base model where it has one (the decoder stack, which
+  runs inside any ``torch.autocast`` the model's own ``forward`` enters, as accelerate's
+  mixed precision and Trainer's ``bf16=True`` wrap it, and runs when it is called
+  alone), else on the model: while the dtype and device of its first floating-point weight,
   the ``torch.autocast`` dtype in effect there, and the attention implementation its
   config selects are ones each substitution in effect was proven in, the hook only
   compares them (a few microseconds); when they change (a model loaded, dispatched or
@@ -76,10 +76,10 @@ _LOCK = threading.RLock()
 class _Guard:
     """The substitutions in effect on one model, each with the probes it was proven at."""
 
-    __slots__ = ("config", "entries", "handles", "text")
+    __slots__ = ("config", "entries", "handle", "text")
 
-    def __init__(self, handles: tuple[RemovableHandle, ...]) -> None:
-        self.handles = handles
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
         #: the model's config object, and its text config (never a copy: they are
         #: watched), read again where the model holds another config
         self.config: Any = None
@@ -114,11 +114,11 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
     with _LOCK:
         state = _GUARDS.get(model)
         if state is None:
-            handles = [model.register_forward_pre_hook(_check)]
+            # on the base model where there is one: it runs inside whatever the model's
+            # own forward enters (accelerate's autocast), and runs when called alone
             inner = getattr(model, "base_model", None)
-            if isinstance(inner, nn.Module) and inner is not model:
-                handles.append(inner.register_forward_pre_hook(_InnerCheck(model)))
-            state = _Guard(tuple(handles))
+            watched = inner if isinstance(inner, nn.Module) and inner is not model else model
+            state = _Guard(watched.register_forward_pre_hook(_Check(model)))
             _GUARDS[model] = state
             # the instance's own: a cast of a model holding it (PEFT's wrapper) calls it too
             model.__dict__["_apply"] = _GuardedApply(model)
@@ -130,28 +130,19 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
             if current is None or current.entries.pop(sub.name, None) is None:
                 return
             if not current.entries:
-                for handle in current.handles:
-                    handle.remove()
+                current.handle.remove()
                 del _GUARDS[model]
                 model.__dict__.pop("_apply", None)
 
     return stop
 
 
-def _check(module: nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
-        return
-    state = _GUARDS.get(module)
-    if state is not None:
-        _prepare_where_moved(module, state)
-
-
-class _InnerCheck:
-    """The same check as a forward pre-hook of the guarded model's base model (its
-    ``base_model``, the decoder stack): where the model's own ``forward`` enters
-    ``torch.autocast`` (accelerate's mixed precision wraps it so, and with it Trainer's
-    ``bf16=True``), and where the base model runs, or was cast, alone. It holds the model
-    weakly, as :class:`_GuardedApply` does."""
+class _Check:
+    """The guard's forward pre-hook, on the guarded model's base model (its
+    ``base_model``, the decoder stack) where it has one: so it runs inside the
+    ``torch.autocast`` the model's own ``forward`` enters (accelerate's mixed precision
+    wraps it so, and with it Trainer's ``bf16=True``), and where the base model runs, or
+    was cast, alone. It holds the model weakly, as :class:`_GuardedApply` does."""
 
     __slots__ = ("_model",)
 
@@ -168,12 +159,12 @@ class _InnerCheck:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         copied = memo.get(id(self._model()))
-        return _InnerCheck(copied) if copied is not None else self
+        return _Check(copied) if copied is not None else self
 
     def __reduce__(self) -> tuple[Any, ...]:
         # not the model: a base model pickled alone would carry the whole model (its
         # head too), or nothing to load once the model is gone; unpickled, it checks nothing
-        return (_InnerCheck, ())
+        return (_Check, ())
 
 
 def _gone() -> None:
