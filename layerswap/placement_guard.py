@@ -27,9 +27,10 @@ Preparing is ``slot.prepare`` (contract, structure, proof) in
 :meth:`Placement.of <layerswap.placement.Placement.of>`, once per placement. The hook does
 nothing while ``torch.compile`` traces: a model cast after its swap was proven at the
 cast, but one whose first weight alone says nothing of a change (only some of its layers
-cast) and then compiled is proven where it was swapped. A copy of the model
-(``copy.deepcopy``) is not guarded: the guard looks the model up, and holds nothing of
-its own.
+cast) and then compiled is proven where it was swapped. A deep copy of the model
+(``copy.deepcopy``: TRL's reference model, an EMA copy), or of its base model alone, is
+guarded as a model of its own, with what the original was proven at; an unpickled copy
+(``pickle``, ``torch.save`` of the whole model) is not.
 
 Example::
 
@@ -57,11 +58,9 @@ from layerswap.hf_internals import (
 from layerswap.placement import COMPUTE_DTYPES, Placement, autocast_dtype
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
     from layerswap.substitution import Substitution
 
-__all__ = ["guard"]
+__all__ = ["guard", "unguard"]
 
 #: (dtype, device) of a model's first floating-point weight, the dtype torch.autocast
 #: runs it in there (``None``: off), the attention implementation its text config
@@ -76,16 +75,27 @@ _LOCK = threading.RLock()
 class _Guard:
     """The substitutions in effect on one model, each with the probes it was proven at."""
 
-    __slots__ = ("config", "entries", "handle", "text")
+    __slots__ = ("check", "config", "entries", "text", "watched")
 
-    def __init__(self, handle: RemovableHandle) -> None:
-        self.handle = handle
+    def __init__(self, watched: nn.Module, check: _Check) -> None:
+        #: the module the forward pre-hook ``check`` is on (the model's base model, or the
+        #: model), weakly: a copy of it carries a copy of the hook
+        self.watched = weakref.ref(watched)
+        self.check = check
         #: the model's config object, and its text config (never a copy: they are
         #: watched), read again where the model holds another config
         self.config: Any = None
         self.text: Any = None
         # substitution name -> (substitution, config it was prepared with, probes proven)
         self.entries: dict[str, tuple[Substitution, Any, set[Probe | None]]] = {}
+
+    def remove(self) -> None:
+        """Take the guard's hook off the module it is on."""
+        watched = self.watched()
+        hooks = {} if watched is None else watched._forward_pre_hooks
+        for key, hook in list(hooks.items()):
+            if hook is self.check:
+                del hooks[key]
 
 
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, _Guard] = weakref.WeakKeyDictionary()
@@ -118,7 +128,9 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
             # own forward enters (accelerate's autocast), and runs when called alone
             inner = getattr(model, "base_model", None)
             watched = inner if isinstance(inner, nn.Module) and inner is not model else model
-            state = _Guard(watched.register_forward_pre_hook(_Check(model)))
+            check = _Check(model)
+            watched.register_forward_pre_hook(check)
+            state = _Guard(watched, check)
             _GUARDS[model] = state
             # the instance's own: a cast of a model holding it (PEFT's wrapper) calls it too
             model.__dict__["_apply"] = _GuardedApply(model)
@@ -130,11 +142,23 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
             if current is None or current.entries.pop(sub.name, None) is None:
                 return
             if not current.entries:
-                current.handle.remove()
+                current.remove()
                 del _GUARDS[model]
                 model.__dict__.pop("_apply", None)
 
     return stop
+
+
+def unguard(model: nn.Module) -> None:
+    """Stop guarding ``model`` and every module in it (a scratch copy that
+    :func:`layerswap.verify` or the benchmark compares with the original itself: its cast
+    must not prove it first; a model built inside ``use()`` guards its base model too)."""
+    with _LOCK:
+        for module in model.modules():
+            state = _GUARDS.pop(module, None)
+            if state is not None:
+                state.remove()
+                module.__dict__.pop("_apply", None)
 
 
 class _Check:
@@ -158,8 +182,17 @@ class _Check:
             _prepare_where_moved(model, state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        copied = memo.get(id(self._model()))
-        return _Check(copied) if copied is not None else self
+        model = self._model()
+        state = None if model is None else _GUARDS.get(model)
+        watched = None if state is None else state.watched()
+        copied_watched = None if watched is None else memo.get(id(watched))
+        if state is None or copied_watched is None:
+            # a guard stopped since, or a hook table copied alone: a hook checking nothing
+            return _Check()
+        # the whole model copied (the copy's own base model holds this hook), or its base
+        # model alone (guarded as a model of its own: it is what is cast and run)
+        copied = memo.get(id(model), copied_watched)
+        return _guard_copy(state, copied, copied_watched)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # not the model: a base model pickled alone would carry the whole model (its
@@ -169,6 +202,25 @@ class _Check:
 
 def _gone() -> None:
     return None
+
+
+def _guard_copy(state: _Guard, model: nn.Module, watched: nn.Module) -> _Check:
+    """The hook of ``model``, a deep copy of a guarded model (or of its base model alone,
+    then ``watched`` too), guarded with the substitutions in effect on the original and
+    the places each was proven at: the copy computes as the original did until it is cast,
+    moved or run otherwise, and is then proven where it computes, as the original is."""
+    check = _Check(model)
+    with _LOCK:
+        copied = _Guard(watched, check)
+        copied.entries = {
+            name: (sub, config, set(probes))
+            for name, (sub, config, probes) in state.entries.items()
+        }
+        _GUARDS[model] = copied
+        if model is watched:
+            # the whole model's copy gets its _apply from the model's own __dict__
+            model.__dict__["_apply"] = _GuardedApply(model)
+    return check
 
 
 class _GuardedApply:

@@ -30,6 +30,7 @@ import layerswap
 from layerswap import proof, shrink, sources
 from layerswap.comparison.inputs import default_length, inputs_for
 from layerswap.comparison.judgement import proof_batch
+from layerswap.comparison.placement import working_copy
 from layerswap.errors import RequirementError, SwapWarning, UpstreamDriftError
 from layerswap.placement import Placement
 from layerswap.registry import get, get_family
@@ -762,6 +763,35 @@ def test_a_guarded_model_is_freed_when_deleted_and_its_copies_cast_themselves(
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_deep_copy_of_a_swapped_model_is_guarded_as_the_original_is(proofs: Path) -> None:
+    """A deep copy (TRL's reference model, an EMA copy) computes as the original until it
+    is cast: cast to bfloat16, it is proven there and refused, naming the dtype, as the
+    original would be; so is a copy of its base model alone. The original, undone, and
+    the copy made before, keep their own guards."""
+    import copy
+
+    batch = {"input_ids": torch.arange(3, 11).reshape(1, 8)}
+    model = tiny_llama()
+    handle = layerswap.swap(model, _wrong_in_bfloat16())
+    twin = copy.deepcopy(model)
+    alone = copy.deepcopy(model.model)
+    handle.undo()
+    proven = len(proof._MEMO)
+    twin(**batch)  # float32: what the original was proven at, not proven again
+    alone(**batch)
+    assert len(proof._MEMO) == proven
+    # verify's and the benchmark's scratch copy is compared with the original by them
+    scratch = working_copy(twin, torch.device("cpu"), torch.bfloat16, trainable=False)
+    assert not scratch.model._forward_pre_hooks and "_apply" not in vars(scratch)
+    for copied in (twin, alone):
+        with pytest.raises(UpstreamDriftError, match=r"(?s)forward in bfloat16 differs.*since"):
+            copied.to(torch.bfloat16)
+        with pytest.raises(UpstreamDriftError, match="bfloat16"):
+            copied(**batch)
+    model.to(torch.bfloat16)(**batch)  # undone: the original's layers, no guard
+    assert not model._forward_pre_hooks and not model.model._forward_pre_hooks
 
 
 def test_a_model_built_inside_use_and_cast_is_proven_where_it_runs(proofs: Path) -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import RequirementError
+from layerswap.placement_guard import unguard
 
 __all__ = [
     "DTYPE_CHOICES",
@@ -112,6 +113,8 @@ def working_copy(
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("cannot verify a model on the meta device: it has no weights")
     work = copy.deepcopy(model)
+    # compared with the original by the caller: not proven again where it is cast
+    unguard(work)
     work.to(device=device, dtype=dtype)
     for param in work.parameters():
         param.grad = None
