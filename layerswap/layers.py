@@ -205,6 +205,8 @@ def convert_layer(
             key: value.detach().requires_grad_(grad and value.requires_grad)
             for key, value in state.items()
         }
+    if grad:
+        _refuse_partly_frozen(state, substitution, where)
     try:
         with torch.set_grad_enabled(grad):
             converted = substitution.converter.to_replacement(state, config)
@@ -229,6 +231,26 @@ def convert_layer(
     replacement.train(layer.training)
     adopt_layer(replacement, substitution, config)
     return replacement
+
+
+def _refuse_partly_frozen(
+    state: dict[str, torch.Tensor], substitution: Substitution, where: str
+) -> None:
+    """:class:`ConversionError` where a rule of the converter joins tensors of which some
+    train and some are frozen: the joined tensor is one ``Parameter``, every row of which
+    would train (the frozen ones moved by the optimizer, weight decay and momentum)."""
+    for rule in getattr(substitution.converter, "rules", ()):
+        parts = [(key, state[key]) for key in rule.sources if key in state]
+        trained = [key for key, value in parts if value.requires_grad]
+        frozen = [key for key, value in parts if not value.requires_grad]
+        if trained and frozen and len(rule.targets) < len(parts):
+            raise ConversionError(
+                f"{where}: {frozen[0]!r} is frozen (requires_grad=False) and {trained[0]!r} "
+                f"is not, but {substitution.name} joins them into one tensor "
+                f"({', '.join(map(repr, rule.targets))}) whose every part would train: "
+                "freeze or unfreeze them together before the swap, or keep the original "
+                "layers (a sub-layer slot such as qkv keeps each projection's own Parameter)"
+            )
 
 
 @normal_tensors

@@ -138,6 +138,33 @@ def test_frozen_parameters_stay_frozen() -> None:
     assert model.model.layers[0].mlp.gate_proj.weight.requires_grad
 
 
+@pytest.mark.parametrize(
+    ("frozen", "joined"), [("q_proj", "qkv_proj"), ("up_proj", "gate_up_proj")]
+)
+def test_a_swap_joining_frozen_and_trained_tensors_is_refused_and_changes_nothing(
+    frozen: str, joined: str
+) -> None:
+    """The decoder swap joins q/k/v (gate/up) into one Parameter: with some parts frozen
+    and some not, every row of it would train (the frozen ones moved by the optimizer).
+    Refused, naming both tensors, with the model as it was; the qkv slot, which keeps
+    each projection's own Parameter, trains only what trained."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    for name, param in model.named_parameters():
+        if "layers.1." in name and frozen in name:
+            param.requires_grad_(False)
+    before = _snapshot(model)
+    with pytest.raises(ConversionError, match=rf"(?s)'model.layers.1'.*{frozen}.*frozen.*{joined}"):
+        layerswap.swap(model, "llama.decoder.fused")
+    _assert_untouched(model, before)
+    if frozen == "q_proj":
+        with layerswap.swap(model, "llama.qkv.fused"):
+            model(
+                tokens(model.config.vocab_size), labels=tokens(model.config.vocab_size)
+            ).loss.backward()
+            assert model.model.layers[1].self_attn.q_proj.weight.grad is None
+            assert model.model.layers[1].self_attn.k_proj.weight.grad is not None
+
+
 def test_forward_hooks_on_a_layer_keep_firing_after_the_swap() -> None:
     model = tiny_model("llama", num_hidden_layers=2)
     seen: list[str] = []
