@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -91,6 +92,13 @@ def proof_keys(
         # two converters under one name map the weights two ways
         "converter": _ADDRESS.sub("", repr(converter)),
         "device": where,
+        # what the family declares (its rotary layout, norm offset, tiny config...): the
+        # replacement is built from it, and the proof's config shrunk by it
+        "family": _ADDRESS.sub("", repr(dataclasses.replace(sub.parts.family, description=""))),
+        # a variant's options (an FP8 recipe) are other kernels
+        "options": None
+        if sub.variant is None
+        else _ADDRESS.sub("", repr(sorted(sub.variant.options.items()))),
         "attention_functions": {
             name: sources.function_digest(function)
             for name, function in dispatched.items()

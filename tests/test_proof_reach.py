@@ -82,6 +82,27 @@ def test_a_verdict_is_keyed_by_the_attention_implementation(proofs: Path) -> Non
     assert verdict.passed and verdict.attention == "eager"
 
 
+def test_a_verdict_is_keyed_by_the_family_declaration(proofs: Path) -> None:
+    """A family declared again otherwise (``register_family(..., replace=True)``, a
+    plugin's family edited between runs) builds other layers: its verdict is its own, in
+    memory and on disk, and a wrong declaration is refused where the right one was proven."""
+    base = get_family("ministral")
+    torch.manual_seed(0)
+    model = base.causal_lm_class()(base.tiny_config()).eval()
+    config = model.config
+    right = proof.proof_key(get("ministral.decoder.fused"), config)
+    layerswap.swap(model, "ministral.decoder.fused").undo()
+    try:
+        layerswap.register_family(base.replace(rotary="interleaved"), replace=True)
+        wrong = get("ministral.decoder.fused")
+        assert proof.proof_key(wrong, config) != right
+        with pytest.raises(UpstreamDriftError, match="differs"):
+            layerswap.swap(model, wrong)
+    finally:
+        layerswap.register_family(base, replace=True)
+    assert proof.proof_key(get("ministral.decoder.fused"), config) == right
+
+
 def test_a_verdict_whose_source_changed_is_stale_not_proven(
     proofs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
