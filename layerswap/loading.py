@@ -15,11 +15,13 @@ Example::
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import nn
 
 from layerswap import hf_internals
+from layerswap.errors import ConversionError
 from layerswap.layers import adopt_layer
 from layerswap.model import layer_config, substitution_of
 from layerswap.parallel import tp_plan_of
@@ -33,6 +35,7 @@ __all__ = [
     "conversion_transforms",
     "loading_transforms",
     "model_attributes",
+    "refuse_two_layouts",
 ]
 
 # models finished by adopt_constructed -> the weight transforms made for them
@@ -155,3 +158,36 @@ def loading_transforms(
         transforms = conversion_transforms(model, sub, replacement_cls)
     present = {id(transform) for transform in found}
     return [transform for transform in transforms if id(transform) not in present]
+
+
+def refuse_two_layouts(
+    model: nn.Module,
+    keys: Iterable[str],
+    transforms: Sequence[Any],
+    sub: Substitution,
+    replacement_cls: type[nn.Module],
+) -> None:
+    """:class:`ConversionError` where a checkpoint gives one of ``sub``'s layers a tensor
+    both in the original layout (converted into it by ``sub``'s transforms) and in the
+    replacement's (loaded as it is, under the same name): ``from_pretrained`` would keep
+    one and drop the other without a word, where ``load_state_dict`` refuses the mix.
+    Read from the names alone, before any tensor loads."""
+    layers = [name for name, module in model.named_modules() if type(module) is replacement_cls]
+    if not layers:
+        return
+    ours = {id(transform) for transform in loading_transforms(model, sub, replacement_cls, [])}
+    converted: dict[str, str] = {}
+    direct: dict[str, str] = {}
+    for key, target, converter in hf_internals.landings(model, keys, transforms):
+        if converter is None:
+            direct.setdefault(target, key)
+        elif id(converter) in ours:
+            converted.setdefault(target, key)
+    for target in sorted(set(direct) & set(converted)):
+        layer = next((name for name in layers if target.startswith(name + ".")), None)
+        if layer is not None:
+            raise ConversionError(
+                f"loading {layer}: the checkpoint mixes the original layout "
+                f"({converted[target]!r}) and {sub.name}'s layout ({direct[target]!r}), "
+                f"both for {target!r}; give one layout per layer"
+            )

@@ -11,7 +11,9 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 import layerswap
+from layerswap import hf_internals
 from layerswap.backends import fused
+from layerswap.errors import ConversionError
 from layerswap.model import decoder_layers
 
 ATOL = 1e-5
@@ -86,6 +88,44 @@ def test_a_model_built_inside_use_saves_a_checkpoint_plain_transformers_loads(
     plain = family.causal_lm_class().from_pretrained(tmp_path)
     batch = left_padded_batch(built.config.vocab_size)
     torch.testing.assert_close(_logits(plain, batch), _logits(built, batch), atol=ATOL, rtol=0)
+
+
+def test_a_checkpoint_giving_a_layer_both_layouts_is_refused_before_it_loads(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint holding a layer's q/k/v and also a ``qkv_proj`` of its own: both land
+    in one tensor, and ``from_pretrained`` kept one without a word (``load_state_dict``
+    refuses the mix). Refused, naming the layer and both keys; a checkpoint in either
+    layout alone loads."""
+    from safetensors.torch import save_file
+
+    original = tiny_model("llama", num_hidden_layers=2)
+    original.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    stray = "model.layers.1.self_attn.qkv_proj.weight"
+    save_file({**state, stray: torch.zeros(3, 3)}, str(tmp_path / "model.safetensors"))
+    with (
+        pytest.raises(ConversionError, match=rf"model\.layers\.1: .*_proj\.weight.*'{stray}'"),
+        layerswap.use("llama.decoder.fused"),
+    ):
+        type(original).from_pretrained(tmp_path)
+    # use()'s own patches ended with it (PEFT's and the savers' safeguards stay while a
+    # swapped model lives)
+    used = {
+        hf_internals.POST_INIT_TARGET,
+        hf_internals.CONVERSION_MAPPING_TARGET,
+        hf_internals.LOAD_STATE_TARGET,
+        "transformers.models.llama.modeling_llama:LlamaDecoderLayer",
+    }
+    assert not used & {patch.target for patch in layerswap.active_patches()}
+
+    with layerswap.swap(tiny_model("llama", num_hidden_layers=2), "llama.decoder.fused") as handle:
+        swapped_state = {k: v.contiguous() for k, v in handle.model.state_dict().items()}
+    save_file(swapped_state, str(tmp_path / "model.safetensors"))
+    with layerswap.use("llama.decoder.fused"):
+        loaded = type(original).from_pretrained(tmp_path)
+    batch = left_padded_batch(text_vocab(original))
+    torch.testing.assert_close(_logits(loaded, batch), _logits(original, batch), atol=ATOL, rtol=0)
 
 
 def test_nested_use_of_one_substitution_converts_once(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -43,6 +43,7 @@ __all__ = [
     "CACHE_ARGUMENTS",
     "refuse_unread",
     "CONVERSION_MAPPING_TARGET",
+    "LOAD_STATE_TARGET",
     "LAYER_CALL_PARAMETERS",
     "IGNORED_CALL_KEYWORDS",
     "CALL_OPTIONS",
@@ -62,7 +63,9 @@ __all__ = [
     "capture_like_original",
     "capture_subtree",
     "conversion_ops_class",
+    "landings",
     "layer_attention_type",
+    "load_call_parts",
     "loads_sharded_on_read",
     "output_capture_installed",
     "output_capture_tasks",
@@ -138,6 +141,12 @@ CONVERSION_MAPPING_TARGET = "transformers.modeling_utils:get_model_conversion_ma
 #: shards); layerswap's advice stages it and checks the names written (``layerswap.saving``)
 SAVE_PRETRAINED_TARGET = "transformers.modeling_utils:PreTrainedModel.save_pretrained"
 
+#: ``layerswap.wrap`` target loading a checkpoint's tensors into a built model
+#: (``from_pretrained``), called ``(model=, state_dict=, load_config=, ...)`` with the
+#: checkpoint's own key names and the weight transforms in ``load_config.weight_mapping``;
+#: ``use()`` reads the names before anything loads (:func:`landings`)
+LOAD_STATE_TARGET = "transformers.modeling_utils:convert_and_load_state_dict_in_model"
+
 #: the instance attribute where ``from_pretrained`` keeps the transforms it applied and
 #: ``save_pretrained`` reads them back (reversed) to write the checkpoint's own layout
 WEIGHT_CONVERSIONS_ATTRIBUTE = "_weight_conversions"
@@ -179,6 +188,39 @@ def weight_converter(sources: Sequence[str], targets: Sequence[str], operation: 
     from transformers.core_model_loading import WeightConverter
 
     return WeightConverter(list(sources), list(targets), operations=[operation])
+
+
+def load_call_parts(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any, list[Any]]:
+    """The model, the checkpoint's state (name -> tensor or lazy slice) and the weight
+    transforms of a :data:`LOAD_STATE_TARGET` call."""
+    model = kwargs["model"] if "model" in kwargs else args[0]
+    state = kwargs["state_dict"] if "state_dict" in kwargs else args[1]
+    config = kwargs["load_config"] if "load_config" in kwargs else args[2]
+    return model, state, list(getattr(config, "weight_mapping", None) or [])
+
+
+def landings(model: nn.Module, keys: Iterable[str], transforms: Sequence[Any]) -> list[Any]:
+    """Where each checkpoint key lands in ``model``, as ``from_pretrained`` renames it:
+    ``(key, model key, converter)`` with the ``WeightConverter`` that takes it there, or
+    ``None`` for a key loaded as it is (after the renamings and the base-model prefix)."""
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None)
+    meta = model.state_dict()
+    found = []
+    for key in keys:
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if renamed not in meta and key in meta:  # as transformers falls back
+            renamed, pattern = key, None
+        found.append((key, renamed, None if pattern is None else by_pattern.get(pattern)))
+    return found
 
 
 def conversion_ops_class() -> type:

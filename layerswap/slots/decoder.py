@@ -46,6 +46,7 @@ from layerswap.loading import (
     conversion_transforms,
     loading_transforms,
     model_attributes,
+    refuse_two_layouts,
 )
 from layerswap.model import (
     decoder_layers,
@@ -480,10 +481,16 @@ class DecoderSlot(Slot):
             transforms = list(wrapped(*args, **kwargs))
             return transforms + loading_transforms(model, sub, replacement, transforms)
 
+        def one_layout(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            model, state, transforms = hf_internals.load_call_parts(args, kwargs)
+            refuse_two_layouts(model, list(state), transforms, sub, replacement)
+            return wrapped(*args, **kwargs)
+
         return [
             patch(sub.original, replacement),
             wrap(hf_internals.POST_INIT_TARGET, adopt),
             wrap(hf_internals.CONVERSION_MAPPING_TARGET, with_conversions),
+            wrap(hf_internals.LOAD_STATE_TARGET, one_layout),
         ]
 
     def held(self, model: nn.Module) -> list[tuple[str, str]]:
