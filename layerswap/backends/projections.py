@@ -339,6 +339,18 @@ class PackedGroup:
             self._made = {}
             self._verified = None
 
+    def product(self, x: Tensor, weights: list[Any], tracked: bool) -> Tensor:
+        """The whole group's product of ``x``, the group packed (``weights``: its members'
+        weights; ``tracked``: whether a gradient flows to them): one ``F.linear`` over the
+        packed weight. A backend computing it with a GEMM of its own overrides this."""
+        grad = torch.is_grad_enabled()
+        weight = _packed(weights, self.sizes, tracked)
+        bias = None
+        if self.bias:
+            biases: list[Any] = [m._parameters["bias"] for m in self.members]
+            bias = _packed(biases, self.sizes, grad and any(b.requires_grad for b in biases))
+        return F.linear(x, weight, bias)
+
     def opened(self) -> None:
         """The attention's forward starts: products may be handed over until it ends."""
         self._local.open = True
@@ -385,12 +397,7 @@ class PackedGroup:
         grad = torch.is_grad_enabled()
         weights: list[Any] = [m._parameters["weight"] for m in self.members]
         tracked = grad and any(w.requires_grad for w in weights)
-        weight = _packed(weights, self.sizes, tracked)
-        bias = None
-        if self.bias:
-            biases: list[Any] = [m._parameters["bias"] for m in self.members]
-            bias = _packed(biases, self.sizes, grad and any(b.requires_grad for b in biases))
-        product = F.linear(x, weight, bias)
+        product = self.product(x, weights, tracked)
         if grad and not tracked and x.requires_grad:
             # frozen weights: x's gradient is computed from them, so one changed in place
             # before the backward pass is refused, as the original's products refuse it
@@ -444,6 +451,9 @@ class ProjectionsReplacement(ClassReplacement):
 
     _layerswap_spec: ClassVar[ProjectionSpec]
     _layerswap_groups: tuple[PackedGroup, ...]
+    #: the group each set of projections becomes (its :meth:`PackedGroup.product` is the
+    #: backend's GEMM)
+    group_class: ClassVar[type[PackedGroup]] = PackedGroup
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -462,7 +472,7 @@ class ProjectionsReplacement(ClassReplacement):
         groups = []
         for names, bias in zip(spec.groups, spec.biases, strict=True):
             members: list[Any] = [getattr(self, name) for name in names]
-            group = PackedGroup(members, names, bias, self._layerswap_swapped_by)
+            group = self.group_class(members, names, bias, self._layerswap_swapped_by)
             if any(isinstance(member, PackedLinear) for member in members):
                 # one projection module in two attentions: packed for one, it would be
                 # packed again for the other at every call
