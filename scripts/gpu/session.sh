@@ -99,7 +99,8 @@ wanted te-7b-bf16 && step te-7b-bf16 100 te_7b_bf16.txt python3 scripts/gpu/veri
   --out /tmp/te7b --contenders original,te-bf16 "${seven_b[@]}"
 wanted te-7b-fp8 && step te-7b-fp8 100 te_7b_fp8.txt python3 scripts/gpu/verify_and_bench.py \
   --out /tmp/te7f --contenders original,te-fp8 --fp8-recipes "${TE_7B_RECIPE:-delayed}" "${seven_b[@]}"
-# every family te expresses: bf16 and FP8 (current scaling) against the original
+# every family te expresses: bf16 and FP8 (current scaling) against the original; and te's
+# norm and qkv slots on every family's own modules (bf16, forward and backward)
 wanted te-verify && step te-verify 110 te_verify.log python3 scripts/gpu/verify_and_bench.py \
   --out /tmp/teverify --skip-bench --backends te --hidden 256 --intermediate 512 \
   --layers 2 --heads 4 --kv-heads 2 --vocab 1024
@@ -108,8 +109,8 @@ wanted te-verify && step te-verify 110 te_verify.log python3 scripts/gpu/verify_
 wanted te-bench && step te-bench 150 te_bench.log python3 scripts/gpu/verify_and_bench.py \
   --out /tmp/tebench --families '' --backends te --skip-verify \
   --contenders "${TE_BENCH_CONTENDERS:-original,fused,fused-graphed,te,te-graphed}"
-wanted te-pytest && step te-pytest 70 te_pytest.log python3 -m pytest --full -m gpu -q \
-  -p no:cacheprovider -n 4 tests/test_te.py tests/test_verify_fp8.py
+wanted te-pytest && step te-pytest 90 te_pytest.log python3 -m pytest --full -m gpu -q \
+  -p no:cacheprovider -n 4 tests/test_te.py tests/test_te_slots.py tests/test_verify_fp8.py
 # the re-proof, in parallel: tiny models leave the GPU mostly idle and the host is the bound,
 # so the verification runs in VERIFY_SHARDS processes beside the GPU tests and the adoption
 if wanted reprove; then

@@ -183,6 +183,20 @@ def verify_tiny(names: list[str], fp8_recipe: str, backends: list[str]) -> list[
                 ):
                     action = functools.partial(verify_fresh, family, sub, dtype, **options)
                     checks.append(run_check(f"{sub} {label} {what}", action))
+        if "te" in backends:
+            # te's slots below the decoder layer, on the model's own norms and attentions
+            for slot in ("norm", "qkv"):
+                sub = f"{name}.{slot}.te"
+                refused = te.BACKEND.unsupported(family, slot)
+                if refused is not None:
+                    log(f"[SKIP] {sub}: refused by the backend: {refused}")
+                    continue
+                for what, options in (
+                    ("padded", {}),
+                    ("backward", {"unpadded_length": 32, "backward": True}),
+                ):
+                    action = functools.partial(verify_fresh, family, sub, torch.bfloat16, **options)
+                    checks.append(run_check(f"{sub} bf16 {what}", action))
         if "te" in backends and te.BACKEND.unsupported(family) is None:
             fp8 = te.BACKEND.substitution(family, variant="fp8").with_options(recipe=fp8_recipe)
             action = functools.partial(

@@ -5,6 +5,10 @@
 - :mod:`~layerswap.backends.te.decoder`: its decoder layer, ``TEDecoderLayer``;
 - :mod:`~layerswap.backends.te.layout`: where the original's tensors live in it
   (``te_converter``, ``TELayerSpec``), needing neither TransformerEngine nor a GPU;
+- :mod:`~layerswap.backends.te.norm`: TE's RMSNorm kernel on a model's own norms
+  (``TENorm``, the ``norm`` slot);
+- :mod:`~layerswap.backends.te.qkv`: each attention's packed projections as one TE
+  ``Linear`` GEMM on the model's own weights (``TEProjections``, the ``qkv`` slot);
 - :mod:`~layerswap.backends.te.runtime`: what it needs at run time, and FP8 recipes.
 
 The declaration's, the runtime's and the decoder module's names import from here too, on

@@ -2,7 +2,9 @@
 GPU only; the families TransformerEngine's modules express, and why not the others.
 
 Its layer: :mod:`layerswap.backends.te.decoder` (the weight layout:
-:mod:`layerswap.backends.te.layout`); what it needs at run time and its FP8 recipes:
+:mod:`layerswap.backends.te.layout`); below the layer, on the model's own modules: its
+norm, :mod:`layerswap.backends.te.norm`, and its packed attention projections,
+:mod:`layerswap.backends.te.qkv`; what it needs at run time and its FP8 recipes:
 :mod:`layerswap.backends.te.runtime`.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from layerswap.backend import Backend, Dependency, Implementation, Lazy, Variant
 from layerswap.backends._answers import answered
+from layerswap.backends.declarations.norm_slot import norm_slot, qkv_slot
 from layerswap.backends.te.runtime import fp8_unmet_requirement, unmet_requirement
 from layerswap.capabilities import Capability, refusal
 from layerswap.family import GATED_MLP, PRE_NORMS, SEPARATE_QKV, Family
@@ -166,7 +169,9 @@ def unsupported(family: Family) -> str | None:
 
 #: the ``te`` backend: TransformerEngine decoder layers in BF16, and the ``fp8`` variant:
 #: the same layers and weights inside :func:`fp8_autocast` (``llama.decoder.te_fp8``;
-#: ``sub.with_options(recipe="delayed")`` picks the recipe)
+#: ``sub.with_options(recipe="delayed")`` picks the recipe); TE's RMSNorm kernel on the
+#: model's own norms (``norm``) and one TE ``Linear`` GEMM for each attention's packed
+#: projections (``qkv``, FP8 inside :func:`fp8_autocast`)
 BACKEND = Backend(
     name="te",
     description="NVIDIA TransformerEngine decoder layers, BF16 and FP8, GPU only",
@@ -178,6 +183,22 @@ BACKEND = Backend(
             description=(
                 "NVIDIA TransformerEngine, GPU only: RMSNorm fused into the q/k/v and gate/up "
                 "GEMMs, cuDNN/flash attention with GQA; BF16, and FP8 inside te.fp8_autocast"
+            ),
+        ),
+        "norm": norm_slot(
+            "layerswap.backends.te.norm:TENorm",
+            description=(
+                "NVIDIA TransformerEngine, GPU only: each RMS norm the model's classes compute "
+                "(weight or 1 + weight, scaled in float32 or after the cast) as TE's RMSNorm "
+                "kernel, zero_centered_gamma for 1 + weight"
+            ),
+        ),
+        "qkv": qkv_slot(
+            "layerswap.backends.te.qkv:TEProjections",
+            description=(
+                "NVIDIA TransformerEngine, GPU only: each attention's projections from one "
+                "input (q/k/v, MLA's q_a/kv_a) packed into one TE Linear GEMM on the model's "
+                "own weights, FP8 inside te.fp8_autocast; the attention itself the original's"
             ),
         ),
     },

@@ -29,6 +29,7 @@ __all__ = [
     "fp8_autocast",
     "fp8_recipe",
     "fp8_unmet_requirement",
+    "require_cuda",
     "unmet_requirement",
 ]
 
@@ -97,6 +98,16 @@ def _te() -> Any:
     if reason is not None:
         raise RequirementError(f"the te backend cannot run here: {reason}")
     return importlib.import_module("transformer_engine.pytorch")
+
+
+def require_cuda(tensor: torch.Tensor, what: str) -> None:
+    """:class:`RequirementError` unless ``tensor`` is on the GPU (TE's own failure on a CPU
+    tensor is an error deep in its extension); ``what`` names the module that runs TE."""
+    if not tensor.is_cuda:
+        raise RequirementError(
+            f"{what} runs TransformerEngine's kernels on CUDA tensors; move the model to the "
+            "GPU (model.cuda())"
+        )
 
 
 def _recipe_kind(recipe: Any) -> str:
