@@ -53,6 +53,20 @@ def _tiny_checkpoint(path: Path) -> None:
     family.build(config, seed=0).save_pretrained(path)
 
 
+def _mixed_checkpoint(checkpoint: Path, out: Path) -> None:
+    """``checkpoint`` with layer 0's q/k/v and a ``qkv_proj`` of its own beside them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    shutil.copy(checkpoint / "config.json", out / "config.json")
+    state = load_file(str(checkpoint / "model.safetensors"))
+    parts = [state[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
+    state["model.layers.0.self_attn.qkv_proj.weight"] = torch.randn(torch.cat(parts).shape)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _train_and_save(model: torch.nn.Module, batch: dict[str, torch.Tensor], out: Path) -> dict:
     """One SGD step under a ZeRO-3 engine; the losses before and after; saved as the Trainer does."""
     import deepspeed
@@ -94,7 +108,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     import layerswap
-    from layerswap.errors import ParallelismError
+    from layerswap.errors import ConversionError, ParallelismError
     from layerswap.zero3 import is_partitioned
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
@@ -102,6 +116,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     checkpoint = out / "checkpoint"
     if rank == 0:
         _tiny_checkpoint(checkpoint)
+        _mixed_checkpoint(checkpoint, out / "mixed")
     torch.distributed.barrier()
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     input_ids = torch.randint(0, 512, (2, 12), generator=generator)
@@ -132,6 +147,14 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
             report["refusal"] = ""
         except ParallelismError as exc:
             report["refusal"] = str(exc)
+
+        # a checkpoint giving a layer both layouts: refused, as without ZeRO-3
+        try:
+            with layerswap.use(DECODER):
+                LlamaForCausalLM.from_pretrained(out / "mixed")
+            report["mixed_refusal"] = ""
+        except ConversionError as exc:
+            report["mixed_refusal"] = str(exc)
 
         with layerswap.use(DECODER), layerswap.use(HEAD):
             built = LlamaForCausalLM.from_pretrained(checkpoint)
@@ -182,6 +205,7 @@ def test_zero3_loading_swapping_training_and_saving_match_the_original(tmp_path,
         assert report["head_weight_shape"] == (0,)
         assert report["head_gathered_loss"][0] == pytest.approx(report["head_gathered_loss"][1])
         assert "ZeRO-3" in report["refusal"] and "swap before" in report["refusal"]
+        assert "mixes the original layout" in report["mixed_refusal"]
     assert ranks[0]["original_loss"] != ranks[1]["original_loss"]  # each rank its own data
 
     # what each saved is the original layout, loadable by plain transformers, same values

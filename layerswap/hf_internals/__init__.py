@@ -44,6 +44,7 @@ __all__ = [
     "refuse_unread",
     "CONVERSION_MAPPING_TARGET",
     "LOAD_STATE_TARGET",
+    "ZERO3_LOAD_STATE_TARGET",
     "LAYER_CALL_PARAMETERS",
     "IGNORED_CALL_KEYWORDS",
     "CALL_OPTIONS",
@@ -147,6 +148,11 @@ SAVE_PRETRAINED_TARGET = "transformers.modeling_utils:PreTrainedModel.save_pretr
 #: ``use()`` reads the names before anything loads (:func:`landings`)
 LOAD_STATE_TARGET = "transformers.modeling_utils:convert_and_load_state_dict_in_model"
 
+#: the same under DeepSpeed ZeRO-3 (``HfDeepSpeedConfig``): ``from_pretrained`` loads the
+#: checkpoint into the partitioned model here instead, called ``(model, state_dict,
+#: load_config)`` with the same names and transforms
+ZERO3_LOAD_STATE_TARGET = "transformers.modeling_utils:_load_state_dict_into_zero3_model"
+
 #: the instance attribute where ``from_pretrained`` keeps the transforms it applied and
 #: ``save_pretrained`` reads them back (reversed) to write the checkpoint's own layout
 WEIGHT_CONVERSIONS_ATTRIBUTE = "_weight_conversions"
@@ -192,7 +198,7 @@ def weight_converter(sources: Sequence[str], targets: Sequence[str], operation: 
 
 def load_call_parts(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any, list[Any]]:
     """The model, the checkpoint's state (name -> tensor or lazy slice) and the weight
-    transforms of a :data:`LOAD_STATE_TARGET` call."""
+    transforms of a :data:`LOAD_STATE_TARGET` or :data:`ZERO3_LOAD_STATE_TARGET` call."""
     model = kwargs["model"] if "model" in kwargs else args[0]
     state = kwargs["state_dict"] if "state_dict" in kwargs else args[1]
     config = kwargs["load_config"] if "load_config" in kwargs else args[2]

@@ -491,6 +491,7 @@ class DecoderSlot(Slot):
             wrap(hf_internals.POST_INIT_TARGET, adopt),
             wrap(hf_internals.CONVERSION_MAPPING_TARGET, with_conversions),
             wrap(hf_internals.LOAD_STATE_TARGET, one_layout),
+            wrap(hf_internals.ZERO3_LOAD_STATE_TARGET, one_layout),
         ]
 
     def held(self, model: nn.Module) -> list[tuple[str, str]]:
