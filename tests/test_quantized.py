@@ -230,3 +230,18 @@ def test_the_qkv_slot_refuses_a_quantized_load_that_skips_its_projections(
         quantized = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=_torchao())
     reference = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=_torchao())
     torch.testing.assert_close(_logits(quantized), _logits(reference), rtol=1e-4, atol=1e-4)
+
+
+def test_a_qkv_swap_of_a_torchao_model_undoes_whole(checkpoint: Path) -> None:
+    """torchao's weights are wrapper tensors with no storage of their own, which the qkv
+    slot leaves unpacked: undo asked their storage's address and raised half-way, one
+    attention restored and the next not, and could not be undone again."""
+    model = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=_torchao())
+    before = _logits(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not packed": torchao's tensors stay as they are
+        handle = layerswap.swap(model, "llama.qkv.fused")
+    torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)
+    handle.undo()
+    assert {type(layer.self_attn).__name__ for layer in model.model.layers} == {"LlamaAttention"}
+    torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)

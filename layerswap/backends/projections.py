@@ -102,6 +102,15 @@ def _unchanged(names: tuple[str, ...], weights: list[Tensor]) -> Callable[[Tenso
     return check
 
 
+def _storage_address(tensor: Tensor) -> int | None:
+    """Where ``tensor``'s storage starts, or ``None`` for a tensor with none of its own (a
+    quantizer's wrapper subclass: torchao's ``Int8Tensor``), which no packing made."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _is_slice_chain(parts: list[Tensor]) -> bool:
     """Whether ``parts`` lie one after another in one storage, alike in dtype and device
     (tensors of storages of their own that happen to lie side by side are not)."""
@@ -334,7 +343,7 @@ class PackedGroup:
                 present = [part for part in parts if isinstance(part, Tensor)]
                 whole = len(present) == len(parts) and _is_slice_chain(parts)
                 for part in present:
-                    if whole or part.untyped_storage().data_ptr() in self._made:
+                    if whole or (self._made and _storage_address(part) in self._made):
                         part.data = part.detach().clone()
             self._made = {}
             self._verified = None
