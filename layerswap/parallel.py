@@ -59,6 +59,7 @@ __all__ = [
     "gather_parts",
     "local_part_sizes",
     "parameter_shard",
+    "refuse_foreign_styles",
     "stretch",
     "tp_plan_of",
     "translate_tp_plan",
@@ -256,6 +257,36 @@ def tp_plan_of(
             if reason is not None:
                 setattr(module, _REASON, reason)
     return translated
+
+
+def refuse_foreign_styles(model: nn.Module, sub: Substitution, layer_names: Iterable[str]) -> None:
+    """:class:`ParallelismError` where ``model``'s TP plan, as transformers resolved it
+    before loading (an override given in ``DistributedConfig(tp_plan=...)`` merged in),
+    shards a module ``sub`` concatenates (``qkv_proj``) in a style other than the packed
+    ``colwise`` :func:`translate_tp_plan` gives it: the parts' rows arrive per rank, and
+    a gathered or replicated style would read them as whole, computing something else."""
+    from layerswap import hf_internals
+
+    plan = getattr(model, hf_internals.TP_PLAN_ATTRIBUTE, None) or {}
+    rules = getattr(sub.converter, "rules", None)
+    if not plan or rules is None:
+        return
+    concatenated, _ = _moves(rules)
+    joined = {
+        target: sorted(s for s, (t, _) in concatenated.items() if t == target)
+        for target, _ in concatenated.values()
+    }
+    prefixes = _layer_prefixes(layer_names)
+    for key, style in plan.items():
+        prefix = next((p for p in prefixes if key.startswith(p + ".")), None)
+        parts = None if prefix is None else joined.get(key[len(prefix) + 1 :])
+        if parts and style not in _PACKABLE and style != REFUSED_STYLE:
+            raise ParallelismError(
+                f"tensor parallelism refused: the plan shards {key} {style!r}, but "
+                f"{sub.name} concatenates {', '.join(parts)} into that module, which "
+                "layerswap shards only 'colwise' (each rank its share of every part); "
+                "give the original's plan for it, or load without the substitution"
+            )
 
 
 def _refuse(module: Any) -> None:

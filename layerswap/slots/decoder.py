@@ -56,6 +56,7 @@ from layerswap.model import (
     pretrained_owner,
     substitution_of,
 )
+from layerswap.parallel import refuse_foreign_styles
 from layerswap.patching import patch, wrap
 from layerswap.patching.undo import UndoLog
 from layerswap.peft_targets import hold as hold_peft_targets
@@ -481,17 +482,20 @@ class DecoderSlot(Slot):
             transforms = list(wrapped(*args, **kwargs))
             return transforms + loading_transforms(model, sub, replacement, transforms)
 
-        def one_layout(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        def checked_load(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            # before any tensor loads: the checkpoint's names, and the plan as resolved
             model, state, transforms = hf_internals.load_call_parts(args, kwargs)
             refuse_two_layouts(model, list(state), transforms, sub, replacement)
+            layers = [name for name, m in model.named_modules() if type(m) is replacement]
+            refuse_foreign_styles(model, sub, layers)
             return wrapped(*args, **kwargs)
 
         return [
             patch(sub.original, replacement),
             wrap(hf_internals.POST_INIT_TARGET, adopt),
             wrap(hf_internals.CONVERSION_MAPPING_TARGET, with_conversions),
-            wrap(hf_internals.LOAD_STATE_TARGET, one_layout),
-            wrap(hf_internals.ZERO3_LOAD_STATE_TARGET, one_layout),
+            wrap(hf_internals.LOAD_STATE_TARGET, checked_load),
+            wrap(hf_internals.ZERO3_LOAD_STATE_TARGET, checked_load),
         ]
 
     def held(self, model: nn.Module) -> list[tuple[str, str]]:
