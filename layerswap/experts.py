@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from layerswap import hf_internals
 from layerswap.mlps import ACTIVATIONS
 from layerswap.trials import random_copy, relative_difference, without_hooks
+from layerswap.zero3 import is_partitioned
 
 __all__ = ["ExpertsSpec", "candidate_experts_classes", "classify", "is_experts_module"]
 
@@ -134,6 +135,12 @@ def classify(module: nn.Module) -> ExpertsSpec | str:
         return "its experts are not gated (act(up(x))): there is no product to fuse"
     if any(isinstance(child, nn.Dropout) for child in module.modules()):
         return "it holds a dropout"
+    if any(is_partitioned(param) for param in module.parameters()):
+        # its gate is read off its own weights, which this rank holds a slice of
+        return (
+            "its weights are partitioned by DeepSpeed ZeRO-3 (this rank holds a slice): "
+            "swap inside layerswap.use() while the model loads"
+        )
     spec = ExpertsSpec(
         kind="own",
         transposed=flags["is_transposed"],

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerswap.trials import one_tensor_input, random_copy, relative_difference
+from layerswap.zero3 import full_shape
 
 __all__ = [
     "GROUPED_KINDS",
@@ -208,14 +209,15 @@ def _structure(module: nn.Module) -> tuple[str | None, int | None]:
         others = ", ".join(sorted(set(params) - {"weight", "bias"}))
         return f"it holds parameters other than weight and bias ({others})", None
     weight = params.get("weight")
-    if weight is not None and weight.dim() != 1:
-        return f"its weight has shape {tuple(weight.shape)}, not one value per channel", None
+    shape = None if weight is None else full_shape(weight)  # ZeRO-3's whole shape
+    if shape is not None and len(shape) != 1:
+        return f"its weight has shape {tuple(shape)}, not one value per channel", None
     if dict(module.named_buffers()):
         return "it holds buffers", None
     reason = one_tensor_input(module)
     if reason is not None:
         return reason, None
-    width = weight.shape[0] if weight is not None else None
+    width = shape[0] if shape is not None else None
     return None, width
 
 

@@ -17,6 +17,8 @@ import re
 import torch
 from torch import nn
 
+from layerswap.zero3 import full_shape
+
 __all__ = [
     "not_built",
     "one_tensor_input",
@@ -53,7 +55,8 @@ def random_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     # the copy's parameters are made empty on the CPU (their values are drawn below)
     memo: dict[int, object] = {}
     for param in module.parameters():
-        empty = torch.empty(param.shape, dtype=torch.float32, device="cpu")
+        # a ZeRO-3 parameter's whole shape: its own is this rank's partition
+        empty = torch.empty(full_shape(param), dtype=torch.float32, device="cpu")
         memo[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
     for buffer in module.buffers():  # kept as they are (a constant the module computes with)
         memo[id(buffer)] = (

@@ -40,6 +40,7 @@ from layerswap import hf_internals
 
 __all__ = [
     "engine_hooked",
+    "full_shape",
     "gathered",
     "is_partitioned",
     "is_partitioning_hook",
@@ -53,6 +54,12 @@ _PARTITION_MODULE = "deepspeed.runtime.zero.partition_parameters"
 def is_partitioned(tensor: Any) -> bool:
     """Whether ``tensor`` is a ZeRO-3 parameter (its data may be this rank's slice only)."""
     return hasattr(tensor, "ds_id") and hasattr(tensor, "ds_shape")
+
+
+def full_shape(tensor: Any) -> torch.Size:
+    """``tensor``'s shape, or a ZeRO-3 parameter's whole shape (its own is this rank's
+    partition: ``(0,)`` outside a gather)."""
+    return torch.Size(tensor.ds_shape) if is_partitioned(tensor) else tensor.shape
 
 
 def engine_hooked(model: nn.Module) -> bool:

@@ -138,6 +138,16 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
             torch.equal(back[name], tensor) for name, tensor in initial.items()
         )
 
+        # the sub-layer slots read a partitioned model's modules by their whole shapes
+        for slot in ("mlp", "norm"):
+            try:
+                layerswap.swap(probe, f"llama.{slot}.fused").undo()
+                report[f"{slot}_swap"] = "undone"
+            except Exception as exc:
+                report[f"{slot}_swap"] = f"{type(exc).__name__}: {exc}"
+        back = _gathered_state(probe)
+        report["slots_bitwise"] = all(torch.equal(back[n], t) for n, t in initial.items())
+
         trained = _train_and_save(original, batch, out / "original")
         for label in ("loss", "after"):
             report[f"original_{label}"] = trained[label]
@@ -206,6 +216,8 @@ def test_zero3_loading_swapping_training_and_saving_match_the_original(tmp_path,
         assert report["head_gathered_loss"][0] == pytest.approx(report["head_gathered_loss"][1])
         assert "ZeRO-3" in report["refusal"] and "swap before" in report["refusal"]
         assert "mixes the original layout" in report["mixed_refusal"]
+        assert report["mlp_swap"] == report["norm_swap"] == "undone", report
+        assert report["slots_bitwise"]
     assert ranks[0]["original_loss"] != ranks[1]["original_loss"]  # each rank its own data
 
     # what each saved is the original layout, loadable by plain transformers, same values
