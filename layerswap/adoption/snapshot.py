@@ -15,9 +15,12 @@ hand-written patch) changes objects in place and keeps no record. To take its ch
   its class, the contents of ``_parameters``, ``_buffers``, ``_modules`` and the hook
   dictionaries; each tensor's version counter and storage (an in-place change of a weight
   cannot be taken back, and is refused);
-* a module imported for the first time while the function runs is copied as its import
-  finishes (:class:`SnapshotOnImport`), so the function's changes to a transformers
-  modeling module it imports itself are seen and taken back too; the module stays imported.
+* a module imported for the first time while the function runs is copied once the
+  outermost import under way finishes (:class:`SnapshotOnImport`), so the function's
+  changes to a transformers modeling module it imports itself are seen and taken back too;
+  the module stays imported. What that import did itself (a module it imported
+  registering into another, a name it rebound in a module imported before) is the
+  import's, not the function's: the copies take it as it stands then (:meth:`Snapshot.rebase`).
 
 Comparing the copy with what is there afterwards (:mod:`layerswap.adoption.changes`) gives
 each change the function made.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 import types
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -42,6 +46,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = [
+    "Checkpoint",
     "Contents",
     "FunctionState",
     "Owner",
@@ -211,6 +216,8 @@ class Snapshot:
     functions: dict[int, FunctionState] = field(default_factory=dict)
     modules: dict[str, Any] = field(default_factory=dict)
     tensors: list[TensorState] = field(default_factory=list)
+    #: the names the import system looked up while the function ran (found by a finder)
+    imported: set[str] = field(default_factory=set)
 
     def take(self) -> Snapshot:
         self.modules = dict(sys.modules)
@@ -222,6 +229,61 @@ class Snapshot:
         if self.model is not None:
             self._add_model(self.model)
         return self
+
+    def checkpoint(self) -> Checkpoint:
+        """What the copied places hold now (an import is about to run): :meth:`rebase`
+        takes what changed since as the state before the function."""
+        return Checkpoint(
+            entries={
+                key: entries
+                for key, owner in self.owners.items()
+                if (entries := _entries_now(owner.obj)) is not None
+            },
+            classes={key: type(owner.obj) for key, owner in self.owners.items() if owner.cls},
+            contents={key: Contents.copy_of(c.obj) for key, c in self.contents.items()},
+            functions={
+                key: FunctionState.parts_of(state.function) for key, state in self.functions.items()
+            },
+            modules=dict(sys.modules),
+        )
+
+    def rebase(self, then: Checkpoint) -> None:
+        """Take every change made since ``then`` (by an import and what it imported) as
+        the state before the function: an import's own doing is not the function's
+        change, and undoing it would break what the import set up (a pytree node
+        registered, a module's names filled in)."""
+        for key, owner in self.owners.items():
+            entries = then.entries.get(key)
+            if entries is not None:
+                _rebase_entries(owner.entries, entries, _entries_now(owner.obj) or {})
+            if key in then.classes and then.classes[key] is not type(owner.obj):
+                owner.cls = type(owner.obj)
+        for key, contents in self.contents.items():
+            if key in then.contents and not same_contents(contents.obj, then.contents[key]):
+                contents.before = _rebase_items(
+                    contents.obj,
+                    contents.before,
+                    then.contents[key],
+                    Contents.copy_of(contents.obj),
+                )
+        for key, state in self.functions.items():
+            parts = then.functions.get(key)
+            if parts is not None:
+                now = FunctionState.parts_of(state.function)
+                state.before = tuple(
+                    new if new is not old else before
+                    for before, old, new in zip(state.before, parts, now, strict=True)
+                )
+        _rebase_entries(self.modules, then.modules, dict(sys.modules))
+
+    def add_imported(self, executed: Sequence[tuple[str, Any]]) -> None:
+        """Copy the modules an import brought (``executed``: each module it ran, by its
+        spec's name; and whatever else is new in ``sys.modules``), as they stand now."""
+        for name, module in executed:
+            self.add_module(name, sys.modules.get(name, module))
+            self.add_module(name, module)  # a package may put another object in its place
+        for name, module in list(sys.modules.items()):
+            self.add_module(name, module)
 
     def watches(self, module_name: str) -> bool:
         return module_name in self.packages or module_name.startswith(self._prefixes)
@@ -311,6 +373,47 @@ class Snapshot:
             )
 
 
+@dataclass
+class Checkpoint:
+    """What the copied places held when an import began (:meth:`Snapshot.checkpoint`)."""
+
+    entries: dict[int, dict[str, Any]]
+    classes: dict[int, type]
+    contents: dict[int, Any]
+    functions: dict[int, tuple[Any, ...]]
+    modules: dict[str, Any]
+
+
+_ABSENT = object()
+
+
+def _rebase_entries(before: dict[str, Any], then: dict[str, Any], now: dict[str, Any]) -> None:
+    """Each name bound, rebound or removed between ``then`` and ``now``, so in ``before``."""
+    for name in [*then, *(key for key in now if key not in then)]:
+        old, new = then.get(name, _ABSENT), now.get(name, _ABSENT)
+        if old is new:
+            continue
+        if new is _ABSENT:
+            before.pop(name, None)
+        else:
+            before[name] = new
+
+
+def _rebase_items(obj: Any, before: Any, then: Any, now: Any) -> Any:
+    """A container's copy ``before`` with the changes made between ``then`` and ``now``:
+    a dict's items added, rebound and removed, in place and order; a set's items added
+    and removed; a list as it is now."""
+    if isinstance(obj, dict):
+        old, new = dict(then), dict(now)
+        changed = {key: value for key, value in now if old.get(key, _ABSENT) is not value}
+        gone = {key for key in old if key not in new}
+        kept = [(key, changed.pop(key, value)) for key, value in before if key not in gone]
+        return [*kept, *((key, value) for key, value in now if key in changed)]
+    if isinstance(obj, set):
+        return (before - (then - now)) | (now - then)
+    return now
+
+
 def _is_config(value: Any) -> bool:
     """A transformers config (read by what it has: this module imports no transformers)."""
     return hasattr(value, "model_type") and callable(getattr(value, "to_dict", None))
@@ -322,6 +425,14 @@ def _own_dict(obj: Any) -> dict[str, Any] | None:
     except Exception:
         return None
     return entries if isinstance(entries, dict) else None
+
+
+def _entries_now(obj: Any) -> dict[str, Any] | None:
+    """A copy of what a module's, class's or instance's own ``__dict__`` holds now."""
+    try:
+        return dict(object.__getattribute__(obj, "__dict__"))
+    except Exception:
+        return None
 
 
 def _plain_object(value: Any, snapshot: Snapshot) -> bool:
@@ -337,15 +448,22 @@ def _plain_object(value: Any, snapshot: Snapshot) -> bool:
 
 class SnapshotOnImport(importlib.abc.MetaPathFinder):
     """While active, each module imported for the first time is copied into ``snapshot``
-    as its import finishes (its code has run; nothing has patched it yet).
+    once the outermost import under way finishes: its code has run, and so has the code of
+    the modules it imported, which may register into it; nothing has patched it yet.
+    Whatever that import changed in modules copied before is taken as it stands then
+    (:meth:`Snapshot.rebase`): an import's own doing is not the function's.
 
     A finder in front of ``sys.meta_path`` that finds nothing itself: it asks the finders
-    behind it and wraps the loader of the spec found, so that ``exec_module`` copies the
-    module after running it. The module's ``__loader__`` is the real loader again after.
+    behind it and wraps the loader of the spec found, so that ``exec_module`` runs inside
+    the import's window. The module's ``__loader__`` is the real loader again after.
     """
 
     def __init__(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._then: Checkpoint | None = None
+        self._executed: list[tuple[str, Any]] = []
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
@@ -361,10 +479,34 @@ class SnapshotOnImport(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
+        self._snapshot.imported.add(spec.name)
         loader = spec.loader
         if loader is not None and hasattr(loader, "exec_module"):
-            spec.loader = _CopyingLoader(loader, self._snapshot)
+            spec.loader = _CopyingLoader(loader, self)
         return spec
+
+    def opening(self, name: str, module: types.ModuleType) -> None:
+        """A module's code is about to run: the outermost import's window opens."""
+        with self._lock:
+            if self._depth == 0:
+                then = self._snapshot.checkpoint()
+                # the import system put the module in sys.modules just before: the import's
+                if name not in self._snapshot.modules and then.modules.get(name) is module:
+                    del then.modules[name]
+                self._then = then
+            self._depth += 1
+
+    def closing(self, name: str, module: types.ModuleType) -> None:
+        """A module's code has run; the outermost one's end takes its changes as they are."""
+        with self._lock:
+            self._depth -= 1
+            self._executed.append((name, module))
+            if self._depth or self._then is None:
+                return
+            then, self._then = self._then, None
+            executed, self._executed = self._executed, []
+            self._snapshot.rebase(then)
+            self._snapshot.add_imported(executed)
 
     def __enter__(self) -> SnapshotOnImport:
         sys.meta_path.insert(0, self)
@@ -383,11 +525,11 @@ class SnapshotOnImport(importlib.abc.MetaPathFinder):
 
 
 class _CopyingLoader(importlib.abc.Loader):
-    """A loader that runs the real one, then copies the module it loaded."""
+    """A loader that runs the real one inside its finder's window (:class:`SnapshotOnImport`)."""
 
-    def __init__(self, loader: Any, snapshot: Snapshot) -> None:
+    def __init__(self, loader: Any, watch: SnapshotOnImport) -> None:
         self._self_loader = loader
-        self._self_snapshot = snapshot
+        self._self_watch = watch
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._self_loader, name)
@@ -399,6 +541,9 @@ class _CopyingLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         loader = self._self_loader
         spec = module.__spec__
+        # the spec's name: a module's own __name__ may be another (``_decimal``'s is "decimal")
+        name = spec.name if spec is not None else module.__name__
+        self._self_watch.opening(name, module)
         try:
             loader.exec_module(module)
         finally:
@@ -408,8 +553,4 @@ class _CopyingLoader(importlib.abc.Loader):
                 module.__loader__ = loader
             except Exception:
                 pass
-        # a package may put another object in its place (transformers' lazy modules)
-        loaded = sys.modules.get(module.__name__, module)
-        self._self_snapshot.add_module(module.__name__, loaded)
-        if loaded is not module:
-            self._self_snapshot.add_module(module.__name__, module)
+            self._self_watch.closing(name, module)

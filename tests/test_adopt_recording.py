@@ -1,0 +1,107 @@
+"""layerswap.adopt's recording: what a patch function changed, and only that, is recorded.
+
+An import the function runs is not its change (what the import did is taken as it
+stands when the outermost import ends).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+from fresh import run_json
+
+import layerswap
+
+# --- imports inside the patch function ----------------------------------------------------------
+
+
+def test_what_an_import_does_is_not_the_functions_change(make_module) -> None:
+    """A module the function imports imports another, which a third module imported later
+    in the same import registers into; the import also rebinds a name of a module imported
+    before. Only the function's own rebinding is its change: the registration and the
+    rebinding were credited to it, and undo took them back."""
+    existing = importlib.import_module(make_module("existing", "HOOK = 'original'\n"))
+    registry = make_module("registry", "HOOKS = None\n")
+    plugin = make_module("plugin", f"import {registry}\n{registry}.HOOKS = 'registered'\n")
+    user = make_module(
+        "user",
+        f"""
+        import {registry}
+        import {plugin}
+        import {existing.__name__}
+        {existing.__name__}.HOOK = 'set by the import'
+        def f():
+            return 1
+        """,
+    )
+
+    def import_and_patch() -> None:
+        module = importlib.import_module(user)
+        module.f = lambda: 2
+
+    with layerswap.adopt(import_and_patch, prove=False) as adoption:
+        assert sys.modules[user].f() == 2
+    assert adoption.changes == [f"{user}.f: rebound"], adoption.changes
+    assert sys.modules[user].f() == 1
+    assert sys.modules[registry].HOOKS == "registered"
+    assert existing.HOOK == "set by the import"
+
+
+def test_a_module_named_otherwise_than_its_spec_is_copied_by_its_spec(
+    make_module, tmp_path: Path
+) -> None:
+    """A module whose ``__name__`` is another module's (``_decimal``'s is "decimal"),
+    imported half-way through that module's import: the half-run module was copied as
+    the other's state before, and its later names were taken for the function's and
+    deleted by undo."""
+    outer = make_module("outer", "")
+    inner = make_module("inner", f"__name__ = {outer!r}\nVALUE = 1\n")
+    (tmp_path / f"{outer}.py").write_text(
+        f"from {inner} import *\nLATER = 'defined after the import'\n"
+    )
+
+    def import_it() -> None:
+        module = importlib.import_module(outer)
+        module.patched = True
+
+    with layerswap.adopt(import_it, prove=False) as adoption:
+        pass
+    assert adoption.changes == [f"{outer}.patched: added"], adoption.changes
+    assert sys.modules[outer].LATER == "defined after the import"
+    assert sys.modules[outer].VALUE == 1
+
+
+@pytest.mark.slow
+def test_a_patch_importing_its_modeling_module_in_a_fresh_process(tmp_path: Path) -> None:
+    """As Liger's ``apply_*`` does: the modeling module imported inside the function. It
+    recorded 117 changes (every name of ``decimal``, ``torch.ops``' namespaces ...), its
+    undo deleted ``decimal.Decimal``, and a model built after raised (a pytree node
+    registered twice); the proof refused the correct patch."""
+    found = run_json(
+        """
+        import json, sys, torch, layerswap
+        assert "transformers.models.llama.modeling_llama" not in sys.modules
+
+        def fast_rope():
+            from transformers.models.llama import modeling_llama
+            original = modeling_llama.apply_rotary_pos_emb
+            modeling_llama.apply_rotary_pos_emb = lambda *a, **k: original(*a, **k)
+
+        adoption = layerswap.adopt(fast_rope)
+        changes, proven = adoption.changes, adoption.proven
+        adoption.undo()
+        import decimal
+        family = layerswap.get_family("llama")
+        family.build(family.tiny_config())(torch.ones(1, 4, dtype=torch.long))
+        print(json.dumps([changes, proven, hasattr(decimal, "Decimal")]))
+        """,
+        tmp_path / "cache",
+    )
+    assert found == [
+        ["transformers.models.llama.modeling_llama.apply_rotary_pos_emb: rebound"],
+        "llama",
+        True,
+    ]
