@@ -11,9 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from fresh import run_json
+from torch import nn
+from transformers.models.llama import modeling_llama
 
 import layerswap
+from layerswap.errors import UnrecordableChangeError
 
 # --- imports inside the patch function ----------------------------------------------------------
 
@@ -105,3 +109,41 @@ def test_a_patch_importing_its_modeling_module_in_a_fresh_process(tmp_path: Path
         "llama",
         True,
     ]
+
+
+# --- a model's weights changed in place -------------------------------------------------------
+
+
+@pytest.mark.parametrize("prove", [False, None])
+@pytest.mark.parametrize("how", ["scaled", "reversed"])
+def test_a_weight_changed_through_data_is_refused(how: str, prove: bool | None) -> None:
+    """``.data`` has a version counter of its own: a weight scaled (or its values moved)
+    through it was neither refused nor taken back, and the adoption reported 0 changes."""
+    family = layerswap.get_family("llama")
+    model = family.build(family.tiny_config(), seed=0)
+    original = modeling_llama.LlamaRMSNorm
+
+    def change_weight(model: nn.Module) -> None:
+        modeling_llama.LlamaRMSNorm = type("Norm", (original,), {})
+        data = model.model.norm.weight.data
+        data.mul_(1.5) if how == "scaled" else data.copy_(data.flip(0))
+
+    with torch.no_grad():
+        weight = model.model.norm.weight
+        weight.copy_(torch.arange(float(weight.numel())))  # its values told apart
+    with pytest.raises(UnrecordableChangeError, match=r"model\.norm\.weight .*through \.data"):
+        layerswap.adopt(change_weight, model=model, prove=prove)
+    assert modeling_llama.LlamaRMSNorm is original
+
+
+def test_a_weight_left_as_it_was_is_not_refused() -> None:
+    family = layerswap.get_family("llama")
+    model = family.build(family.tiny_config(), seed=0)
+
+    def rewrite_the_same(model: nn.Module) -> None:
+        data = model.model.norm.weight.data
+        data.copy_(data.clone())
+        model.model.norm.patched = True
+
+    with layerswap.adopt(rewrite_the_same, model=model, prove=False) as adoption:
+        assert adoption.changes == ["model.norm.patched: added"]

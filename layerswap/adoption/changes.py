@@ -17,7 +17,7 @@ original model with the changes taken back for the time of a call):
 * :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed (modules
   imported for the first time stay).
 
-What cannot be taken back (a model's tensor changed in place) is listed by
+What cannot be taken back (a model's tensor changed in place, through ``.data`` too) is listed by
 :func:`find_changes` as unrecordable, by name: the adoption is refused.
 
 Example::
@@ -352,7 +352,9 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
         if now is not module:
             changes.append(ModuleTableChange(name, module, now))
     unrecordable = [
-        f"{state.where} (a tensor of the model, changed in place)"
+        f"{state.where} (a tensor of the model, changed in place"
+        + ("" if state.moved() else " through .data or another tensor sharing its storage")
+        + ")"
         for state in snapshot.tensors
         if state.changed()
     ]

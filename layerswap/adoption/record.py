@@ -23,7 +23,8 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from layerswap.adoption.changes import Change, find_changes
-from layerswap.adoption.snapshot import Snapshot, SnapshotOnImport, watched_packages
+from layerswap.adoption.importing import SnapshotOnImport
+from layerswap.adoption.snapshot import Snapshot, watched_packages
 from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
 from layerswap.patching.undo import UndoLog
 

@@ -13,10 +13,11 @@ hand-written patch) changes objects in place and keeps no record. To take its ch
   held there (an interface instance with its own mapping);
 * for a given model, every submodule: its ``__dict__`` (``forward`` bound per instance),
   its class, the contents of ``_parameters``, ``_buffers``, ``_modules`` and the hook
-  dictionaries; each tensor's version counter and storage (an in-place change of a weight
-  cannot be taken back, and is refused);
+  dictionaries; each tensor's version counter, storage and a fingerprint of its bytes (an
+  in-place change of a weight, through ``.data`` too, cannot be taken back, and is refused);
 * a module imported for the first time while the function runs is copied once the
-  outermost import under way finishes (:class:`SnapshotOnImport`), so the function's
+  outermost import under way finishes
+  (:class:`~layerswap.adoption.importing.SnapshotOnImport`), so the function's
   changes to a transformers modeling module it imports itself are seen and taken back too;
   the module stays imported. What that import did itself (a module it imported
   registering into another, a name it rebound in a module imported before) is the
@@ -27,22 +28,18 @@ each change the function made.
 
 Example::
 
-    snapshot = Snapshot(("transformers", "torch.nn", "my_patches"), model)
-    with SnapshotOnImport(snapshot):
+    snapshot = Snapshot(("transformers", "torch.nn", "my_patches"), model).take()
+    with SnapshotOnImport(snapshot):          # layerswap.adoption.importing
         apply_patch(model=model)
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
-import threading
 import types
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 __all__ = [
@@ -53,7 +50,6 @@ __all__ = [
     "refill",
     "same_contents",
     "Snapshot",
-    "SnapshotOnImport",
     "TensorState",
     "watched_packages",
 ]
@@ -192,16 +188,69 @@ class FunctionState:
 
 @dataclass
 class TensorState:
-    """A parameter or buffer of the model: its version counter and storage."""
+    """A parameter or buffer of the model: its version counter, storage and contents."""
 
     where: str
     tensor: Any
     version: int
     pointer: int
+    #: what :func:`fingerprint` read then (``None``: unreadable, a meta tensor)
+    contents: Any = None
 
-    def changed(self) -> bool:
+    @classmethod
+    def of(cls, where: str, tensor: Any) -> TensorState:
+        return cls(where, tensor, tensor._version, tensor.data_ptr(), fingerprint(tensor))
+
+    def moved(self) -> bool:
+        """Changed in place through the tensor itself (its version counter or storage)."""
         tensor = self.tensor
         return bool(tensor._version != self.version or tensor.data_ptr() != self.pointer)
+
+    def changed(self) -> bool:
+        """:meth:`moved`, or its contents changed through another view (``.data``, whose
+        version counter is its own)."""
+        if self.moved():
+            return True
+        if self.contents is None:
+            return False
+        import torch
+
+        now = fingerprint(self.tensor)
+        return now is None or not torch.equal(now, self.contents)
+
+
+#: how many sums of consecutive stretches a tensor's fingerprint holds
+_STRETCHES = 1024
+
+
+def fingerprint(tensor: Any) -> Any:
+    """The tensor's bytes read as 64-bit integers, summed per stretch (about
+    :data:`_STRETCHES` of them, and the bytes left over): a small tensor on the tensor's
+    device. A value changed, or moved to another stretch, changes it. One read of the
+    bytes, without a copy where the tensor is contiguous and 8-byte aligned (sums wrap
+    around, in any order the same); ``None`` where it cannot be read (a meta tensor, a
+    tensor subclass without a storage of its own)."""
+    try:
+        import torch
+
+        data = tensor.detach()
+        if data.device.type == "meta":
+            return None
+        raw = data.contiguous().reshape(-1).view(torch.uint8)
+        whole = raw.numel() // 8 * 8
+        if (raw.storage_offset() % 8) != 0:
+            raw = raw.clone()
+        words = raw[:whole].view(torch.int64)
+        size = max(words.numel() // _STRETCHES, 1)  # a small tensor: each word its own
+        count = words.numel() // size * size
+        parts = [
+            words[:count].view(-1, size).sum(1),
+            words[count:].sum().reshape(1),
+            raw[whole:].to(torch.int64).sum().reshape(1),
+        ]
+        return torch.cat(parts)
+    except Exception:
+        return None
 
 
 @dataclass
@@ -349,14 +398,8 @@ class Snapshot:
             for kind in ("_parameters", "_buffers"):
                 for name, tensor in module.__dict__.get(kind, {}).items():
                     if tensor is not None:
-                        self.tensors.append(
-                            TensorState(
-                                f"{where}.{name}" if qualname else name,
-                                tensor,
-                                tensor._version,
-                                tensor.data_ptr(),
-                            )
-                        )
+                        named = f"{where}.{name}" if qualname else name
+                        self.tensors.append(TensorState.of(named, tensor))
 
     def _add_configs(self, model: Any) -> None:
         """The model's config and the configs it holds (a wrapper's text config): a patch
@@ -444,113 +487,3 @@ def _plain_object(value: Any, snapshot: Snapshot) -> bool:
         return False
     module = getattr(type(value), "__module__", "") or ""
     return snapshot.watches(module) and _own_dict(value) is not None
-
-
-class SnapshotOnImport(importlib.abc.MetaPathFinder):
-    """While active, each module imported for the first time is copied into ``snapshot``
-    once the outermost import under way finishes: its code has run, and so has the code of
-    the modules it imported, which may register into it; nothing has patched it yet.
-    Whatever that import changed in modules copied before is taken as it stands then
-    (:meth:`Snapshot.rebase`): an import's own doing is not the function's.
-
-    A finder in front of ``sys.meta_path`` that finds nothing itself: it asks the finders
-    behind it and wraps the loader of the spec found, so that ``exec_module`` runs inside
-    the import's window. The module's ``__loader__`` is the real loader again after.
-    """
-
-    def __init__(self, snapshot: Snapshot) -> None:
-        self._snapshot = snapshot
-        self._lock = threading.RLock()
-        self._depth = 0
-        self._then: Checkpoint | None = None
-        self._executed: list[tuple[str, Any]] = []
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        for finder in list(sys.meta_path):
-            if finder is self:
-                continue
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        self._snapshot.imported.add(spec.name)
-        loader = spec.loader
-        if loader is not None and hasattr(loader, "exec_module"):
-            spec.loader = _CopyingLoader(loader, self)
-        return spec
-
-    def opening(self, name: str, module: types.ModuleType) -> None:
-        """A module's code is about to run: the outermost import's window opens."""
-        with self._lock:
-            if self._depth == 0:
-                then = self._snapshot.checkpoint()
-                # the import system put the module in sys.modules just before: the import's
-                if name not in self._snapshot.modules and then.modules.get(name) is module:
-                    del then.modules[name]
-                self._then = then
-            self._depth += 1
-
-    def closing(self, name: str, module: types.ModuleType) -> None:
-        """A module's code has run; the outermost one's end takes its changes as they are."""
-        with self._lock:
-            self._depth -= 1
-            self._executed.append((name, module))
-            if self._depth or self._then is None:
-                return
-            then, self._then = self._then, None
-            executed, self._executed = self._executed, []
-            self._snapshot.rebase(then)
-            self._snapshot.add_imported(executed)
-
-    def __enter__(self) -> SnapshotOnImport:
-        sys.meta_path.insert(0, self)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-
-
-class _CopyingLoader(importlib.abc.Loader):
-    """A loader that runs the real one inside its finder's window (:class:`SnapshotOnImport`)."""
-
-    def __init__(self, loader: Any, watch: SnapshotOnImport) -> None:
-        self._self_loader = loader
-        self._self_watch = watch
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._self_loader, name)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        module: types.ModuleType | None = self._self_loader.create_module(spec)
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        loader = self._self_loader
-        spec = module.__spec__
-        # the spec's name: a module's own __name__ may be another (``_decimal``'s is "decimal")
-        name = spec.name if spec is not None else module.__name__
-        self._self_watch.opening(name, module)
-        try:
-            loader.exec_module(module)
-        finally:
-            if spec is not None:
-                spec.loader = loader
-            try:
-                module.__loader__ = loader
-            except Exception:
-                pass
-            self._self_watch.closing(name, module)
