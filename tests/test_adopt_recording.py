@@ -7,7 +7,10 @@ stands when the outermost import ends).
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,125 @@ def test_a_weight_left_as_it_was_is_not_refused() -> None:
 
     with layerswap.adopt(rewrite_the_same, model=model, prove=False) as adoption:
         assert adoption.changes == ["model.norm.patched: added"]
+
+
+# --- process-wide state ------------------------------------------------------------------------
+
+
+def _switches() -> list[object]:
+    matmul = torch.backends.cuda.matmul
+    return [
+        matmul.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.get_num_threads(),
+        torch.get_default_dtype(),
+    ]
+
+
+def test_torch_switches_the_environment_and_sys_modules_are_recorded_and_undone(
+    monkeypatch: pytest.MonkeyPatch, make_module
+) -> None:
+    """None of these was recorded: the adoption reported no change and undo left them
+    all as the function set them (a module the function put in ``sys.modules`` itself,
+    and on a package imported before, too)."""
+    monkeypatch.setenv("LS_ADOPT_REMOVED", "before")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    switches = _switches()
+    threads, storage = torch.get_num_threads(), torch.Storage
+    package = importlib.import_module(make_module("package", ""))
+    fake = types.ModuleType("ls_fake_flash_attn")
+    fake.__spec__ = importlib.machinery.ModuleSpec(fake.__name__, None)
+
+    def process_wide() -> None:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+        torch.backends.mkldnn.enabled = False
+        torch.set_float32_matmul_precision("medium")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.set_num_threads(threads + 1)
+        torch.set_default_dtype(torch.float64)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        del os.environ["LS_ADOPT_REMOVED"]
+        sys.modules[fake.__name__] = fake
+        sys.modules[f"{package.__name__}.ops"] = fake
+        package.ops = fake  # as an import binds a submodule
+
+    try:
+        with layerswap.adopt(process_wide, prove=False) as adoption:
+            assert torch.get_default_dtype() is torch.float64
+            report = adoption.report()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for line in (
+        "torch.backends.cuda.matmul.allow_tf32: False -> True",
+        "torch.get_float32_matmul_precision(): 'highest' -> 'medium'",
+        "torch.backends.cudnn.benchmark: False -> True",
+        "torch.backends.mkldnn.enabled: True -> False",
+        "torch.are_deterministic_algorithms_enabled(): False -> True",
+        "torch.is_deterministic_algorithms_warn_only_enabled(): False -> True",
+        "torch.backends.cuda.flash_sdp_enabled(): True -> False",
+        f"torch.get_num_threads(): {threads} -> {threads + 1}",
+        "torch.get_default_dtype(): torch.float32 -> torch.float64",
+        "os.environ['TOKENIZERS_PARALLELISM']: added",
+        "os.environ['LS_ADOPT_REMOVED']: removed",
+        "sys.modules['ls_fake_flash_attn']: added",
+        f"sys.modules['{package.__name__}.ops']: added",
+        f"{package.__name__}.ops: added",
+    ):
+        assert f"  {line}" in report, report
+    assert "'false'" not in report  # an environment variable's value is not shown
+    assert "torch.Storage" not in report  # set_default_dtype's, set back with it
+    assert _switches() == switches and torch.Storage is storage
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
+    assert os.environ["LS_ADOPT_REMOVED"] == "before"
+    assert fake.__name__ not in sys.modules and f"{package.__name__}.ops" not in sys.modules
+    assert not hasattr(package, "ops")
+
+
+def test_switches_are_set_back_inside_a_suspended_window_and_made_again_after() -> None:
+    from layerswap.adoption.record import record
+
+    def high_precision() -> None:
+        torch.set_float32_matmul_precision("high")
+
+    recording, _ = record(high_precision, (), {})
+    try:
+        assert torch.get_float32_matmul_precision() == "high"
+        with recording.suspended():
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert not torch.backends.cuda.matmul.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        recording.undo()
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.backends.cuda.matmul.fp32_precision in ("none", "ieee")
+
+
+@pytest.mark.slow
+def test_deterministic_algorithms_switched_on_in_a_fresh_process(tmp_path: Path) -> None:
+    """``use_deterministic_algorithms`` imports torch's expanded-weights module, which
+    fills ``HANDLED_FUNCTIONS``: undo emptied it, and left the switch on."""
+    found = run_json(
+        """
+        import json, torch, layerswap
+
+        def deterministic():
+            torch.use_deterministic_algorithms(True)
+
+        with layerswap.adopt(deterministic, prove=False) as adoption:
+            changes = adoption.changes
+        from torch.nn.utils._expanded_weights import expanded_weights_impl as impl
+        print(json.dumps(
+            [changes, torch.are_deterministic_algorithms_enabled(), len(impl.HANDLED_FUNCTIONS)]
+        ))
+        """,
+        tmp_path / "cache",
+    )
+    changes, enabled, handled = found
+    assert changes == ["torch.are_deterministic_algorithms_enabled(): False -> True"]
+    assert not enabled and handled > 0

@@ -14,8 +14,11 @@ original model with the changes taken back for the time of a call):
   back item by item, in order, the container object kept;
 * :class:`ClassChange`: an instance given another class, and :class:`FunctionChange`: a
   function's ``__code__`` or defaults replaced in place: engine layers as a rebinding is;
-* :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed (modules
-  imported for the first time stay).
+* :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed, or added
+  by the function itself (modules imported for the first time stay);
+* :class:`SwitchChange`: one of torch's process-wide switches set (``allow_tf32``, the
+  float32 matmul precision, deterministic algorithms ...), set back through torch's
+  setters, and :class:`EnvironmentChange`: a variable of ``os.environ`` set or removed.
 
 What cannot be taken back (a model's tensor changed in place, through ``.data`` too) is listed by
 :func:`find_changes` as unrecordable, by name: the adoption is refused.
@@ -32,6 +35,7 @@ import sys
 import types
 from typing import Any
 
+from layerswap.adoption.process import Switches, set_environ
 from layerswap.adoption.snapshot import (
     FUNCTION_PARTS,
     Contents,
@@ -50,10 +54,12 @@ __all__ = [
     "ClassChange",
     "ContentsChange",
     "Deletion",
+    "EnvironmentChange",
     "FunctionChange",
     "ItemChange",
     "ModuleTableChange",
     "Rebinding",
+    "SwitchChange",
     "find_changes",
 ]
 
@@ -317,21 +323,59 @@ class FunctionChange(_Layered):
 
 
 class ModuleTableChange(Change):
-    """``sys.modules[name]`` replaced or removed."""
+    """``sys.modules[name]`` replaced, removed, or added (``old``: ``NOTSET``) by the
+    function itself, not by an import."""
 
     def __init__(self, name: str, old: Any, new: Any) -> None:
         self.name, self.old, self.new = name, old, new
         self.where = f"sys.modules[{name!r}]"
-        self.what = "removed" if new is NOTSET else "replaced"
+        self.what = "removed" if new is NOTSET else "added" if old is NOTSET else "replaced"
 
     def revert(self) -> None:
-        sys.modules[self.name] = self.old
+        self._put(self.old)
 
     def apply(self) -> None:
-        if self.new is NOTSET:
+        self._put(self.new)
+
+    def _put(self, module: Any) -> None:
+        if module is NOTSET:
             sys.modules.pop(self.name, None)
         else:
-            sys.modules[self.name] = self.new
+            sys.modules[self.name] = module
+
+
+class SwitchChange(Change):
+    """One reading of a group of torch's switches changed (``index``: which); the group
+    is set back whole, through torch's setters (its switches are linked)."""
+
+    def __init__(
+        self, group: Switches, before: tuple[Any, ...], after: tuple[Any, ...], index: int
+    ) -> None:
+        self.group, self.before, self.after = group, before, after
+        self.where = group.names[index]
+        self.what = f"{before[index]!r} -> {after[index]!r}"
+
+    def revert(self) -> None:
+        self.group.write(self.before)
+
+    def apply(self) -> None:
+        self.group.write(self.after)
+
+
+class EnvironmentChange(Change):
+    """``os.environ[name]`` set, changed or removed (``None``: unset). The values are not
+    shown: a variable may hold a secret."""
+
+    def __init__(self, name: str, old: str | None, new: str | None) -> None:
+        self.name, self.old, self.new = name, old, new
+        self.where = f"os.environ[{name!r}]"
+        self.what = "added" if old is None else "removed" if new is None else "changed"
+
+    def revert(self) -> None:
+        set_environ(self.name, self.old)
+
+    def apply(self) -> None:
+        set_environ(self.name, self.new)
 
 
 def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
@@ -339,7 +383,7 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
     back (by name)."""
     changes: list[Change] = []
     for owner in list(snapshot.owners.values()):
-        changes.extend(_owner_changes(owner, snapshot.modules))
+        changes.extend(_owner_changes(owner, snapshot))
     for contents in list(snapshot.contents.values()):
         if not contents.unchanged():
             kind = ItemChange if ItemChange.expressible(contents) else ContentsChange
@@ -351,6 +395,16 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
         now = sys.modules.get(name, NOTSET)
         if now is not module:
             changes.append(ModuleTableChange(name, module, now))
+    changes.extend(
+        ModuleTableChange(name, NOTSET, module)
+        for name, module in list(sys.modules.items())
+        if name not in snapshot.modules and name not in snapshot.imported
+    )
+    switched = snapshot.process.changed()
+    # a name torch rebinds with a switch (torch.Storage) is set back with the switch
+    rebound = {name for group, _, _ in switched for name in group.rebinds}
+    changes = [c for c in changes if not (isinstance(c, Rebinding) and c.where in rebound)]
+    changes.extend(_process_changes(snapshot, switched))
     unrecordable = [
         f"{state.where} (a tensor of the model, changed in place"
         + ("" if state.moved() else " through .data or another tensor sharing its storage")
@@ -361,7 +415,23 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
     return changes, unrecordable
 
 
-def _owner_changes(owner: Owner, modules: dict[str, Any]) -> list[Change]:
+def _process_changes(
+    snapshot: Snapshot, switched: list[tuple[Switches, tuple[Any, ...], tuple[Any, ...]]]
+) -> list[Change]:
+    """torch's switches set (``switched``) and ``os.environ``'s variables set or removed."""
+    found: list[Change] = [
+        SwitchChange(group, before, after, index)
+        for group, before, after in switched
+        for index in range(len(before))
+        if before[index] != after[index]
+    ]
+    found += [
+        EnvironmentChange(name, old, new) for name, old, new in snapshot.process.environ_changed()
+    ]
+    return found
+
+
+def _owner_changes(owner: Owner, snapshot: Snapshot) -> list[Change]:
     obj = owner.obj
     try:
         now = dict(object.__getattribute__(obj, "__dict__"))
@@ -371,7 +441,7 @@ def _owner_changes(owner: Owner, modules: dict[str, Any]) -> list[Change]:
     before = owner.entries
     for name in [*before, *(key for key in now if key not in before)]:
         old, new = before.get(name, NOTSET), now.get(name, NOTSET)
-        if old is new or name in _BOOKKEEPING or _import_binding(obj, name, new, modules):
+        if old is new or name in _BOOKKEEPING or _import_binding(owner, name, new, snapshot):
             continue
         if new is NOTSET:
             found.append(Deletion(obj, name, old, owner.where))
@@ -382,16 +452,17 @@ def _owner_changes(owner: Owner, modules: dict[str, Any]) -> list[Change]:
     return found
 
 
-def _import_binding(owner: Any, name: str, value: Any, modules: dict[str, Any]) -> bool:
+def _import_binding(owner: Owner, name: str, value: Any, snapshot: Snapshot) -> bool:
     """Whether ``owner.name = value`` is the import system's: a package given its
     submodule on import (taken back, ``owner.name`` would fail while the module is in
-    ``sys.modules``). Not where the function put that module in ``sys.modules`` in place
-    of another (``modules``: ``sys.modules`` before it): the package's name for it is
-    then the function's change too, taken back with the table's."""
-    if not isinstance(owner, types.ModuleType) or not isinstance(value, types.ModuleType):
+    ``sys.modules``). Not where the function put that module in ``sys.modules`` itself,
+    in place of another or as a new entry: the package's name for it is then the
+    function's change too, taken back with the table's."""
+    if not isinstance(owner.obj, types.ModuleType) or not isinstance(value, types.ModuleType):
         return False
-    full = f"{owner.__name__}.{name}"
+    full = f"{owner.where}.{name}"
     if sys.modules.get(full) is not value:
         return False
-    before = modules.get(full, NOTSET)
-    return before is NOTSET or before is value
+    # the table before the function, with what each import added
+    before = snapshot.modules.get(full, NOTSET)
+    return before is value or (before is NOTSET and full in snapshot.imported)

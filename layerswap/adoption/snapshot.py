@@ -4,7 +4,9 @@ A patch function (Liger-Kernel's ``apply_liger_kernel_to_llama``, a training rep
 hand-written patch) changes objects in place and keeps no record. To take its changes back,
 :mod:`layerswap.adoption.record` copies, before it runs, every place it can write:
 
-* every module of ``sys.modules``: its ``__dict__``, shallowly (a few milliseconds);
+* every module of ``sys.modules``: its ``__dict__``, shallowly (a few milliseconds), and
+  the table itself;
+* torch's process-wide switches and ``os.environ`` (:mod:`layerswap.adoption.process`);
 * in the *watched* packages (transformers, ``torch.nn``, the patch function's own
   package): the ``__dict__`` of each class a module defines, the contents of each dict,
   list or set held by a module or class attribute (a registry such as ``ACT2FN`` or
@@ -41,6 +43,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from layerswap.adoption.process import ProcessState
 
 __all__ = [
     "Checkpoint",
@@ -267,8 +271,11 @@ class Snapshot:
     tensors: list[TensorState] = field(default_factory=list)
     #: the names the import system looked up while the function ran (found by a finder)
     imported: set[str] = field(default_factory=set)
+    #: torch's process-wide switches and the environment
+    process: ProcessState = field(default_factory=ProcessState)
 
     def take(self) -> Snapshot:
+        self.process = ProcessState.take()
         self.modules = dict(sys.modules)
         for name, module in list(self.modules.items()):
             self.add_module(name, module)
@@ -294,6 +301,7 @@ class Snapshot:
                 key: FunctionState.parts_of(state.function) for key, state in self.functions.items()
             },
             modules=dict(sys.modules),
+            process=ProcessState.take(),
         )
 
     def rebase(self, then: Checkpoint) -> None:
@@ -324,6 +332,7 @@ class Snapshot:
                     for before, old, new in zip(state.before, parts, now, strict=True)
                 )
         _rebase_entries(self.modules, then.modules, dict(sys.modules))
+        self.process.rebase(then.process)
 
     def add_imported(self, executed: Sequence[tuple[str, Any]]) -> None:
         """Copy the modules an import brought (``executed``: each module it ran, by its
@@ -425,6 +434,7 @@ class Checkpoint:
     contents: dict[int, Any]
     functions: dict[int, tuple[Any, ...]]
     modules: dict[str, Any]
+    process: ProcessState
 
 
 _ABSENT = object()
