@@ -5,7 +5,8 @@ runs it, finds what it changed (:mod:`layerswap.adoption.changes`) and keeps eac
 an :class:`~layerswap.patching.undo.UndoLog`: :meth:`Recording.undo` takes them back, newest
 first. The function raising half-way takes back what it had done so far and re-raises;
 a change that cannot be taken back (a model's tensor changed in place) takes back the rest
-and raises :class:`~layerswap.errors.UnrecordableChangeError` naming it.
+and raises :class:`~layerswap.errors.UnrecordableChangeError` naming it; a function that
+changed nothing recorded raises :class:`~layerswap.errors.NoChangeError`.
 
 Example::
 
@@ -25,7 +26,7 @@ from typing import Any
 from layerswap.adoption.changes import Change, find_changes
 from layerswap.adoption.importing import SnapshotOnImport
 from layerswap.adoption.snapshot import Snapshot, watched_packages
-from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
+from layerswap.errors import NoChangeError, PatchConflictWarning, UnrecordableChangeError
 from layerswap.patching.undo import UndoLog
 
 __all__ = ["Recording", "exclusive", "record"]
@@ -150,6 +151,13 @@ def record(
                 + _not_back(failed)
                 + ". A patch function may rebind names, classes and instances' attributes, "
                 "not change a model's weights in place"
+            )
+        if not changes:
+            raise NoChangeError(
+                f"{name} changed nothing layerswap records: no module, class or instance "
+                "attribute, registry item, sys.modules entry, torch switch or environment "
+                "variable. A patch that did nothing is not adopted: check what it was "
+                "called with, and that it still finds what it patches"
             )
         return Recording(name, changes), result
 
