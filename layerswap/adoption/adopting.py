@@ -321,14 +321,15 @@ def _no_family(model: nn.Module | None, config: PreTrainedConfig | None) -> str:
 
 
 def _modeling_types(recording: Recording) -> set[str]:
-    """The model types whose transformers modeling module the recording changed."""
+    """The model types whose transformers modeling or configuration module the recording
+    changed (a config class's ``__post_init__`` changes every model built from it)."""
     found = set()
     for change in recording.changes:
-        # transformers.models.<family>.modeling_<family>.<name>: not the auto mappings'
-        # or a lazy package's caches
+        # transformers.models.<family>.modeling_<family>.<name> (or configuration_):
+        # not the auto mappings' or a lazy package's caches
         parts = change.where.split(".")
-        modeling = len(parts) > 4 and parts[3] == f"modeling_{parts[2]}"
-        if modeling and parts[:2] == ["transformers", "models"]:
+        own = len(parts) > 4 and parts[3] in (f"modeling_{parts[2]}", f"configuration_{parts[2]}")
+        if own and parts[:2] == ["transformers", "models"] and parts[2] != "auto":
             found.add(parts[2])
     return found
 
@@ -347,14 +348,15 @@ def _prove_in_place(
     config: PreTrainedConfig | None,
     placement: Placement,
 ) -> tuple[str, ...]:
-    """Prove the class-level changes of ``recording``: the tiny original built with them
-    taken back, the candidate built with them, holding the original's weights; in
-    ``placement``'s dtype and under its autocast too."""
-    tiny = tiny_config(family, config)
+    """Prove the class-level changes of ``recording``: the tiny original (its config too)
+    built with them taken back, the candidate built with them, holding the original's
+    weights; in ``placement``'s dtype and under its autocast too."""
     with exclusive():
+        # the configs too: a patch of the config class (its ``__post_init__``) changes
+        # every model built from one, and the original's must be built without it
         with recording.suspended():
-            reference = family.build(tiny, seed=0).to(_device())
-        candidate = family.build(tiny, seed=0).to(_device())
+            reference = family.build(tiny_config(family, config), seed=0).to(_device())
+        candidate = family.build(tiny_config(family, config), seed=0).to(_device())
         try:
             candidate.load_state_dict(reference.state_dict())
         except RuntimeError as exc:
