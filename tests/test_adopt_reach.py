@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from transformers.models.llama import configuration_llama
+import torch
+from torch import nn
+from transformers.models.llama import configuration_llama, modeling_llama
 
 import layerswap
 from layerswap.errors import PatchDivergenceError
@@ -39,3 +41,39 @@ def test_a_patch_of_the_config_class_is_refused(given: str) -> None:
     assert refused.value.layer == "model.layers.0"
     assert configuration_llama.LlamaConfig.__post_init__ is _POST_INIT
     assert family.tiny_config().rms_norm_eps != 0.1
+
+
+class _FastRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        return nn.functional.rms_norm(x, shape, self.weight, self.variance_epsilon)
+
+
+def _forgot_epsilon(model: Any = None) -> None:
+    modeling_llama.LlamaRMSNorm = lambda hidden_size, eps=1e-6: _FastRMSNorm(hidden_size, 0.1)
+
+
+def _fast_norm(model: Any = None) -> None:
+    modeling_llama.LlamaRMSNorm = _FastRMSNorm
+
+
+def test_a_wrong_class_rebinding_adopted_with_a_model_is_refused() -> None:
+    """Given ``model=``, a rebound constructor runs only in models built after the patch,
+    which the proof's copy (built before) is not: the class-level changes are proven as
+    without a model too, a tiny model built with them against one built without. The
+    user's model is left as it was; a right rebinding is still proven."""
+    family = layerswap.get_family("llama")
+    model = family.build(seed=0)
+    original = modeling_llama.LlamaRMSNorm
+    with pytest.raises(PatchDivergenceError, match="forward on a left-padded batch") as refused:
+        layerswap.adopt(_forgot_epsilon, model=model)
+    assert refused.value.layer == "model.layers.0"
+    assert modeling_llama.LlamaRMSNorm is original
+    with layerswap.adopt(_fast_norm, model=model) as adoption:
+        assert adoption.proven == "llama"
+        assert isinstance(family.build().model.norm, _FastRMSNorm)

@@ -375,14 +375,69 @@ def _prove_on_copy(
     config: PreTrainedConfig,
     placement: Placement,
 ) -> tuple[str, ...]:
-    """Prove ``fn`` applied to a tiny model (in place of the user's): recorded, checked
-    against an untouched copy, taken back; in ``placement``'s dtype and under its
-    autocast too."""
+    """Prove ``fn`` applied to a tiny model (in place of the user's): recorded, checked against an untouched copy, taken back; in ``placement``'s
+    dtype and under its autocast too. Where it changes more than the copy's own objects
+    (a class, a module's name, a registry), those changes are proven as without a model
+    too: a model built with them against one built without (a class rebound runs only
+    in a model built after it)."""
     reference = family.build(tiny_config(family, config), seed=0).to(_device())
     candidate = copy.deepcopy(reference)
     recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
     try:
         with exclusive():
-            return check_patch(recording, reference, candidate, placement.dtype, placement.autocast)
+            checks = check_patch(
+                recording, reference, candidate, placement.dtype, placement.autocast
+            )
+        _, shared = _instance_changes(recording, candidate)
+        if shared:
+            built = _prove_in_place(recording, family, config, placement)
+            checks = (*checks, *(check for check in built if check not in checks))
+        return checks
     finally:
         recording.undo()
+
+
+def _instance_changes(
+    recording: Recording, model: nn.Module
+) -> tuple[set[tuple[str, str]], list[Change]]:
+    """The places of ``model``'s own objects (its modules, the containers they hold, its
+    configs) ``recording`` changed, as ``(path, what)`` (the path under the base model:
+    a causal LM's ``model.layers.4.mlp`` and a base model's ``layers.4.mlp`` are one),
+    and the changes to anything else (classes, modules, registries)."""
+    places = _places(model)
+    own: set[tuple[str, str]] = set()
+    shared: list[Change] = []
+    for change in recording.changes:
+        target = getattr(change, "owner", getattr(change, "obj", None))
+        path = places.get(id(target)) if target is not None else None
+        if path is None:
+            shared.append(change)
+        else:
+            own.add((path, f"{type(change).__name__} {change.where.rsplit('.', 1)[-1]}"))
+    return own, shared
+
+
+def _places(model: nn.Module) -> dict[int, str]:
+    """``id`` of each of ``model``'s own objects -> its path (:func:`_instance_changes`)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    nested = bool(prefix) and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    found: dict[int, str] = {}
+    for qualname, module in model.named_modules():
+        if nested and (qualname == prefix or qualname.startswith(f"{prefix}.")):
+            path = qualname[len(prefix) + 1 :]
+        else:
+            path = f"^{qualname}" if nested else qualname
+        found.setdefault(id(module), path)
+        for value in vars(module).values():
+            if isinstance(value, dict | list | set):
+                found.setdefault(id(value), path)
+    waiting = [("config", getattr(model, "config", None))]
+    while waiting:
+        path, config = waiting.pop()
+        if config is None or id(config) in found:
+            continue
+        found[id(config)] = path
+        for name, value in vars(config).items():
+            if hasattr(value, "model_type") and callable(getattr(value, "to_dict", None)):
+                waiting.append((f"{path}.{name}", value))
+    return found
