@@ -117,11 +117,15 @@ _SWITCHES = {"output_attentions": False, "output_hidden_states": False, "return_
 _INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "idx"})
 
 
-def shrunk_config(family: Family, config: PreTrainedConfig) -> PreTrainedConfig:
+def shrunk_config(
+    family: Family, config: PreTrainedConfig, *, keep_layers: bool = False
+) -> PreTrainedConfig:
     """``config`` with its sizes set to ``family``'s tiny values and every other field kept.
 
     The layers kept are the shortest prefix holding every kind of layer the config selects
-    (at least the family's tiny count; lists with one entry per layer are cut to it);
+    (at least the family's tiny count; lists with one entry per layer are cut to it); with
+    ``keep_layers``, every one of them (an adopted patch may change a model's layers by
+    their index: the proof's copy has each layer the user's model has);
     position thresholds shrink to :data:`PROOF_WINDOW` tokens, so the proof's prompt
     crosses them; special token ids outside the tiny vocabulary are dropped. Example::
 
@@ -136,9 +140,11 @@ def shrunk_config(family: Family, config: PreTrainedConfig) -> PreTrainedConfig:
     tiny_config = family.tiny_config()
     if family.composite:
         wrapper = family.config_type()
-        text = _shrunk_text(original, tiny_config.get_text_config(), layer_config(config))
+        text = _shrunk_text(
+            original, tiny_config.get_text_config(), layer_config(config), keep_layers
+        )
         return wrapper(**{**family.tiny, "text_config": text.to_dict()})
-    return _shrunk_text(original, tiny_config, config)
+    return _shrunk_text(original, tiny_config, config, keep_layers)
 
 
 def _decoder_class(family: Family) -> type[nn.Module] | None:
@@ -151,7 +157,10 @@ def _decoder_class(family: Family) -> type[nn.Module] | None:
 
 
 def _shrunk_text(
-    original: type[nn.Module] | None, tiny_config: PreTrainedConfig, config: PreTrainedConfig
+    original: type[nn.Module] | None,
+    tiny_config: PreTrainedConfig,
+    config: PreTrainedConfig,
+    keep_layers: bool = False,
 ) -> PreTrainedConfig:
     values = config.to_dict()
     layers = values.get("num_hidden_layers")
@@ -179,7 +188,9 @@ def _shrunk_text(
     for name, default in _SWITCHES.items():
         if name in values:
             values[name] = default
-    if isinstance(layers, int):
+    if isinstance(layers, int) and keep_layers:
+        values["num_hidden_layers"] = layers
+    elif isinstance(layers, int):
         at_least = min(int(tiny.get("num_hidden_layers") or layers), layers)
         values["num_hidden_layers"] = _layers_kept(original, config, values, layers, at_least)
         kept = values["num_hidden_layers"]
@@ -438,10 +449,12 @@ def config_kind(config: PreTrainedConfig) -> str:
     return hashlib.sha256(encoded).hexdigest()[:16]
 
 
-def proof_config(family: Family, config: PreTrainedConfig | None) -> tuple[PreTrainedConfig, str]:
+def proof_config(
+    family: Family, config: PreTrainedConfig | None, *, keep_layers: bool = False
+) -> tuple[PreTrainedConfig, str]:
     """The config a proof builds its tiny models of, and its kind: ``config`` shrunk
-    (``"shrunk"``), else (``None``, or a config the shrink cannot take) ``family``'s tiny
-    config (``"family"``).
+    (``"shrunk"``; with ``keep_layers``, every layer of it kept), else (``None``, or a
+    config the shrink cannot take) ``family``'s tiny config (``"family"``).
 
     Example::
 
@@ -449,7 +462,8 @@ def proof_config(family: Family, config: PreTrainedConfig | None) -> tuple[PreTr
     """
     if config is not None:
         try:
-            return shrunk_config(family, layer_config(config)), "shrunk"
+            shrunk = shrunk_config(family, layer_config(config), keep_layers=keep_layers)
+            return shrunk, "shrunk"
         except Exception:
             pass
     return family.tiny_config(), "family"

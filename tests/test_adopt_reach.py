@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from transformers import LlamaForSequenceClassification
 from transformers.models.llama import configuration_llama, modeling_llama
 
 import layerswap
-from layerswap.errors import PatchDivergenceError
+from layerswap.errors import AdoptionError, PatchDivergenceError
 
 _POST_INIT = configuration_llama.LlamaConfig.__post_init__
 
@@ -77,3 +78,38 @@ def test_a_wrong_class_rebinding_adopted_with_a_model_is_refused() -> None:
     with layerswap.adopt(_fast_norm, model=model) as adoption:
         assert adoption.proven == "llama"
         assert isinstance(family.build().model.norm, _FastRMSNorm)
+
+
+def _scale_from_layer_4(model: Any = None) -> None:
+    for layer in list(model.model.layers)[4:]:
+        mlp = layer.mlp
+        mlp.forward = lambda x, mlp=mlp: modeling_llama.LlamaMLP.forward(mlp, x) * 1.01
+
+
+def test_a_patch_of_layers_past_the_tiny_depth_is_proven_on_each() -> None:
+    """The proof's copy keeps every layer of the model given (its widths shrunk): a patch
+    wrong from layer 4 on, on an 8-layer model, is refused naming layer 4, where a copy
+    cut to 4 layers ran none of its changes and reported it proven."""
+    family = layerswap.get_family("llama")
+    model = family.build(family.tiny_config(num_hidden_layers=8), seed=0)
+    with pytest.raises(PatchDivergenceError) as refused:
+        layerswap.adopt(_scale_from_layer_4, model=model)
+    assert refused.value.layer == "model.layers.4"
+    assert all("forward" not in vars(layer.mlp) for layer in model.model.layers)
+
+
+def test_changes_to_a_model_where_the_copy_was_not_changed_are_refused() -> None:
+    """A change the function made to the user's model but not to the proof's copy (here a
+    head only a classifier has) was not proven: refused, the model left as it was."""
+    family = layerswap.get_family("llama")
+    config = family.tiny_config(pad_token_id=0)
+    model = LlamaForSequenceClassification(config).eval()
+
+    def patch_score(model: nn.Module) -> None:
+        score = getattr(model, "score", None)
+        if score is not None:
+            score.forward = lambda x, score=score: nn.Linear.forward(score, x) * 2
+
+    with pytest.raises(AdoptionError, match=r"score: Rebinding forward"):
+        layerswap.adopt(patch_score, model=model)
+    assert "forward" not in vars(model.score)

@@ -232,12 +232,18 @@ def adopt(
     checks: tuple[str, ...] = ()
     if model is not None:
         kwargs["model"] = model
+        proven: set[tuple[str, str]] = set()
         if family is not None:
-            checks = _prove_on_copy(
+            checks, proven = _prove_on_copy(
                 fn, args, kwargs, family, config or model.config, Placement.of(model)
             )
         recording, result = record(fn, args, kwargs, model=model)
         if family is not None:
+            try:
+                _refuse_unproven_instances(recording, model, proven)
+            except BaseException:
+                recording.undo()
+                raise
             _warn_unproven(recording, family)
         return _made(Adoption(recording, result, family.name if family else None, checks), prove)
     recording, result = record(fn, args, kwargs)
@@ -374,12 +380,14 @@ def _prove_on_copy(
     family: Family,
     config: PreTrainedConfig,
     placement: Placement,
-) -> tuple[str, ...]:
-    """Prove ``fn`` applied to a tiny model (in place of the user's): recorded, checked against an untouched copy, taken back; in ``placement``'s
+) -> tuple[tuple[str, ...], set[tuple[str, str]]]:
+    """Prove ``fn`` applied to a tiny model (in place of the user's, every layer of it
+    kept): recorded, checked against an untouched copy, taken back; in ``placement``'s
     dtype and under its autocast too. Where it changes more than the copy's own objects
     (a class, a module's name, a registry), those changes are proven as without a model
     too: a model built with them against one built without (a class rebound runs only
-    in a model built after it)."""
+    in a model built after it). The checks run, and the places of the copy it changed
+    (:func:`_instance_changes`)."""
     reference = family.build(tiny_config(family, config), seed=0).to(_device())
     candidate = copy.deepcopy(reference)
     recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
@@ -388,11 +396,11 @@ def _prove_on_copy(
             checks = check_patch(
                 recording, reference, candidate, placement.dtype, placement.autocast
             )
-        _, shared = _instance_changes(recording, candidate)
+        own, shared = _instance_changes(recording, candidate)
         if shared:
             built = _prove_in_place(recording, family, config, placement)
             checks = (*checks, *(check for check in built if check not in checks))
-        return checks
+        return checks, own
     finally:
         recording.undo()
 
@@ -441,3 +449,22 @@ def _places(model: nn.Module) -> dict[int, str]:
             if hasattr(value, "model_type") and callable(getattr(value, "to_dict", None)):
                 waiting.append((f"{path}.{name}", value))
     return found
+
+
+def _refuse_unproven_instances(
+    recording: Recording, model: nn.Module, proven: set[tuple[str, str]]
+) -> None:
+    """Refuse the changes ``fn`` made to the user's model where it changed nothing on the
+    proof's tiny copy (a module the copy does not have: a head of another task, a layer
+    past the copy's): the proof did not run them."""
+    own, _ = _instance_changes(recording, model)
+    unproven = sorted(own - proven)
+    if unproven:
+        places = ", ".join(f"{path or type(model).__name__}: {what}" for path, what in unproven[:5])
+        raise AdoptionError(
+            f"{recording.name} changed {len(unproven)} place(s) of the "
+            f"{type(model).__name__} given that it did not change on the proof's tiny copy "
+            f"of it ({places}{' ...' if len(unproven) > 5 else ''}): those changes were not "
+            "proven. Its changes were taken back; adopt it with prove=False and compare "
+            "the model with Adoption.verify"
+        )

@@ -1,9 +1,9 @@
 """The proof of an adopted patch: a tiny model, the original code against the patched code.
 
 As a substitution is proven at first use (:mod:`layerswap.proof`), a patch function is
-proven when it is adopted: a tiny model built from the user's config (its sizes shrunk,
-every other field kept: :func:`layerswap.shrink.shrunk_config`), with seeded random weights
-(:meth:`layerswap.family.Family.build`), runs with the original code and with the patched
+proven when it is adopted: a tiny model built from the user's config (its widths shrunk,
+every layer and every other field kept: :func:`layerswap.shrink.shrunk_config`), with
+seeded random weights (:meth:`layerswap.family.Family.build`), runs with the original code and with the patched
 code, holding the same weights:
 
 1. forward on a left-padded batch (the logits at every real token), 2. the same tokens
@@ -70,9 +70,11 @@ def family_for(model_type: str) -> Family | None:
 
 
 def tiny_config(family: Family, config: PreTrainedConfig | None) -> PreTrainedConfig:
-    """``config`` shrunk (:func:`~layerswap.shrink.shrunk_config`); the family's tiny config
-    where there is none, or it does not shrink."""
-    return proof_config(family, config)[0]
+    """``config`` shrunk in width (:func:`~layerswap.shrink.shrunk_config`), every one of
+    its layers kept: a patch may change a model's layers by their index (from layer 4 on),
+    and the proof runs each layer the user's model has; the family's tiny config where
+    there is none, or it does not shrink."""
+    return proof_config(family, config, keep_layers=True)[0]
 
 
 def check_patch(
