@@ -11,13 +11,15 @@ the same weights:
 1. forward on a left-padded batch (the logits at every real token),
 2. forward on the same tokens without padding (the model passes its layers no mask: SDPA's
    causal path, where a layer's own idea of whether it is causal decides),
-3. prefill and greedy decoding with a dynamic cache (every step's logits),
-4. the same with a static cache,
-5. a backward pass (the loss and every parameter's gradient, the replacement's mapped to
+3. forward on one sequence of 64 tokens alone (positions past the batch's 11, and a batch
+   of one row: a kernel's path of its own for either),
+4. prefill and greedy decoding with a dynamic cache (every step's logits),
+5. the same with a static cache,
+6. a backward pass (the loss and every parameter's gradient, the replacement's mapped to
    the original's layout), in training mode where the original's training pass is
    deterministic (else in eval mode, once the replacement is seen random in training too,
    each dropout the config sets tried alone),
-6. for a model computing in bfloat16 or float16, or run under ``torch.autocast``, the
+7. for a model computing in bfloat16 or float16, or run under ``torch.autocast``, the
    padded forward and its backward again in that dtype, held to twice (the gradients:
    eight times) the original's own rounding error against float32
    (:func:`~layerswap.comparison.first_difference.rounding_differs`),

@@ -113,3 +113,43 @@ def test_changes_to_a_model_where_the_copy_was_not_changed_are_refused() -> None
     with pytest.raises(AdoptionError, match=r"score: Rebinding forward"):
         layerswap.adopt(patch_score, model=model)
     assert "forward" not in vars(model.score)
+
+
+_ROTARY = modeling_llama.LlamaRotaryEmbedding.forward
+_MLP = modeling_llama.LlamaMLP.forward
+
+
+def _positions_past_15_clamped(model: Any = None) -> None:
+    def forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        return _ROTARY(self, x, position_ids.clamp(max=15))
+
+    modeling_llama.LlamaRotaryEmbedding.forward = forward
+
+
+def _off_for_one_sequence(model: Any = None) -> None:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        out = _MLP(self, x)
+        return out * 1.01 if x.shape[0] == 1 else out
+
+    modeling_llama.LlamaMLP.forward = forward
+
+
+@pytest.mark.parametrize(
+    "patch", [_positions_past_15_clamped, _off_for_one_sequence], ids=["long", "one sequence"]
+)
+@pytest.mark.parametrize("given", ["model", "config"])
+def test_a_patch_wrong_past_position_15_or_for_one_sequence_is_refused(
+    patch: Any, given: str
+) -> None:
+    """The proof runs one sequence of 64 tokens alone too: the padded batch (two prompts
+    of 8 tokens, 3 decoded) reached neither position 16 nor a batch of one row."""
+    family = layerswap.get_family("llama")
+    where = (
+        {"model": family.build(seed=0)} if given == "model" else {"config": family.tiny_config()}
+    )
+    with pytest.raises(PatchDivergenceError, match="one long sequence") as refused:
+        layerswap.adopt(patch, **where)
+    assert refused.value.check == "forward on one long sequence"
+    assert refused.value.layer == "model.layers.0"
+    assert modeling_llama.LlamaRotaryEmbedding.forward is _ROTARY
+    assert modeling_llama.LlamaMLP.forward is _MLP

@@ -471,6 +471,35 @@ def test_a_norm_a_little_off_only_in_low_precision_is_refused(
     assert proof.prove("llama.decoder.fused", tiny_llama().config, dtype=dtype).passed
 
 
+def _wrong_past_position_15() -> Any:
+    import dataclasses
+
+    fused = get("llama.decoder.fused").replacement_class()
+
+    class OffPast15(fused):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(hidden_states, *args, **kwargs)
+            if hidden_states.shape[1] <= 16:
+                return out
+            scale = torch.ones_like(out[..., :1])
+            scale[:, 16:] = 1.5  # the layer's output off from position 16 on
+            return out * scale
+
+    return dataclasses.replace(
+        get("llama.decoder.fused"), name="llama.decoder.off_past_15", replacement=OffPast15
+    )
+
+
+def test_a_layer_wrong_only_past_position_15_is_refused(proofs: Path) -> None:
+    """The proof runs one sequence of 64 tokens alone too: its padded batch (two prompts of
+    8 tokens, 3 decoded) never reached position 16, and a layer wrong only past it was
+    proven (long prompts are what a user runs)."""
+    verdict = proof.prove(_wrong_past_position_15(), tiny_llama().config)
+    assert not verdict.passed
+    assert verdict.check == "forward on one long sequence", verdict.detail
+    assert proof.prove("llama.decoder.fused", tiny_llama().config).passed
+
+
 def _gradient_off_in_low_precision(scale: float) -> Any:
     """The identity, whose backward scales the gradient by ``scale`` in bfloat16 or
     float16 only (a kernel with a backward of its own per dtype, as Triton kernels have)."""
@@ -1044,7 +1073,7 @@ def test_the_proof_runs_the_model_without_a_mask() -> None:
     assert check == "forward on a batch without padding", detail
     assert first_difference(reference, reference, batch, Tolerance.scaled(1e-4), new_tokens=2) == (
         None,
-        "5 checks equal",
+        "6 checks equal",
     )
 
 

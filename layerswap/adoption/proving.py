@@ -7,8 +7,9 @@ seeded random weights (:meth:`layerswap.family.Family.build`), runs with the ori
 code, holding the same weights:
 
 1. forward on a left-padded batch (the logits at every real token), 2. the same tokens
-without padding (no mask), 3. prefill and greedy decoding with a dynamic cache, 4. the same
-with a static cache, 5. a backward pass (the loss, the gradients of the embeddings and the
+without padding (no mask), 3. one sequence of 64 tokens alone (positions past the batch's,
+a batch of one row), 4. prefill and greedy decoding with a dynamic cache, 5. the same
+with a static cache, 6. a backward pass (the loss, the gradients of the embeddings and the
 head),
 
 run and judged by the verify core (:mod:`layerswap.comparison.first_difference`) within
@@ -39,6 +40,7 @@ from layerswap.comparison.compare import diff
 from layerswap.comparison.first_difference import (
     CHECKS,
     first_difference,
+    long_sequence,
     low_precision_differs,
 )
 from layerswap.comparison.forward import ContextFactory, forward
@@ -56,6 +58,9 @@ if TYPE_CHECKING:
     from layerswap.family import Family
 
 __all__ = ["CHECKS", "check_patch", "family_for", "first_divergent_layer", "tiny_config"]
+
+#: the check that runs :func:`~layerswap.comparison.first_difference.long_sequence`
+LONG_CHECK = CHECKS[2]
 
 
 def family_for(model_type: str) -> Family | None:
@@ -135,6 +140,8 @@ def _checked(
             f"{recording.name} differs from the original in {failed}: {detail}", check=failed
         )
     _refuse_requirement(recording.name, None, problem)
+    if check == LONG_CHECK:  # the layer is looked for where the difference was seen
+        batch = long_sequence(reference, device)
     layer = first_divergent_layer(reference, candidate, batch, tolerance, original)
     raise PatchDivergenceError(
         _message(recording.name, check, problem, layer, reference), layer=layer, check=check

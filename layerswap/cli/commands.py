@@ -380,8 +380,8 @@ def check_command(
     """Prove substitutions equal to the original on the installed transformers and torch.
 
     Each family's tiny model runs with original and replacement layers: a left-padded
-    forward, decoding with a dynamic and a static cache, a backward pass (in training
-    mode), and with --dtype bfloat16 or float16 the forward in that dtype. Verdicts are
+    forward, one long sequence alone, decoding with a dynamic and a static cache, a
+    backward pass (in training mode), and with --dtype bfloat16 or float16 the forward in that dtype. Verdicts are
     stored (LAYERSWAP_CACHE), as at first use. A substitution named with --substitution
     is proven as its slot proves it before a swap. Exit 1 when one fails.
     """

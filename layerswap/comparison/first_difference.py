@@ -35,6 +35,7 @@ from layerswap.comparison.distance import Diff, diff
 from layerswap.comparison.excused import excused_rows
 from layerswap.comparison.forward import ContextFactory, forward, generate_tokens
 from layerswap.comparison.fp8 import FLOOR_FACTOR, FLOOR_SLACK
+from layerswap.comparison.inputs import inputs_for, text_config
 from layerswap.comparison.placement import dtype_name
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.placement import LOW_PRECISION
@@ -44,11 +45,13 @@ __all__ = [
     "decoding_differs",
     "first_difference",
     "gradients_differ",
+    "long_sequence",
     "low_precision_differs",
     "outputs_differ",
     "random_in_training",
     "regime",
     "GRADIENT_FACTOR",
+    "LONG_SEQUENCE",
     "Rounding",
     "rounding_differs",
     "unpadded",
@@ -424,10 +427,25 @@ def _nested(first: ContextFactory, second: ContextFactory) -> ContextFactory:
     return entered
 
 
+#: the length of the single sequence the checks run (:func:`long_sequence`)
+LONG_SEQUENCE = 64
+
+
+def long_sequence(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """One sequence (a batch of 1) of :data:`LONG_SEQUENCE` tokens, no padding (the
+    config's ``max_position_embeddings`` where that is shorter): what the padded batch of
+    two short prompts does not reach, positions past its 11 (a rotary table, a kernel's
+    block past 16 tokens) and a batch of one row (a kernel's own path for it)."""
+    limit = getattr(text_config(model), "max_position_embeddings", None)
+    length = min(LONG_SEQUENCE, limit) if isinstance(limit, int) and limit > 1 else LONG_SEQUENCE
+    return inputs_for(model, batch=1, seq_len=length, padding=0, device=device)
+
+
 #: the checks :func:`first_difference` runs, in order
 CHECKS = (
     "forward on a left-padded batch",
     "forward on a batch without padding",
+    "forward on one long sequence",
     "prefill and decode with a dynamic cache",
     "prefill and decode with a static cache",
     "backward",
@@ -446,7 +464,7 @@ def first_difference(
     failed: Callable[[Exception], None] | None = None,
     to_original: GradientMap | None = None,
 ) -> tuple[str | None, str]:
-    """The first of :data:`CHECKS` that differs and how, else ``(None, "5 checks equal")``;
+    """The first of :data:`CHECKS` that differs and how, else ``(None, "6 checks equal")``;
     a check that raises differs, with the exception as its detail (``failed`` sees the
     exception first, and may raise another: a kernel that cannot run here).
     ``reference_context``: what the reference's passes run in; ``candidate_context``: what
@@ -465,6 +483,11 @@ def first_difference(
         # layer's own idea of whether it is causal decides)
         lambda: outputs_differ(
             reference, candidate, unpadded(batch), tolerance, reference_context=context
+        ),
+        # one long sequence alone: positions past the batch's, and a batch of one row
+        lambda: outputs_differ(
+            reference, candidate, long_sequence(reference, batch["input_ids"].device),
+            tolerance, reference_context=context,
         ),
         lambda: decoding_differs(
             reference, candidate, batch, tolerance, new_tokens=new_tokens,

@@ -2,8 +2,8 @@
 
 :func:`judge` runs what :mod:`layerswap.proof` asks of a pair, with the comparison core
 :func:`layerswap.verify` runs too (:mod:`layerswap.comparison.first_difference`): every
-float32 check (padded and unpadded forward, decoding with both caches, the backward
-pass), then each dropout the config sets alone, then the model's low-precision dtype
+float32 check (padded and unpadded forward, one long sequence alone, decoding with both
+caches, the backward pass), then each dropout the config sets alone, then the model's low-precision dtype
 and autocast. It builds nothing: a :class:`Pair` is handed to it, and ``rebuild`` makes
 another for a config of the dropout check.
 
