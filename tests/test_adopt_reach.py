@@ -153,3 +153,31 @@ def test_a_patch_wrong_past_position_15_or_for_one_sequence_is_refused(
     assert refused.value.layer == "model.layers.0"
     assert modeling_llama.LlamaRotaryEmbedding.forward is _ROTARY
     assert modeling_llama.LlamaMLP.forward is _MLP
+
+
+def _loss_ignoring_items(model: Any = None) -> None:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def loss(logits: Any, labels: Any, vocab_size: int, **kwargs: Any) -> torch.Tensor:
+        kwargs.pop("num_items_in_batch", None)  # a mean over this batch alone
+        return ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
+
+    modeling_llama.LlamaForCausalLM.loss_function = property(lambda self: loss)
+
+
+def test_a_loss_ignoring_num_items_in_batch_is_refused() -> None:
+    """Trainer passes ``num_items_in_batch`` under gradient accumulation; a loss that
+    ignores it is a mean over one micro-batch, several times the original's sum over all
+    of them: the proof compares the loss given it, and an equal patch names the check."""
+    config = layerswap.get_family("llama").tiny_config()
+    with pytest.raises(PatchDivergenceError, match="loss with num_items_in_batch") as refused:
+        layerswap.adopt(_loss_ignoring_items, config=config)
+    assert refused.value.check == "loss with num_items_in_batch"
+    assert "loss_function" not in vars(modeling_llama.LlamaForCausalLM)
+
+    def same() -> None:
+        modeling_llama.LlamaMLP.forward = lambda self, x: _MLP(self, x)
+
+    with layerswap.adopt(same, config=config) as adoption:
+        assert "loss with num_items_in_batch" in adoption.checks
+        assert "forward on one long sequence" in adoption.checks

@@ -3,14 +3,14 @@
 As a substitution is proven at first use (:mod:`layerswap.proof`), a patch function is
 proven when it is adopted: a tiny model built from the user's config (its widths shrunk,
 every layer and every other field kept: :func:`layerswap.shrink.shrunk_config`), with
-seeded random weights (:meth:`layerswap.family.Family.build`), runs with the original code and with the patched
-code, holding the same weights:
+seeded random weights (:meth:`layerswap.family.Family.build`), runs with the original
+code and with the patched code, holding the same weights:
 
 1. forward on a left-padded batch (the logits at every real token), 2. the same tokens
 without padding (no mask), 3. one sequence of 64 tokens alone (positions past the batch's,
 a batch of one row), 4. prefill and greedy decoding with a dynamic cache, 5. the same
 with a static cache, 6. a backward pass (the loss, the gradients of the embeddings and the
-head),
+head), 7. the loss given ``num_items_in_batch`` (Trainer's, under gradient accumulation),
 
 run and judged by the verify core (:mod:`layerswap.comparison.first_difference`) within
 :meth:`~layerswap.comparison.tolerance.Tolerance.scaled` ``1e-4`` on a CPU (``2e-3`` on a GPU).
@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +44,10 @@ from layerswap.comparison.first_difference import (
     long_sequence,
     low_precision_differs,
 )
-from layerswap.comparison.forward import ContextFactory, forward
+from layerswap.comparison.forward import ContextFactory, evaluation, forward
+from layerswap.comparison.inputs import text_config
 from layerswap.comparison.judgement import NEW_TOKENS, proof_batch, proof_tolerance
+from layerswap.comparison.model_classes import task_of
 from layerswap.comparison.tolerance import Tolerance
 from layerswap.errors import PatchDivergenceError, RequirementError, UnknownSubstitutionError
 from layerswap.placement import LOW_PRECISION, without_autocast
@@ -57,8 +60,20 @@ if TYPE_CHECKING:
     from layerswap.adoption.record import Recording
     from layerswap.family import Family
 
-__all__ = ["CHECKS", "check_patch", "family_for", "first_divergent_layer", "tiny_config"]
+__all__ = [
+    "CHECKS",
+    "ITEMS_CHECK",
+    "check_patch",
+    "family_for",
+    "first_divergent_layer",
+    "tiny_config",
+]
 
+#: the check of the loss given ``num_items_in_batch`` (:func:`_item_normalised_loss_differs`)
+ITEMS_CHECK = "loss with num_items_in_batch"
+#: ``num_items_in_batch`` as this many micro-batches of the proof's batch (gradient
+#: accumulation over 3 steps)
+ITEMS_FACTOR = 3
 #: the check that runs :func:`~layerswap.comparison.first_difference.long_sequence`
 LONG_CHECK = CHECKS[2]
 
@@ -126,15 +141,21 @@ def _checked(
         # compared as it is (a kernel computing its weights' gradients wrong is refused)
         to_original=lambda model, gradients: gradients,
     )
+    checks: tuple[str, ...] = CHECKS
+    if check is None:
+        ran, differs = _item_normalised_loss_differs(reference, candidate, batch, original)
+        checks = (*CHECKS, ITEMS_CHECK) if ran else CHECKS
+        if differs is not None:
+            check, problem = ITEMS_CHECK, differs
     if check is None:
         low, cast = precision
         rounding = low_precision_differs(
             reference, candidate, batch, low, cast, reference_context=original
         )
         if rounding is None:
-            return CHECKS
+            return checks
         if rounding.differs is None:
-            return (*CHECKS, *rounding.compared)
+            return (*checks, *rounding.compared)
         failed, detail = rounding.differs
         raise PatchDivergenceError(
             f"{recording.name} differs from the original in {failed}: {detail}", check=failed
@@ -146,6 +167,42 @@ def _checked(
     raise PatchDivergenceError(
         _message(recording.name, check, problem, layer, reference), layer=layer, check=check
     )
+
+
+def _item_normalised_loss_differs(
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: dict[str, torch.Tensor],
+    original: ContextFactory,
+) -> tuple[bool, str | None]:
+    """Whether the loss given Trainer's ``num_items_in_batch`` (under gradient accumulation:
+    the label tokens of every micro-batch, here :data:`ITEMS_FACTOR` times this batch's)
+    was compared, and how it differs: a patched loss that ignores it averages over this
+    batch alone (several times the original's loss). Not compared where the original
+    takes no such argument, or has no next-token loss."""
+    task = task_of(reference)
+    if task.kind not in ("causal-lm", "other"):
+        return False, None
+    labels = task.labels(batch, text_config(reference))["labels"]
+    items = torch.tensor(ITEMS_FACTOR * int((labels[:, 1:] != -100).sum()), device=labels.device)
+
+    def loss(model: nn.Module, context: ContextFactory) -> float:
+        with evaluation(model), torch.no_grad(), context():
+            output = model(**batch, labels=labels, num_items_in_batch=items, use_cache=False)
+        return float(output.loss)
+
+    try:
+        expected = loss(reference, original)
+    except Exception:
+        return False, None
+    try:
+        actual = loss(candidate, contextlib.nullcontext)
+    except Exception as exc:
+        return True, f"{type(exc).__name__}: {exc}"
+    tolerance = proof_tolerance(batch["input_ids"].device)
+    if tolerance.allows(abs(actual - expected), abs(expected)):
+        return True, None
+    return True, f"loss {actual:.4g}, the original's {expected:.4g}"
 
 
 def _message(name: str, check: str, problem: str, layer: str | None, model: nn.Module) -> str:
