@@ -115,11 +115,14 @@ def record(
     *,
     model: Any = None,
     packages: Sequence[str] = (),
+    empty: bool = False,
 ) -> tuple[Recording, Any]:
     """Run ``fn(*args, **kwargs)`` recording its changes; (the recording, what it returned).
 
     ``model``'s modules are watched too; ``packages`` adds packages whose classes and
     registries are watched (:func:`~layerswap.adoption.snapshot.watched_packages`).
+    ``empty``: a recording of no change is returned, not refused (the proof's run on a
+    copy, which the function may leave as it was where it changed the user's model).
     """
     __tracebackhide__ = True
     name = getattr(fn, "__qualname__", None) or repr(fn)
@@ -152,7 +155,7 @@ def record(
                 + ". A patch function may rebind names, classes and instances' attributes, "
                 "not change a model's weights in place"
             )
-        if not changes:
+        if not changes and not empty:
             raise NoChangeError(
                 f"{name} changed nothing layerswap records: no module, class or instance "
                 "attribute, registry item, sys.modules entry, torch switch or environment "
