@@ -142,8 +142,10 @@ def _list_coverage(json_output: bool, jobs: int | None) -> None:
         rows = []
         for model_type, found in report.items():
             name = found.family
-            # what is offered, read without making a substitution (no backend's layers imported)
-            backends = sorted({offer.backend for offer in offers(family=name)}) if name else []
+            # the backends whose decoder layers cover it (the slots below are "other slots"),
+            # read without making a substitution (no backend's layers imported)
+            decoders = offers(family=name, slot="decoder") if name else []
+            backends = sorted({offer.backend for offer in decoders})
             rows.append(
                 {
                     "model_type": model_type,
