@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from layerswap import hf_internals
+from layerswap.config_view import ModelConfig
 from layerswap.errors import ConversionError
 from layerswap.layers import adopt_layer
 from layerswap.model import layer_config, substitution_of
@@ -43,7 +44,11 @@ _ADOPTED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDicti
 
 
 def conversion_transforms(
-    model: nn.Module, sub: Substitution, replacement_cls: type[nn.Module] | None = None
+    model: nn.Module,
+    sub: Substitution,
+    replacement_cls: type[nn.Module] | None = None,
+    *,
+    view: ModelConfig | None = None,
 ) -> list[Any]:
     """``transformers`` weight transforms for the layers of ``model`` that ``sub`` made.
 
@@ -54,11 +59,14 @@ def conversion_transforms(
     Example::
 
         conversion_transforms(swapped_model, layerswap.get("llama.decoder.fused"))
+
+    ``view``: ``model``'s config, unwrapped already (a swap's).
     """
     config = getattr(model, "config", None)
     if config is None:
         return []
     prefix = getattr(model, "base_model_prefix", "") or ""
+    text = view.text if view is not None and view.config is config else layer_config(config)
     transforms: list[Any] = []
     for name, module in model.named_modules():
         made_here = substitution_of(module) is sub
@@ -66,9 +74,7 @@ def conversion_transforms(
             continue
         scope = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
         transforms.extend(
-            sub.converter.weight_transforms(
-                layer_config(config), scope_prefix=scope, base_model_prefix=prefix
-            )
+            sub.converter.weight_transforms(text, scope_prefix=scope, base_model_prefix=prefix)
         )
     return transforms
 

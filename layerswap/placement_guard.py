@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from layerswap.config_view import ModelConfig
 from layerswap.errors import LayerswapError
 from layerswap.hf_internals import (
     attention_function,
@@ -115,7 +116,8 @@ def _probe(model: nn.Module, state: _Guard) -> Probe | None:
 
 def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> Callable[[], None]:
     """Prove ``sub`` again before a forward pass of ``model`` wherever ``model`` has moved
-    to since; the function that stops it (a swap's undo calls it).
+    to since; the function that stops it (a swap's undo calls it). ``config``: the
+    model's, or its :class:`~layerswap.config_view.ModelConfig` (unwrapped already).
 
     ``proven``: ``sub`` was just prepared in ``model``'s placement as it is (a swap);
     ``False`` where it was prepared for another (a model ``use()`` builds on the meta
@@ -134,6 +136,10 @@ def guard(model: nn.Module, sub: Substitution, config: Any, *, proven: bool) -> 
             _GUARDS[model] = state
             # the instance's own: a cast of a model holding it (PEFT's wrapper) calls it too
             model.__dict__["_apply"] = _GuardedApply(model)
+        if isinstance(config, ModelConfig):
+            if model.__dict__.get("config") is config.config:
+                state.config, state.text = config.config, config.text_object  # unwrapped
+            config = config.config
         state.entries[sub.name] = (sub, config, {_probe(model, state)} if proven else set())
 
     def stop() -> None:

@@ -67,6 +67,8 @@ from layerswap.substitution import Substitution
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
+    from layerswap.config_view import ModelConfig
+
 __all__ = [
     "CHECKS",
     "SIZE_FIELDS",
@@ -115,7 +117,7 @@ def prove(
 
 def _verdict(
     sub: Substitution,
-    config: PreTrainedConfig | None,
+    config: PreTrainedConfig | ModelConfig | None,
     *,
     force: bool,
     placement: Placement | None = None,
@@ -192,7 +194,9 @@ def _stored_here(*, stale: bool) -> dict[str, Verdict]:
 
 
 def ensure_proven(
-    sub: Substitution, config: PreTrainedConfig | None, placement: Placement | None = None
+    sub: Substitution,
+    config: PreTrainedConfig | ModelConfig | None,
+    placement: Placement | None = None,
 ) -> None:
     """Raise :class:`UpstreamDriftError` unless ``sub`` is proven for ``config``'s kind,
     where the model computes (``placement``: in its dtype too where it is bfloat16 or

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedConfig
 
+    from layerswap.config_view import ModelConfig
     from layerswap.patching import Scoped
     from layerswap.placement import Placement
     from layerswap.weights import LayoutConverter
@@ -253,7 +254,10 @@ class Slot:
         raise NotImplementedError
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
+        self,
+        sub: Substitution,
+        config: PreTrainedConfig | ModelConfig,
+        placement: Placement | None = None,
     ) -> None:
         """Everything checked before ``sub`` changes a model of ``config``, in order: the
         call contract and structure (:meth:`Substitution.check_upstream`), then the slot's

@@ -81,6 +81,7 @@ __all__ = [
     "rotary_sections",
     "text_config_of",
     "text_config_object",
+    "torch_dtyped",
     "ATTENTION_FIELD",
     "attention_function",
     "attention_implementation",
@@ -126,6 +127,7 @@ from layerswap.hf_internals.layer_call import (
     text_config_object,
     text_config_of,
     torch_dtype_of,
+    torch_dtyped,
 )
 
 #: ``layerswap.wrap`` target run when a ``PreTrainedModel`` finishes ``__init__``: the one

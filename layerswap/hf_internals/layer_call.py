@@ -240,7 +240,12 @@ def text_config_of(config: Any) -> Any:
     tensors in ``config.dtype`` (Apertus's xIELU) cannot be built from a name -- by
     transformers or by layerswap's checks (:func:`torch_dtype_of`).
     """
-    text = text_config_object(config)
+    return torch_dtyped(text_config_object(config))
+
+
+def torch_dtyped(text: Any) -> Any:
+    """``text`` (a text config), or a shallow copy of it whose ``dtype`` is the torch
+    dtype its ``dtype`` names where that is a name (:func:`text_config_of`)."""
     named = getattr(text, "dtype", None)
     dtype = torch_dtype_of(text)
     if isinstance(named, str) and dtype is not None:

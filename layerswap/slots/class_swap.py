@@ -29,6 +29,7 @@ from torch import nn
 
 from layerswap import hf_internals
 from layerswap.backends.class_swap import ClassReplacement
+from layerswap.config_view import ModelConfig
 from layerswap.errors import SubstitutionError, SwapWarning, UpstreamDriftError
 from layerswap.patching.undo import UndoLog
 from layerswap.placement import Placement
@@ -371,16 +372,17 @@ class ClassSwapSlot(Slot):
         config = getattr(model, "config", None)
         if config is None:
             raise SubstitutionError(f"{type(model).__name__} has no config; swap() needs one")
+        view = ModelConfig.of(config)  # unwrapped here, once: every step below is handed it
         with SWAP_LOCK:  # refused before the proof runs; never seeing a swap half-applied
             self._checked_plan(model, sub)
-        self.prepare(sub, config, Placement.of(model))
+        self.prepare(sub, view, Placement.of(model))
         changes = UndoLog()
         # planned again and applied as one step: two threads swapping one model cannot
         # both find it unswapped
         with SWAP_LOCK:
             plan = self._checked_plan(model, sub)
             try:
-                changes.record(guard(model, sub, config, proven=True))
+                changes.record(guard(model, sub, view, proven=True))
                 _apply(plan, changes)
             except BaseException:
                 changes.undo()
@@ -475,7 +477,10 @@ class ClassSwapSlot(Slot):
         return None
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
+        self,
+        sub: Substitution,
+        config: PreTrainedConfig | ModelConfig,
+        placement: Placement | None = None,
     ) -> None:
         """The structure check, then the first-use proof for ``config`` (in the model's
         ``placement``: its dtype too where it is bfloat16 or float16)."""

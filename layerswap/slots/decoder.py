@@ -32,6 +32,7 @@ from torch import nn
 
 from layerswap import hf_internals, zero3
 from layerswap.adapter_layers import is_adapter_layer
+from layerswap.config_view import ModelConfig
 from layerswap.errors import (
     ParallelismError,
     SubstitutionError,
@@ -50,7 +51,6 @@ from layerswap.loading import (
 )
 from layerswap.model import (
     decoder_layers,
-    layer_config,
     locate,
     pretrained_ancestors,
     pretrained_owner,
@@ -372,13 +372,10 @@ def _refuse_edited(
     layers: list[tuple[str, nn.Module]],
     sub: Substitution,
     original_cls: type[nn.Module],
-    config: Any,
+    text: PreTrainedConfig,
 ) -> None:
-    """Raise at the first layer changed since its config built it, saying what changed
-    (:mod:`layerswap.layer_edits`)."""
-    if config is None:
-        return
-    text = layer_config(config)
+    """Raise at the first layer changed since ``text`` (the layers' config) built it,
+    saying what changed (:mod:`layerswap.layer_edits`)."""
     for position, (name, layer) in enumerate(layers):
         try:
             with torch.device("meta"):
@@ -410,22 +407,23 @@ class DecoderSlot(Slot):
         config = getattr(target, "config", None)
         if config is None:
             raise SubstitutionError(f"{type(target).__name__} has no config; swap() needs one")
+        view = ModelConfig.of(config)  # unwrapped here, once: every step below is handed it
         layers = decoder_layers(target)
         _refuse_unswappable(target, layers, sub, original_cls)
         # before any layer changes: a drifted contract refuses here
-        self.prepare(sub, config, Placement.of(target))
-        _refuse_edited(layers, sub, original_cls, config)
+        self.prepare(sub, view, Placement.of(target))
+        _refuse_edited(layers, sub, original_cls, view.text)
         names = [name for name, _ in layers]
         records: list[_LayerRecord] = []
         changes = UndoLog()
         try:
-            changes.record(guard(target, sub, config, proven=True))
+            changes.record(guard(target, sub, view, proven=True))
             for position, (name, layer) in enumerate(layers):
-                record = _swap_layer(target, name, layer, position, sub, config)
+                record = _swap_layer(target, name, layer, position, sub, view.text)
                 records.append(record)
-                changes.record(functools.partial(_restore_layer, record, sub, config))
+                changes.record(functools.partial(_restore_layer, record, sub, view.text))
             for _, ancestor in pretrained_ancestors(target, names):
-                transforms = conversion_transforms(ancestor, sub)
+                transforms = conversion_transforms(ancestor, sub, view=view)
                 attributes = model_attributes(ancestor, sub, replacement_cls, transforms)
                 for attribute, value in attributes.items():
                     changes.set_attribute(ancestor, attribute, value)
@@ -518,7 +516,10 @@ class DecoderSlot(Slot):
         return None
 
     def prepare(
-        self, sub: Substitution, config: PreTrainedConfig, placement: Placement | None = None
+        self,
+        sub: Substitution,
+        config: PreTrainedConfig | ModelConfig,
+        placement: Placement | None = None,
     ) -> None:
         """The call contract and structure, then the first-use proof for ``config`` (in
         the model's ``placement``: its dtype too where it is bfloat16 or float16, on its

@@ -1,0 +1,65 @@
+"""A model's config, unwrapped once: the config as the user gave it, the text config its
+decoder layers read, and the dtype that names.
+
+A swap reads the user's config at many steps: the call contract and structure, the
+first-use proof, each layer's conversion. :class:`ModelConfig` is made once where a
+swap starts and handed down, so no step unwraps the config again, and none changes it
+(transformers' ``get_text_config()`` gives the text part of a composite model; a
+``dtype`` left as a name by ``save_pretrained`` is read as the torch dtype it names, on
+a shallow copy).
+
+A :class:`ModelConfig` is read where a transformers config is unwrapped
+(:func:`layerswap.hf_internals.text_config_of` and :func:`layerswap.model.layer_config`
+give its :attr:`~ModelConfig.text`), so a function that takes either takes it too.
+
+Example::
+
+    view = ModelConfig.of(llava.config)
+    view.text is layer_config(view)            # True: unwrapped once, here
+    view.config is llava.config                # True: the user's, unchanged
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from layerswap import hf_internals
+
+__all__ = ["ModelConfig"]
+
+
+@dataclass(frozen=True, eq=False)
+class ModelConfig:
+    """A model's ``config`` (never changed) and its ``text`` config, unwrapped once."""
+
+    #: the config as the model holds it
+    config: Any
+    #: the config its decoder layers read: a composite model's text config, else
+    #: ``config`` (a shallow copy where its ``dtype`` was a name)
+    text: Any
+    #: the text config object itself, never a copy: what a watcher of later changes
+    #: to it reads (:mod:`layerswap.placement_guard`)
+    text_object: Any
+
+    @classmethod
+    def of(cls, config: Any) -> ModelConfig:
+        """``config`` unwrapped (a :class:`ModelConfig` is returned as it is)."""
+        if isinstance(config, ModelConfig):
+            return config
+        text_object = hf_internals.text_config_object(config)
+        return cls(config, hf_internals.torch_dtyped(text_object), text_object)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The torch dtype the text config names, ``None`` where it names none."""
+        return hf_internals.torch_dtype_of(self.text)
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> Any:
+        """:attr:`text`: read as transformers reads a composite config's text part."""
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"ModelConfig({type(self.config).__name__}, text={type(self.text).__name__})"

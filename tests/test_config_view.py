@@ -1,0 +1,45 @@
+"""A swap unwraps the user's config once, hands the unwrapped one down, and changes nothing
+of it (:class:`layerswap.config_view.ModelConfig`)."""
+
+from __future__ import annotations
+
+import copy
+
+from test_wrappers import tiny_wrapper
+
+import layerswap
+from layerswap import proof
+from layerswap.config_view import ModelConfig
+from layerswap.hf_internals import text_config_of
+from layerswap.model import layer_config
+
+
+def test_a_model_config_is_read_where_a_config_is_unwrapped() -> None:
+    model = tiny_wrapper("llava")
+    view = ModelConfig.of(model.config)
+    assert view.config is model.config
+    assert view.text is model.config.text_config
+    assert layer_config(view) is view.text and text_config_of(view) is view.text
+    assert ModelConfig.of(view) is view
+
+
+def test_a_swap_unwraps_a_composite_config_once_and_changes_nothing_of_it() -> None:
+    model = tiny_wrapper("llava")
+    config = model.config
+    before = copy.deepcopy(config.to_dict())
+    unwrapped = []
+    own = config.get_text_config
+
+    def counted(*args: object, **kwargs: object) -> object:
+        unwrapped.append(args)
+        return own(*args, **kwargs)
+
+    # proven first, so the count is the swap's own (a first-use proof builds its own models)
+    proof.prove("llama.decoder.fused", config)
+    config.__dict__["get_text_config"] = counted
+    try:
+        with layerswap.swap(model, "llama.decoder.fused"):
+            assert len(unwrapped) == 1, f"the config was unwrapped {len(unwrapped)} times"
+    finally:
+        del config.__dict__["get_text_config"]
+    assert config.to_dict() == before
