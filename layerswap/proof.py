@@ -57,8 +57,8 @@ from layerswap.errors import (
     UnsupportedFamilyError,
     UpstreamDriftError,
 )
-from layerswap.placement import LOW_PRECISION, Placement
-from layerswap.proof_key import proof_device, proof_key, proof_keys
+from layerswap.placement import Placement
+from layerswap.proof_key import plan, proof_key
 from layerswap.proof_run import Verdict, comparing, proving, run
 from layerswap.registry import get
 from layerswap.shrink import SIZE_FIELDS, family_like, shrunk_config
@@ -122,23 +122,20 @@ def _verdict(
     force: bool,
     placement: Placement | None = None,
 ) -> Verdict:
-    placement = placement or Placement()
-    device = proof_device(sub, placement.device)  # the key names it, and the proof runs on it
-    dtype = placement.dtype if placement.dtype in LOW_PRECISION else None
-    autocast = placement.autocast if placement.autocast in LOW_PRECISION else None
-    key, family_key = proof_keys(sub, config, device, dtype, autocast)
+    # worked out once: the keys name the device, and the proof runs on it
+    proof = plan(sub, config, placement or Placement())
     with _LOCK:
         if not force:
-            known = _MEMO.get(key)
+            known = _MEMO.get(proof.key)
             if known is None:
-                stored = verdicts.read(key)
+                stored = verdicts.read(proof.key)
                 known = Verdict.from_dict(stored) if stored is not None else None
             if known is not None:
-                _MEMO[key] = known
+                _MEMO[proof.key] = known
                 return known
         with zero3.outside_partitioning():  # tiny models stay whole inside zero.Init
-            verdict = run(sub, config, device, dtype, autocast)
-        _MEMO[key] = verdict
+            verdict = run(proof)
+        _MEMO[proof.key] = verdict
         if verdict.config == "family" and config is not None:
             warnings.warn(
                 f"{sub.name}: the proof could not build a tiny model from this config's "
@@ -149,9 +146,9 @@ def _verdict(
             )
             # stored for what it checked, the family's tiny config: never as this config's
             # verdict, which another process would then take for a proof of it
-            verdicts.write(family_key, verdict.to_dict())
+            verdicts.write(proof.family_key, verdict.to_dict())
             return verdict
-        verdicts.write(key, verdict.to_dict())
+        verdicts.write(proof.key, verdict.to_dict())
         return verdict
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,7 @@ from layerswap import sources, verdicts
 from layerswap.comparison.placement import dtype_name
 from layerswap.hf_internals import attention_function, attention_implementation
 from layerswap.model import layer_config
-from layerswap.placement import LOW_PRECISION
+from layerswap.placement import LOW_PRECISION, Placement
 from layerswap.shrink import config_kind
 
 if TYPE_CHECKING:
@@ -33,7 +33,42 @@ if TYPE_CHECKING:
 
     from layerswap.substitution import Substitution
 
-__all__ = ["original_module", "proof_device", "proof_key", "proof_keys"]
+__all__ = ["ProofPlan", "original_module", "plan", "proof_device", "proof_key", "proof_keys"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProofPlan:
+    """One proof, worked out once before it runs: what it proves, where, in which
+    dtypes, under which keys its verdict is stored, and the source it vouches for."""
+
+    sub: Substitution
+    #: the user's config (or its :class:`~layerswap.config_view.ModelConfig`), ``None``:
+    #: the family's tiny config
+    config: Any
+    device: torch.device
+    #: the low-precision dtype and autocast dtype proven besides float32, else ``None``
+    dtype: torch.dtype | None
+    autocast: torch.dtype | None
+    #: the verdict's key, and the key of the family's tiny config proven the same way
+    key: str
+    family_key: str
+    #: the transformers module the original lives in, and a digest of its source
+    module: str
+    source: str
+
+
+def plan(sub: Substitution, config: Any, placement: Placement) -> ProofPlan:
+    """The :class:`ProofPlan` of ``sub`` for ``config``, for a model in ``placement``: on
+    its device where the substitution runs there (:func:`proof_device`), in its dtype and
+    autocast dtype where they are low-precision."""
+    device = proof_device(sub, placement.device)
+    dtype = placement.dtype if placement.dtype in LOW_PRECISION else None
+    autocast = placement.autocast if placement.autocast in LOW_PRECISION else None
+    key, family_key = proof_keys(sub, config, device, dtype, autocast)
+    module = original_module(sub)
+    return ProofPlan(
+        sub, config, device, dtype, autocast, key, family_key, module, sources.digest(module)
+    )
 
 
 def original_module(sub: Substitution) -> str:

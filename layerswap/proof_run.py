@@ -31,7 +31,7 @@ from layerswap.comparison.placement import dtype_name
 from layerswap.errors import LayerswapError
 from layerswap.layers import converted_copy, normal_tensors, originals_in_place
 from layerswap.placement import LOW_PRECISION, without_autocast
-from layerswap.proof_key import original_module
+from layerswap.proof_key import ProofPlan
 from layerswap.shrink import proof_config
 from layerswap.use import applied
 
@@ -153,17 +153,13 @@ def proving() -> bool:
 
 
 @normal_tensors
-def run(
-    sub: Substitution,
-    config: PreTrainedConfig | None,
-    device: torch.device,
-    dtype: torch.dtype | None = None,
-    autocast: torch.dtype | None = None,
-) -> Verdict:
-    """The verdict of ``sub`` on ``config`` shrunk (``None``, or a config the shrink
-    breaks: the family's tiny config), on ``device``, in float32 and in the low-precision
-    ``dtype`` and ``autocast`` given."""
+def run(proof: ProofPlan) -> Verdict:
+    """The verdict of the ``proof``'s substitution on its config shrunk (``None``, or a
+    config the shrink breaks: the family's tiny config), on its device, in float32 and
+    in the low-precision dtype and autocast dtype it names."""
     started = time.perf_counter()
+    sub, config, device = proof.sub, proof.config, proof.device
+    dtype, autocast = proof.dtype, proof.autocast
     family = sub.parts.family
     proven, kind = proof_config(family, config)
     # on ``device`` even inside from_pretrained, which builds under torch.device("meta"):
@@ -206,7 +202,6 @@ def run(
             unchanged = None if check is not None or idle is None else idle()
             if unchanged is not None:  # equal, since nothing was swapped in: refused
                 check, detail = "idle", unchanged
-    module = original_module(sub)
     return Verdict(
         substitution=sub.name,
         passed=check is None,
@@ -215,8 +210,8 @@ def run(
         seconds=round(time.perf_counter() - started, 3),
         versions=verdicts.versions(),
         config=kind,
-        module=module,
-        source=sources.digest(module),
+        module=proof.module,
+        source=proof.source,
         attention=getattr(proven, "_attn_implementation", None),
         dtype=dtype_name(dtype) if dtype in LOW_PRECISION else None,
         autocast=dtype_name(autocast) if autocast in LOW_PRECISION else None,

@@ -33,6 +33,7 @@ from layerswap.comparison.judgement import proof_batch
 from layerswap.comparison.placement import working_copy
 from layerswap.errors import RequirementError, SwapWarning, UpstreamDriftError
 from layerswap.placement import Placement
+from layerswap.proof_key import proof_device
 from layerswap.registry import get, get_family
 
 LLAMA = "transformers.models.llama.modeling_llama"
@@ -875,9 +876,9 @@ def test_the_proof_runs_where_the_substitution_runs(proofs: Path) -> None:
     """On the model's device where the substitution runs there; a substitution that runs
     on the CPU is proven there for a model on the CPU, or on a device this machine lacks."""
     fused = get("llama.decoder.fused")
-    assert proof.proof_device(fused, torch.device("cpu")) == torch.device("cpu")
+    assert proof_device(fused, torch.device("cpu")) == torch.device("cpu")
     if not torch.cuda.is_available():
-        assert proof.proof_device(fused, torch.device("cuda")) == torch.device("cpu")
+        assert proof_device(fused, torch.device("cuda")) == torch.device("cpu")
     verdict = proof.prove(fused, tiny_llama().config, device="cpu")
     assert verdict.passed
     assert proof.proof_key(fused, tiny_llama().config, torch.device("cpu")) in proof._MEMO
