@@ -100,9 +100,13 @@ def default_length(model: nn.Module) -> int:
 
         default_length(mistral_with_window_64)   # 68
     """
+    return _length_for(text_config(model))
+
+
+def _length_for(config: Any) -> int:
+    """:func:`default_length` for a model of ``config``, its text config."""
     from layerswap.shrink import position_thresholds
 
-    config = text_config(model)
     needed = [t + 4 for t in position_thresholds(config).values() if t + 4 <= LONGEST_DEFAULT]
     limit = getattr(config, "max_position_embeddings", None)
     length = max([DEFAULT_LENGTH, *needed])
@@ -126,9 +130,9 @@ def inputs_for(model: nn.Module, **options: Any) -> dict[str, torch.Tensor]:
     :func:`default_inputs`; ``seq_len`` defaults to :func:`default_length`, so the prompt
     runs past the config's sliding window or attention chunk.
     """
-    config = text_config(model)
+    config = text_config(model)  # unwrapped once, for every value read below
     avoid = media_tokens(model.config)
-    options.setdefault("seq_len", default_length(model))
+    options.setdefault("seq_len", _length_for(config))
     return default_inputs(
         config.vocab_size, pad_token_id=pad_token_id(config), avoid=avoid, **options
     )
