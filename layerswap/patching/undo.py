@@ -19,7 +19,8 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 from layerswap.patching.sites import NOTSET
@@ -93,5 +94,29 @@ class UndoLog:
             with self._lock:
                 self._steps.pop()
 
+    @contextmanager
+    def all_or_nothing(
+        self, on_error: Callable[[BaseException], None] | None = None
+    ) -> Iterator[UndoLog]:
+        """Inside, changes are made and recorded; on any exception every change recorded is
+        taken back (:meth:`undo`, going on past a step that fails, which ``on_error`` is
+        told of) and the exception raised as it was: the objects as they were before.
+
+        Example::
+
+            with log.all_or_nothing(warn):
+                log.set_attribute(model, "a", 1)
+                log.set_class(model, Other)     # fails: ``a`` is taken back, then it raises
+        """
+        try:
+            yield self
+        except BaseException:
+            self.undo(on_error=on_error or _ignore)
+            raise
+
     def __len__(self) -> int:
         return len(self._steps)
+
+
+def _ignore(error: BaseException) -> None:
+    """A rollback step's failure, dropped: the failure being handled is the one raised."""

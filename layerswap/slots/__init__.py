@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
+from collections.abc import Callable
 
-from layerswap.errors import SubstitutionError
+from layerswap.errors import SubstitutionError, SwapWarning
 from layerswap.substitution import ModelParts, Slot
 
 __all__ = [
@@ -51,6 +53,17 @@ def undo_first(owner: object) -> str:
         "loaded whole: from layerswap.swap import rebuild_originals; "
         f"rebuild_originals(model, {str(name)!r}))"
     )
+
+
+def rolling_back(name: str) -> Callable[[BaseException], None]:
+    """What a swap's rollback is told of a step that fails while it puts the model back
+    after a failure: a :class:`~layerswap.errors.SwapWarning` naming the substitution
+    (the failure that started the rollback stays the one raised)."""
+
+    def warn(failure: BaseException) -> None:
+        warnings.warn(f"rolling back {name}: {failure}", SwapWarning, stacklevel=5)
+
+    return warn
 
 
 #: the builtin slots, imported when first asked for

@@ -35,7 +35,7 @@ from layerswap.patching.undo import UndoLog
 from layerswap.placement import Placement
 from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
-from layerswap.slots import ModelParts, Slot, get_slot, slot_names, undo_first
+from layerswap.slots import ModelParts, Slot, get_slot, rolling_back, slot_names, undo_first
 from layerswap.slots.class_plan import SWAP_LOCK, ClassPlan, ClassSwapHandle, kept_text
 from layerswap.trials import not_built
 from layerswap.versions import transformers_version
@@ -381,12 +381,9 @@ class ClassSwapSlot(Slot):
         # both find it unswapped
         with SWAP_LOCK:
             plan = self._checked_plan(model, sub)
-            try:
+            with changes.all_or_nothing(rolling_back(sub.name)):
                 changes.record(guard(model, sub, view, proven=True))
                 _apply(plan, changes)
-            except BaseException:
-                changes.undo()
-                raise
         return self.handle_class(model, sub, plan, changes, self)
 
     def rebuild_originals(self, model: nn.Module, sub: Substitution) -> int:

@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,7 +35,6 @@ from layerswap.config_view import ModelConfig
 from layerswap.errors import (
     ParallelismError,
     SubstitutionError,
-    SwapWarning,
     UnknownSubstitutionError,
 )
 from layerswap.handle import SwapHandle
@@ -64,7 +62,7 @@ from layerswap.placement import Placement
 from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
 from layerswap.quantized import check_quantized_load
-from layerswap.slots import ModelParts, Slot, undo_first
+from layerswap.slots import ModelParts, Slot, rolling_back, undo_first
 from layerswap.slots.layer_call import check_layer_call
 
 if TYPE_CHECKING:
@@ -216,13 +214,6 @@ def _swap_left_out(layers: list[tuple[str, nn.Module]], family: Family) -> tuple
                     part for part in (name, family.feed_forward.attribute, inner) if part
                 ), owner
     return None
-
-
-def _warn_rollback(sub: Substitution) -> Callable[[BaseException], None]:
-    def warn(failure: BaseException) -> None:  # keep the original error the one raised
-        warnings.warn(f"rolling back {sub.name}: {failure}", SwapWarning, stacklevel=4)
-
-    return warn
 
 
 class LayerSwapHandle(SwapHandle):
@@ -416,7 +407,7 @@ class DecoderSlot(Slot):
         names = [name for name, _ in layers]
         records: list[_LayerRecord] = []
         changes = UndoLog()
-        try:
+        with changes.all_or_nothing(rolling_back(sub.name)):
             changes.record(guard(target, sub, view, proven=True))
             for position, (name, layer) in enumerate(layers):
                 record = _swap_layer(target, name, layer, position, sub, view.text)
@@ -427,9 +418,6 @@ class DecoderSlot(Slot):
                 attributes = model_attributes(ancestor, sub, replacement_cls, transforms)
                 for attribute, value in attributes.items():
                     changes.set_attribute(ancestor, attribute, value)
-        except BaseException:
-            changes.undo(on_error=_warn_rollback(sub))
-            raise
         # until undo, a new PEFT adapter cannot silently miss fused modules
         changes.record(hold_peft_targets(target))
         return LayerSwapHandle(target, sub, records, changes)

@@ -33,7 +33,7 @@ from layerswap.patching.undo import UndoLog
 from layerswap.placement import Placement
 from layerswap.placement_guard import guard
 from layerswap.proof import ensure_proven
-from layerswap.slots import ModelParts, Slot, undo_first
+from layerswap.slots import ModelParts, Slot, rolling_back, undo_first
 from layerswap.slots.class_swap import instance_forward
 
 if TYPE_CHECKING:
@@ -173,9 +173,10 @@ class HeadSlot(Slot):
         original = type(model)
         replacement = _check_swappable(model, sub)
         changes = UndoLog()
-        changes.record(guard(model, sub, model.config, proven=True))
-        changes.set_attribute(model, _HEAD_BY, sub.name)
-        changes.set_class(model, replacement)
+        with changes.all_or_nothing(rolling_back(sub.name)):
+            changes.record(guard(model, sub, model.config, proven=True))
+            changes.set_attribute(model, _HEAD_BY, sub.name)
+            changes.set_class(model, replacement)
         return HeadSwapHandle(model, sub, original, changes)
 
     def rebuild_originals(self, model: nn.Module, sub: Substitution) -> int:
