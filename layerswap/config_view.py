@@ -10,7 +10,9 @@ a shallow copy).
 
 A :class:`ModelConfig` is read where a transformers config is unwrapped
 (:func:`layerswap.hf_internals.text_config_of` and :func:`layerswap.model.layer_config`
-give its :attr:`~ModelConfig.text`), so a function that takes either takes it too.
+give its :attr:`~ModelConfig.text`), so a function that takes either takes it too; any
+other field is read off the model's config (``view.model_type``), as a slot handed the
+config itself reads it.
 
 Example::
 
@@ -56,6 +58,13 @@ class ModelConfig:
     def dtype(self) -> torch.dtype | None:
         """The torch dtype the text config names, ``None`` where it names none."""
         return hf_internals.torch_dtype_of(self.text)
+
+    def __getattr__(self, name: str) -> Any:
+        # any other field is the model's config's, read as the config was before it was
+        # unwrapped (a slot of another library reading ``config.hidden_size``)
+        if name.startswith("__") or name in ("config", "text", "text_object"):
+            raise AttributeError(name)
+        return getattr(self.config, name)
 
     def get_text_config(self, *args: Any, **kwargs: Any) -> Any:
         """:attr:`text`: read as transformers reads a composite config's text part."""

@@ -21,6 +21,9 @@ def test_a_model_config_is_read_where_a_config_is_unwrapped() -> None:
     assert view.text is model.config.text_config
     assert layer_config(view) is view.text and text_config_of(view) is view.text
     assert ModelConfig.of(view) is view
+    # read as the model's config is by a slot handed it (another library's prepare)
+    assert view.model_type == "llava" and view.text_config is model.config.text_config
+    assert copy.deepcopy(view).text.hidden_size == view.text.hidden_size
 
 
 def test_a_swap_unwraps_a_composite_config_once_and_changes_nothing_of_it() -> None:
