@@ -239,7 +239,8 @@ def guard() -> Patch:
     """The check on PEFT's injection, armed (started) if it was not. Idempotent, thread-safe.
 
     Arms with it the advice of :mod:`layerswap.peft_io` (PEFT's save and load in the
-    original layout) and of :mod:`layerswap.saving` (``save_pretrained`` checked). Held by every swap (:func:`hold`); see the module docstring. Example::
+    original layout), of :mod:`layerswap.saving` (``save_pretrained`` checked) and of
+    :mod:`layerswap.placed_loads` (torch's and accelerate's loads by name converted). Held by every swap (:func:`hold`); see the module docstring. Example::
 
         layerswap.peft_targets.guard().stop()   # PEFT's injection as it was
     """
@@ -250,14 +251,18 @@ def guard() -> Patch:
 def _arm() -> Patch:
     global _GUARD
     from layerswap.peft_io import ADVICE
+    from layerswap.placed_loads import ADVICE as LOAD_ADVICE
+    from layerswap.placed_loads import ALIASED
     from layerswap.saving import ADVICE as SAVE_ADVICE
 
     if _GUARD is None:
         # safeguards: restore_all() leaves them on while a swapped model holds them
         _GUARD = safeguard(wrap(INJECT, _check_then_inject, lazy=True), _held)
         _LAYOUT.extend(
-            safeguard(wrap(target, advice, lazy=True), _held)
-            for target, advice in (*ADVICE, *SAVE_ADVICE)
+            # a function re-exported by name (accelerate's loading) is wrapped wherever
+            # a module holds it
+            safeguard(wrap(target, advice, lazy=True, aliases=target in ALIASED), _held)
+            for target, advice in (*ADVICE, *SAVE_ADVICE, *LOAD_ADVICE)
         )
     for patch in (_GUARD, *_LAYOUT):
         if not patch.is_active:

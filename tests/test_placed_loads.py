@@ -1,0 +1,140 @@
+"""Loads that match a checkpoint's names against the model's before ``load_state_dict``
+runs (:mod:`layerswap.placed_loads`): an original-layout checkpoint loads whole into a
+swapped model, on every rank and with a ``device_map``, or is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import accelerate.utils as accelerate_modeling
+import pytest
+import torch
+from models import tiny_config, tiny_model
+from ranks import free_port, run_ranks
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
+
+import layerswap
+from layerswap.errors import ConversionError
+
+FUSED = "llama.decoder.fused"
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7, 100, 4]])
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _swapped(seed: int) -> torch.nn.Module:
+    model = tiny_model("llama", seed=seed, num_hidden_layers=2)
+    layerswap.swap(model, FUSED)
+    return model
+
+
+@pytest.fixture
+def original_checkpoint(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    # shards of a few tensors each: a layer's q, k and v fall in different files
+    original.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    return tmp_path, _logits(original)
+
+
+def test_accelerate_places_an_original_checkpoint_by_name_into_a_swapped_model(
+    original_checkpoint: tuple[Path, torch.Tensor],
+) -> None:
+    path, expected = original_checkpoint
+    model = _swapped(seed=7)
+    assert not torch.equal(_logits(model), expected)
+    # as a script calls it: a module's name, bound before or after the swap
+    accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map={"": "cpu"})
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_accelerate_loading_bound_under_another_name_before_the_swap_is_refused(
+    original_checkpoint: tuple[Path, torch.Tensor],
+) -> None:
+    path, _ = original_checkpoint
+    bound = {"load": accelerate_modeling.load_checkpoint_in_model}  # held before any swap
+    model = _swapped(seed=7)
+    with pytest.raises(ConversionError, match="bound before the model was swapped"):
+        bound["load"](model, str(path), device_map={"": "cpu"})
+
+
+def test_load_checkpoint_and_dispatch_fills_an_empty_swapped_model(
+    original_checkpoint: tuple[Path, torch.Tensor],
+) -> None:
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    path, expected = original_checkpoint
+    with layerswap.use(FUSED), init_empty_weights():
+        model = LlamaForCausalLM(tiny_config("llama", num_hidden_layers=2))
+    model = load_checkpoint_and_dispatch(model, str(path), device_map="auto")
+    model.model.rotary_emb.__init__(model.config)  # a buffer init_empty_weights left empty
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_giving_a_joined_tensor_in_part_is_refused_by_accelerate(
+    original_checkpoint: tuple[Path, torch.Tensor],
+) -> None:
+    path, _ = original_checkpoint
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    key = "model.layers.1.self_attn.k_proj.weight"
+    shard = path / index["weight_map"].pop(key)
+    tensors = load_file(shard)
+    del tensors[key]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = _swapped(seed=7)
+    with pytest.raises(ConversionError, match="not every tensor it is joined with"):
+        accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map={"": "cpu"})
+
+
+def test_a_full_state_given_in_part_is_refused_with_strict_and_reported_without() -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = tiny_model("llama", seed=0, num_hidden_layers=2).state_dict()
+    del state["model.layers.0.self_attn.v_proj.weight"]
+    model = _swapped(seed=7)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(ConversionError, match=r"v_proj\.weight' missing; nothing was loaded"):
+        set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    result = set_model_state_dict(
+        model, dict(state), options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+    assert "model.layers.0.self_attn.v_proj.weight" in result.missing_keys
+
+
+def _broadcast_rank(rank: int, port: int, out: str) -> None:
+    from torch import distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        original = tiny_model("llama", seed=0, num_hidden_layers=2)
+        state: dict[str, Any] = dict(original.state_dict()) if rank == 0 else {}
+        model = _swapped(seed=7)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        result = set_model_state_dict(model, state, options=options)
+        torch.save(
+            {"difference": (_logits(model) - _logits(original)).abs().max(), "result": result},
+            f"{out}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_loads_an_original_state_broadcast_from_rank_0(tmp_path: Path) -> None:
+    run_ranks(_broadcast_rank, (free_port(), str(tmp_path)), nprocs=2, timeout_s=180)
+    for rank in range(2):
+        report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert report["difference"] < 1e-5, f"rank {rank} kept its own fused tensors"
+        assert not report["result"].missing_keys and not report["result"].unexpected_keys
