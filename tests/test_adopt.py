@@ -568,6 +568,43 @@ def test_two_adoptions_of_one_name_undone_in_any_order(order: str) -> None:
     assert modeling_llama.LlamaRMSNorm is original
 
 
+@pytest.mark.parametrize("ended", ["oldest first", "newest first"])
+@pytest.mark.parametrize("first", ["delete", "rebind"])
+def test_a_name_deleted_and_rebound_by_two_adoptions_comes_back_in_any_order(
+    make_module, first: str, ended: str
+) -> None:
+    """One adoption deleting a module's name and another rebinding it (either first):
+    ending the older one first leaves the newer one's doing, and ending both, in either
+    order, brings the very object back (a deletion was put back raw, outside the
+    engine's stack: the older one's end wrote over the newer one, and the newer one's
+    end then put back what the older one had left, or removed the name)."""
+    module = importlib.import_module(make_module("deleted_name", "VALUE = object()\n"))
+    original = module.VALUE
+
+    def delete() -> None:
+        del module.VALUE
+
+    def rebind() -> None:
+        module.VALUE = "rebound"
+
+    shows = {"delete": NOTSET, "rebind": "rebound"}
+    second = "rebind" if first == "delete" else "delete"
+    older = layerswap.adopt(delete if first == "delete" else rebind, prove=False)
+    newer = layerswap.adopt(rebind if first == "delete" else delete, prove=False)
+    try:
+        assert module.__dict__.get("VALUE", NOTSET) == shows[second]
+        if ended == "oldest first":
+            older.undo()
+            assert module.__dict__.get("VALUE", NOTSET) == shows[second]
+        else:
+            newer.undo()
+            assert module.__dict__.get("VALUE", NOTSET) == shows[first]
+    finally:
+        older.undo()
+        newer.undo()
+    assert module.__dict__.get("VALUE", NOTSET) is original
+
+
 def test_a_foreign_write_while_adopted_warns_and_the_original_comes_back() -> None:
     original = modeling_llama.LlamaRMSNorm
     adoption = layerswap.adopt(rebind_rms_norm, prove=False)

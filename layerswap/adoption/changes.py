@@ -7,7 +7,8 @@ original model with the changes taken back for the time of a call):
   or added. It is handed to the patching engine as a :func:`layerswap.patch` layer, so an
   adopted patch nests with every other patch of the same attribute, stopped in any order
   (:mod:`layerswap.patching.stack`); restored raw (a ``staticmethod`` as the same object);
-* :class:`Deletion`: a name removed;
+* :class:`Deletion`: a name removed: an engine layer showing it absent, on the stack a
+  rebinding of the name uses;
 * :class:`ItemChange`: a dict's items added, rebound or removed in place (a registry, a
   model's ``_modules``): one engine layer per key, the container object kept;
 * :class:`ContentsChange`: a list or set changed in place, or a dict only reordered: put
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 from layerswap.adoption.process import Switches, set_environ
@@ -46,7 +48,15 @@ from layerswap.adoption.snapshot import (
     same_contents,
 )
 from layerswap.patching import Patch
-from layerswap.patching.sites import DELETED, NOTSET, DictSite, ItemSite, Original
+from layerswap.patching.sites import (
+    DELETED,
+    NOTSET,
+    DictSite,
+    ItemSite,
+    Original,
+    Site,
+    make_site,
+)
 from layerswap.patching.stack import Layer, move_to, position_of, push, remove, warn_conflicts
 
 __all__ = [
@@ -167,22 +177,91 @@ class Rebinding(_Layered):
         _put(owner, name, value)
 
 
-class Deletion(Change):
-    """``owner.name`` removed (it held ``old``)."""
+class _Stacked(Change):
+    """A change held as one layer per site of the engine's stacks
+    (:mod:`layerswap.patching.stack`), pushed by the change itself (a name removed, a
+    dict's item, a container's contents or order): adoptions, and every other patch of
+    the same site, end in any order, each leaving the others' values in place."""
+
+    _layers: list[Layer] | None = None
+    #: where each layer sat when taken back (suspended): made again there, under any newer
+    #: layer of the same site
+    _positions: list[int | None] | None = None
+
+    def _entries(self) -> list[tuple[Site, Any, Callable[[Site, Any], Any] | None]]:
+        """Each site, with the value its layer shows (or the factory building it from the
+        value below)."""
+        raise NotImplementedError
+
+    def _take_back_raw(self) -> None:
+        """The function's change taken back, written raw (before it is adopted)."""
+        raise NotImplementedError
+
+    def _make_raw(self) -> None:
+        """The function's change made again, written raw."""
+        raise NotImplementedError
+
+    def _label(self) -> str:
+        return f"adoption of {self.where}"
+
+    def adopt(self) -> None:
+        # the stacks must see what was there before the function as the value below
+        self._take_back_raw()
+        self._sites = self._entries()
+        layers: list[Layer] = []
+        try:
+            for site, value, factory in self._sites:
+                layers.append(push(site, value, factory, self, create=True))
+        except BaseException:
+            for layer in reversed(layers):  # none left on the stacks: made again raw
+                remove(layer)
+            self._make_raw()
+            raise
+        self._layers = layers
+
+    def revert(self) -> None:
+        if self._layers is None:  # the function failed half-way: nothing was adopted
+            self._take_back_raw()
+            return
+        self._positions = [position_of(layer) for layer in self._layers]
+        conflicts = [remove(layer) for layer in reversed(self._layers)]
+        warn_conflicts([c for c in conflicts if c is not None], stacklevel=3)
+
+    def apply(self) -> None:
+        if self._layers is None:
+            self._make_raw()
+            return
+        positions = self._positions or [None] * len(self._sites)
+        layers = []
+        for (site, value, factory), position in zip(self._sites, positions, strict=True):
+            layer = push(site, value, factory, self, create=True)
+            if position is not None:
+                move_to(layer, position)
+            layers.append(layer)
+        self._layers, self._positions = layers, None
+
+
+class Deletion(_Stacked):
+    """``owner.name`` removed (it held ``old``): a layer showing the name absent on its
+    stack, as a rebinding's is, so that adoptions removing or rebinding one name end in
+    any order."""
 
     def __init__(self, owner: Any, name: str, old: Any, where: str) -> None:
         self.owner, self.name, self.old = owner, name, old
         self.where = f"{where}.{name}"
         self.what = "deleted"
 
-    def revert(self) -> None:
+    def _entries(self) -> list[tuple[Site, Any, Callable[[Site, Any], Any] | None]]:
+        return [(make_site(self.owner, self.name), DELETED, None)]
+
+    def _take_back_raw(self) -> None:
         _put(self.owner, self.name, self.old)
 
-    def apply(self) -> None:
+    def _make_raw(self) -> None:
         _put(self.owner, self.name, NOTSET)
 
 
-class ItemChange(Change):
+class ItemChange(_Stacked):
     """A dict's items added, rebound or removed in place (a registry, a model's
     ``_modules``): one layer of the engine's per-site stacks per key
     (:class:`~layerswap.patching.sites.ItemSite`), so that adoptions changing one dict
@@ -200,8 +279,6 @@ class ItemChange(Change):
             (key, DELETED) for key, _ in self.before if key not in new
         ]
         self._after = after
-        self._layers: list[Layer] | None = None
-        self._positions: list[int | None] | None = None
 
     @staticmethod
     def expressible(contents: Contents) -> bool:
@@ -212,43 +289,14 @@ class ItemChange(Change):
         old, new = dict(contents.before), dict(Contents.copy_of(contents.obj))
         return old.keys() != new.keys() or any(new[key] is not old[key] for key in old)
 
-    def _label(self) -> str:
-        return f"adoption of {self.where}"
+    def _entries(self) -> list[tuple[Site, Any, Callable[[Site, Any], Any] | None]]:
+        return [(ItemSite(self.obj, key), value, None) for key, value in self._sets]
 
-    def adopt(self) -> None:
-        # the stacks must see the items from before the function as the ones below
+    def _take_back_raw(self) -> None:
         _refill(self.obj, self.before, self._after)
-        layers: list[Layer] = []
-        try:
-            for key, value in self._sets:
-                layers.append(push(ItemSite(self.obj, key), value, None, self, create=True))
-        except BaseException:
-            for layer in reversed(layers):  # none left on the stacks: taken back raw
-                remove(layer)
-            _refill(self.obj, self._after, self.before)
-            raise
-        self._layers = layers
 
-    def revert(self) -> None:
-        if self._layers is None:  # the function failed half-way: nothing was adopted
-            _refill(self.obj, self.before, self._after)
-            return
-        self._positions = [position_of(layer) for layer in self._layers]
-        conflicts = [remove(layer) for layer in reversed(self._layers)]
-        warn_conflicts([c for c in conflicts if c is not None], stacklevel=3)
-
-    def apply(self) -> None:
-        if self._layers is None:
-            _refill(self.obj, self._after, self.before)
-            return
-        positions = self._positions or [None] * len(self._sets)
-        layers = []
-        for (key, value), position in zip(self._sets, positions, strict=True):
-            layer = push(ItemSite(self.obj, key), value, None, self, create=True)
-            if position is not None:
-                move_to(layer, position)
-            layers.append(layer)
-        self._layers, self._positions = layers, None
+    def _make_raw(self) -> None:
+        _refill(self.obj, self._after, self.before)
 
 
 class ContentsChange(Change):

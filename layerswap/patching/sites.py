@@ -111,8 +111,9 @@ class Site:
         return getattr(self.owner, self.name, NOTSET)
 
     def same(self, current: Any, written: Any) -> bool:
-        """Whether ``current`` is still what layerswap wrote (no foreign write)."""
-        return current is written
+        """Whether ``current`` is still what layerswap wrote (no foreign write); a name
+        removed (``DELETED`` written) reads as absent."""
+        return current is written or (written is DELETED and current is NOTSET)
 
     def describe(self) -> str:
         owner = self.owner

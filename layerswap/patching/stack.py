@@ -229,7 +229,11 @@ def _remove_locked(site: Site, layer: Layer) -> str | None:
         owner, name = site.owner, site.name
         current = owner.__dict__.get(name, NOTSET)
         conflict = stack.conflict
-        if current is not stack.observed and conflict is None:
+        if (
+            current is not stack.observed
+            and conflict is None
+            and not site.same(current, stack.observed)
+        ):
             conflict = _conflict_message(site, stack.observed, current, 1)
         del _STACKS[site.key]
         if site._is_class:
