@@ -314,6 +314,66 @@ def test_two_adoptions_of_one_registry_end_in_any_order(order: str) -> None:
     assert all(a[1] is b[1] for a, b in zip(ACT2FN.items(), items, strict=True))
 
 
+def _put_in(container: Any, item: Any) -> None:
+    if isinstance(container, list):
+        container.append(item)
+    else:
+        container.add(item)
+
+
+@pytest.mark.parametrize("ended", ["oldest first", "newest first"])
+@pytest.mark.parametrize("kind", ["list", "set"])
+def test_two_adoptions_changing_one_list_or_set_end_in_any_order(
+    make_module, kind: str, ended: str
+) -> None:
+    """Two adoptions changing one list (or set) of a watched module in place: the older
+    one suspended or ended first takes back its own edit and keeps the newer one's item,
+    and ending both, in either order, leaves the very items back, in order (each was
+    refilled whole from its own copy: the older one's end dropped the newer one's item,
+    and the newer one's end brought the older one's back for good)."""
+    name = make_module("contents", "HOOKS = [min, max, abs]\nNAMES = {'min', 'max'}\n")
+    module = importlib.import_module(name)
+    held = module.HOOKS if kind == "list" else module.NAMES
+    items = list(held) if kind == "list" else set(held)
+    old, mine, theirs = (min, len, repr) if kind == "list" else ("min", "len", "repr")
+
+    def watched(body: Any) -> Any:
+        body.__module__ = name  # the module's contents are watched: it is the function's
+        return body
+
+    @watched
+    def older_change() -> None:
+        held.remove(old)
+        _put_in(held, mine)
+
+    @watched
+    def newer_change() -> None:
+        _put_in(held, theirs)
+
+    older = layerswap.adopt(older_change, prove=False)
+    newer = layerswap.adopt(newer_change, prove=False)
+    try:
+        with older.suspended():
+            assert old in held and mine not in held and theirs in held
+        assert old not in held and mine in held and theirs in held
+        if ended == "oldest first":
+            older.undo()
+            assert old in held and mine not in held and theirs in held
+            if kind == "list":
+                assert held == [min, max, abs, repr]
+        else:
+            newer.undo()
+            assert old not in held and mine in held and theirs not in held
+    finally:
+        older.undo()
+        newer.undo()
+    assert module.HOOKS is held or module.NAMES is held
+    if kind == "list":
+        assert len(held) == len(items) and all(a is b for a, b in zip(held, items, strict=True))
+    else:
+        assert held == items
+
+
 @pytest.mark.parametrize(
     "case",
     [

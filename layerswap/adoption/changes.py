@@ -11,8 +11,8 @@ original model with the changes taken back for the time of a call):
   rebinding of the name uses;
 * :class:`ItemChange`: a dict's items added, rebound or removed in place (a registry, a
   model's ``_modules``): one engine layer per key, the container object kept;
-* :class:`ContentsChange`: a list or set changed in place, or a dict only reordered: put
-  back item by item, in order, the container object kept;
+* :class:`ContentsChange`: a list or set changed in place: an engine layer of the
+  container's contents holding the function's edit, the container object kept;
 * :class:`ClassChange`: an instance given another class, and :class:`FunctionChange`: a
   function's ``__code__`` or defaults replaced in place: engine layers as a rebinding is;
 * :class:`ModuleTableChange`: an entry of ``sys.modules`` replaced or removed, or added
@@ -48,6 +48,7 @@ from layerswap.adoption.snapshot import (
     same_contents,
 )
 from layerswap.patching import Patch
+from layerswap.patching.contents import ContentsSite, Edit
 from layerswap.patching.sites import (
     DELETED,
     NOTSET,
@@ -299,9 +300,32 @@ class ItemChange(_Stacked):
         _refill(self.obj, self._after, self.before)
 
 
-class ContentsChange(Change):
-    """A list or set changed in place, or a dict's items reordered; ``after`` is what it
-    held after the function."""
+class ContentsChange(_Stacked):
+    """A list or set changed in place: one layer of the container's stack
+    (:class:`~layerswap.patching.contents.ContentsSite`) holding the function's edit, laid
+    over whatever is below it, so that adoptions changing one list or set end in any
+    order, each keeping the others' items. ``after`` is what it held after the function."""
+
+    def __init__(self, contents: Contents) -> None:
+        self.obj = contents.obj
+        self.before = contents.before
+        self.after = Contents.copy_of(contents.obj)
+        self.where = contents.where
+        self.what = _contents_delta(self.before, self.after, self.obj)
+
+    def _entries(self) -> list[tuple[Site, Any, Callable[[Site, Any], Any] | None]]:
+        edit = Edit(tuple(self.before), tuple(self.after))
+        return [(ContentsSite(self.obj), None, edit)]
+
+    def _take_back_raw(self) -> None:
+        _refill(self.obj, self.before, self.after)
+
+    def _make_raw(self) -> None:
+        _refill(self.obj, self.after, self.before)
+
+
+class _Reordering(Change):
+    """A dict's items reordered, and nothing else: refilled from the function's copies."""
 
     def __init__(self, contents: Contents) -> None:
         self.obj = contents.obj
@@ -434,8 +458,7 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
         changes.extend(_owner_changes(owner, snapshot))
     for contents in list(snapshot.contents.values()):
         if not contents.unchanged():
-            kind = ItemChange if ItemChange.expressible(contents) else ContentsChange
-            changes.append(kind(contents))
+            changes.append(_contents_change(contents))
     changes.extend(
         FunctionChange(state) for state in snapshot.functions.values() if state.changed()
     )
@@ -461,6 +484,12 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
         if state.changed()
     ]
     return changes, unrecordable
+
+
+def _contents_change(contents: Contents) -> Change:
+    if not isinstance(contents.obj, dict):
+        return ContentsChange(contents)
+    return ItemChange(contents) if ItemChange.expressible(contents) else _Reordering(contents)
 
 
 def _process_changes(
