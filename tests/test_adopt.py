@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import runpy
 import sys
 import types
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -372,6 +374,96 @@ def test_two_adoptions_changing_one_list_or_set_end_in_any_order(
         assert len(held) == len(items) and all(a is b for a, b in zip(held, items, strict=True))
     else:
         assert held == items
+
+
+def _registry_state() -> list[list[tuple[str, int]]]:
+    # ACT2FN is an OrderedDict: its own order and the dict's underneath, both
+    return [
+        [(key, id(value)) for key, value in dict.items(ACT2FN)],
+        [(key, id(value)) for key, value in OrderedDict.items(ACT2FN)],
+    ]
+
+
+def _move_gelu_and_add(key: str) -> Any:
+    def change() -> None:
+        ACT2FN.pop("gelu")
+        ACT2FN["gelu"] = nn.Identity  # to the end
+        ACT2FN[key] = nn.Tanh
+
+    change.__module__ = "transformers.activations"
+    return change
+
+
+@pytest.mark.parametrize("ended", list(itertools.permutations(range(3))), ids=str)
+def test_adoptions_reordering_one_registry_end_in_any_order(ended: tuple[int, ...]) -> None:
+    """A pops ``gelu``, sets it again to ``nn.Identity`` (to the end) and adds an item;
+    B adds another; C does what A did, which under A only reorders the registry. Ended in
+    any order, the registry holds its own items, by identity and in order (a reorder was
+    refilled whole from its own copy: C ended after A put A's ``gelu`` back for good)."""
+    before = _registry_state()
+    gelu = dict.get(ACT2FN, "gelu")
+
+    def add_b() -> None:
+        ACT2FN["property_act_b"] = nn.Tanh
+
+    add_b.__module__ = "transformers.activations"
+    adoptions = []
+    try:
+        adoptions.append(layerswap.adopt(_move_gelu_and_add("property_act_a"), prove=False))
+        assert list(ACT2FN)[-2:] == ["gelu", "property_act_a"]  # as the function left it
+        adoptions.append(layerswap.adopt(add_b, prove=False))
+        adoptions.append(layerswap.adopt(_move_gelu_and_add("property_act_a"), prove=False))
+        assert adoptions[2].changes == ["transformers.activations.ACT2FN: reordered"]
+        assert list(ACT2FN)[-3:] == ["property_act_a", "property_act_b", "gelu"]
+        for index in ended:
+            adoptions[index].undo()
+            # C changed no value: gelu is A's while A is in effect, its own after
+            assert dict.get(ACT2FN, "gelu") is (nn.Identity if adoptions[0].active else gelu)
+            assert ("property_act_b" in ACT2FN) is adoptions[1].active
+    finally:
+        for adoption in adoptions:
+            adoption.undo()
+    assert dict.get(ACT2FN, "gelu") is gelu
+    assert _registry_state() == before
+
+
+@pytest.mark.parametrize("first", ["adopt", "patch_dict"])
+@pytest.mark.parametrize("ended", ["undo, stop", "stop, undo"])
+def test_a_reordering_adoption_and_a_patch_dict_end_in_any_order(first: str, ended: str) -> None:
+    """An adoption reordering a registry and a ``patch_dict`` in whose block a key is
+    removed, started and ended in either order: whichever is left keeps its doing (the
+    dict patch's end put its snapshot's order over the adoption's, a foreign write), and
+    the registry comes back in its own order."""
+    before = _registry_state()
+    order = [key for key in ACT2FN if key != "relu"]
+    moved = [key for key in order if key != "gelu"] + ["gelu", "property_act_a"]
+    dict_patch = layerswap.patch_dict(ACT2FN)  # "relu" removed in its block, below
+    adoption = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PatchConflictWarning)
+        try:
+            if first == "patch_dict":
+                dict_patch.start()
+                del ACT2FN["relu"]
+            adoption = layerswap.adopt(_move_gelu_and_add("property_act_a"), prove=False)
+            if first == "adopt":
+                dict_patch.start()
+                del ACT2FN["relu"]
+            assert list(ACT2FN) == moved
+            if ended == "undo, stop":
+                adoption.undo()
+                assert list(ACT2FN) == order
+                dict_patch.stop()
+            else:
+                dict_patch.stop()
+                assert [key for key in ACT2FN if key != "relu"] == moved and "relu" in ACT2FN
+                adoption.undo()
+        finally:
+            if dict_patch.is_active:
+                dict_patch.stop()
+            if adoption is not None:
+                adoption.undo()
+    assert _registry_state() == before
 
 
 @pytest.mark.parametrize(

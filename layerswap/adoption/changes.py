@@ -9,8 +9,9 @@ original model with the changes taken back for the time of a call):
   (:mod:`layerswap.patching.stack`); restored raw (a ``staticmethod`` as the same object);
 * :class:`Deletion`: a name removed: an engine layer showing it absent, on the stack a
   rebinding of the name uses;
-* :class:`ItemChange`: a dict's items added, rebound or removed in place (a registry, a
-  model's ``_modules``): one engine layer per key, the container object kept;
+* :class:`ItemChange`: a dict's items added, rebound, removed or reordered in place (a
+  registry, a model's ``_modules``): one engine layer per key, and one of the dict's order
+  where the function reordered its keys, the container object kept;
 * :class:`ContentsChange`: a list or set changed in place: an engine layer of the
   container's contents holding the function's edit, the container object kept;
 * :class:`ClassChange`: an instance given another class, and :class:`FunctionChange`: a
@@ -48,7 +49,13 @@ from layerswap.adoption.snapshot import (
     same_contents,
 )
 from layerswap.patching import Patch
-from layerswap.patching.contents import ContentsSite, Edit
+from layerswap.patching.contents import (
+    ContentsSite,
+    Edit,
+    OrderSite,
+    Reorder,
+    reassert_order,
+)
 from layerswap.patching.sites import (
     DELETED,
     NOTSET,
@@ -263,41 +270,55 @@ class Deletion(_Stacked):
 
 
 class ItemChange(_Stacked):
-    """A dict's items added, rebound or removed in place (a registry, a model's
+    """A dict's items added, rebound, removed or reordered in place (a registry, a model's
     ``_modules``): one layer of the engine's per-site stacks per key
-    (:class:`~layerswap.patching.sites.ItemSite`), so that adoptions changing one dict
-    end in any order, each leaving the others' items, as rebindings do."""
+    (:class:`~layerswap.patching.sites.ItemSite`), and one of the dict's order
+    (:class:`~layerswap.patching.contents.OrderSite`) where the function left its keys in
+    another order than setting those items would (a key popped and set again goes to the
+    end), so that adoptions changing one dict end in any order, each leaving the others'
+    items and order, as rebindings do."""
 
     def __init__(self, contents: Contents) -> None:
         self.obj = contents.obj
         self.before = contents.before
         after = Contents.copy_of(contents.obj)
         self.where = contents.where
-        self.what = _contents_delta(self.before, after, self.obj)
         old = dict(self.before)
         new = dict(after)
         self._sets = [(key, value) for key, value in after if old.get(key, NOTSET) is not value] + [
             (key, DELETED) for key, _ in self.before if key not in new
         ]
         self._after = after
-
-    @staticmethod
-    def expressible(contents: Contents) -> bool:
-        """Whether ``contents`` changed in items and not only in order: a dict whose items
-        were only reordered is refilled (:class:`ContentsChange`)."""
-        if not isinstance(contents.obj, dict):
-            return False
-        old, new = dict(contents.before), dict(Contents.copy_of(contents.obj))
-        return old.keys() != new.keys() or any(new[key] is not old[key] for key in old)
+        # the keys' order setting the items gives: the kept ones in place, the new ones
+        # after them, in the function's order
+        kept = [key for key, _ in self.before if key in new]
+        self._order = tuple(new)
+        self._reordered = self._order != (*kept, *(key for key in new if key not in old))
+        what = _contents_delta(self.before, after, self.obj)
+        self.what = f"{what}; reordered" if self._sets and self._reordered else what
 
     def _entries(self) -> list[tuple[Site, Any, Callable[[Site, Any], Any] | None]]:
-        return [(ItemSite(self.obj, key), value, None) for key, value in self._sets]
+        entries: list[tuple[Site, Any, Callable[[Site, Any], Any] | None]] = [
+            (ItemSite(self.obj, key), value, None) for key, value in self._sets
+        ]
+        if self._reordered:
+            before = tuple(key for key, _ in self.before)
+            entries.append((OrderSite(self.obj), None, Reorder(before, self._order)))
+        return entries
 
     def _take_back_raw(self) -> None:
         _refill(self.obj, self.before, self._after)
 
     def _make_raw(self) -> None:
         _refill(self.obj, self._after, self.before)
+
+    def revert(self) -> None:
+        super().revert()
+        reassert_order(self.obj)  # a key put back goes where a live reordering has it
+
+    def apply(self) -> None:
+        super().apply()
+        reassert_order(self.obj)
 
 
 class ContentsChange(_Stacked):
@@ -321,23 +342,6 @@ class ContentsChange(_Stacked):
         _refill(self.obj, self.before, self.after)
 
     def _make_raw(self) -> None:
-        _refill(self.obj, self.after, self.before)
-
-
-class _Reordering(Change):
-    """A dict's items reordered, and nothing else: refilled from the function's copies."""
-
-    def __init__(self, contents: Contents) -> None:
-        self.obj = contents.obj
-        self.before = contents.before
-        self.after = Contents.copy_of(contents.obj)
-        self.where = contents.where
-        self.what = _contents_delta(self.before, self.after, self.obj)
-
-    def revert(self) -> None:
-        _refill(self.obj, self.before, self.after)
-
-    def apply(self) -> None:
         _refill(self.obj, self.after, self.before)
 
 
@@ -487,9 +491,7 @@ def find_changes(snapshot: Snapshot) -> tuple[list[Change], list[str]]:
 
 
 def _contents_change(contents: Contents) -> Change:
-    if not isinstance(contents.obj, dict):
-        return ContentsChange(contents)
-    return ItemChange(contents) if ItemChange.expressible(contents) else _Reordering(contents)
+    return ItemChange(contents) if isinstance(contents.obj, dict) else ContentsChange(contents)
 
 
 def _process_changes(

@@ -1,4 +1,5 @@
-"""Sites for what a container holds, whole, whose layers are built from the value below.
+"""Sites for what a container holds, whole, or its order, whose layers are built from the
+value below.
 
 An adopted patch function that changed a list or a set in place (appended a hook, added
 a name to a registry set) is held as one layer of the container's stack
@@ -9,6 +10,13 @@ ended out of order, the layers above are rebuilt around what is below them (the 
 ``factory`` layers), so each keeps its own items and none brings back the other's; once
 every layer has ended the container holds exactly what it held before the first, by
 identity and in order (the stack's original).
+
+A dict's items are one stack per key (:class:`~layerswap.patching.sites.ItemSite`); the
+order of its keys, where a change reordered them (a key popped and set again goes to the
+end), is one more stack (:class:`OrderSite`), whose layers each hold one change's order
+(:class:`Reorder`) laid over the order below: ended out of order, the keys that are there
+then take the order of the changes still in effect, and once the last has ended, the
+order from before them, whatever keys other layers added or removed meanwhile.
 
 Example::
 
@@ -21,43 +29,22 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from layerswap.patching.sites import Original, Site
+from layerswap.patching import stack as _stack
+from layerswap.patching.sites import Original, Site, _mapping_base, _raw_item, lay_over
 
-__all__ = ["ContentsSite", "Edit", "lay_over"]
-
-_START = object()
-
-
-def lay_over(target: Sequence[Hashable], below: Iterable[Hashable], known: set[Any]) -> list[Any]:
-    """``target`` (the keys a change left, in its order; it found ``known``) laid over
-    ``below`` (what is there now in its place, another change's taken out or put in):
-    the keys of ``target`` that the change put in, or that are still ``below``, in the
-    change's order; the keys below that the change did not know (another change's,
-    come in since), each after the key before it below. A key the change knew and left
-    out stays out.
-
-    Example::
-
-        lay_over(["b", "c"], ["a", "b", "x"], {"a", "b"})   # ["b", "x", "c"]
-    """
-    present = set(below)
-    ordered = [key for key in target if key not in known or key in present]
-    placed, targeted = set(ordered), set(target)
-    after: dict[Any, list[Any]] = {}
-    anchor: Any = _START
-    for key in below:
-        if key in placed:
-            anchor = key
-        elif key not in known and key not in targeted:
-            after.setdefault(anchor, []).append(key)
-    result = list(after.get(_START, ()))
-    for key in ordered:
-        result.append(key)
-        result.extend(after.get(key, ()))
-    return result
+__all__ = [
+    "ContentsSite",
+    "Edit",
+    "OrderSite",
+    "Reorder",
+    "lay_over",
+    "order_key",
+    "reassert_order",
+    "reorder",
+]
 
 
 def _tokens(items: Iterable[Any]) -> list[tuple[int, int]]:
@@ -137,3 +124,91 @@ class ContentsSite(Site):
 
     def describe(self) -> str:
         return f"<{type(self.owner).__qualname__} at {id(self.owner):#x}> (its items)"
+
+
+def order_key(mapping: Any) -> tuple[int, Any]:
+    """The engine's key of ``mapping``'s :class:`OrderSite` (apart from its items')."""
+    return (id(mapping), ("order",))
+
+
+def reorder(mapping: Any, order: Sequence[Any]) -> None:
+    """Put the keys of the dict ``mapping`` in ``order`` (:func:`lay_over`): those it
+    names in its order, any other after the key before it now; the values and the
+    mapping object kept, only the keys from the first one out of place taken out and
+    put back."""
+    keys = list(_mapping_base(mapping).__iter__(mapping))
+    target = lay_over(order, keys, set(order))
+    if target == keys:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(keys, target, strict=True)) if a != b)
+    base = _mapping_base(mapping)
+    values = {key: _raw_item(mapping, key) for key in keys[first:]}
+    for key in keys[first:]:
+        base.pop(mapping, key)
+    for key in target[first:]:
+        base.__setitem__(mapping, key, values[key])
+
+
+class Reorder:
+    """A dict's keys reordered by one change (from ``before`` to ``after``, its keys in
+    order), made again over any order below (:func:`lay_over`)."""
+
+    rebuild = True
+
+    def __init__(self, before: tuple[Any, ...], after: tuple[Any, ...]) -> None:
+        self.after = after
+        self._known = set(before)
+
+    def __call__(self, site: Site, below: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(lay_over(self.after, below, self._known))
+
+
+class OrderSite(Site):
+    """The order of a dict's keys (which keys it holds, and their values, are their item
+    stacks' and dict patches'): read as a tuple of its keys, written by :func:`reorder`;
+    another order of the same keys read back is a foreign write, a key added or removed
+    is not. Restored (its last layer ended), the live item stacks of the dict put a key
+    back after the keys before it in the order restored."""
+
+    __slots__ = ()
+    kind = "order"
+
+    def __init__(self, owner: Any) -> None:
+        if not isinstance(owner, dict):
+            raise TypeError(f"a dict, not {type(owner).__qualname__}")
+        self.owner = owner
+        self.name = "<order>"
+        self.key = order_key(owner)
+
+    def read(self) -> tuple[Any, ...]:
+        return tuple(_mapping_base(self.owner).__iter__(self.owner))
+
+    def visible(self) -> tuple[Any, ...]:
+        return self.read()
+
+    def same(self, current: Any, written: Any) -> bool:
+        if current is written:
+            return True
+        common = set(current) & set(written)
+        return [k for k in current if k in common] == [k for k in written if k in common]
+
+    def snapshot(self) -> Original:
+        return Original("order", self.read())
+
+    def write(self, value: Any, original: Original) -> None:
+        reorder(self.owner, value)
+
+    def restore(self, original: Original) -> None:
+        reorder(self.owner, original.value)
+        _stack.reposition_items(self.owner, original.value)
+
+    def describe(self) -> str:
+        return f"<{type(self.owner).__qualname__} at {id(self.owner):#x}> (the order of its keys)"
+
+
+def reassert_order(mapping: Any) -> None:
+    """The live order layers of ``mapping``, if any, written again over the keys there now
+    (an item taken back or made again goes where its stack puts it: the order is theirs)."""
+    with _stack.LOCK:
+        if _stack.live_stack(order_key(mapping)) is not None:
+            _stack.rebuild(order_key(mapping))

@@ -20,7 +20,9 @@ Keys that the engine's item layers hold (an adoption's change of a registry entr
 :class:`~layerswap.patching.sites.ItemSite`) are theirs: a dict patch refuses to set
 one, and leaves them to their stacks when it stops. A stack started on a key while a
 dict patch was live takes that patch's snapshot as the key's value before it, so that
-ending the two in either order leaves the mapping as it was.
+ending the two in either order leaves the mapping as it was. The order of the keys,
+while an adoption's reordering of them is live
+(:class:`~layerswap.patching.contents.OrderSite`), is that stack's alike.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from layerswap.errors import PatchError, TargetTypeError
 from layerswap.patching import stack as _stack
+from layerswap.patching.contents import lay_over, order_key
 from layerswap.patching.scoped import Scoped
 from layerswap.patching.sites import DELETED, NOTSET, _raw_item, _same_value
 from layerswap.patching.target import ParsedTarget
@@ -58,6 +61,7 @@ class DictPatch(Scoped):
         self._before: list[tuple[Any, Any]] = []  # the snapshot, in insertion order
         self._written: dict[Any, Any] = {}  # what this patch set (DELETED: removed)
         self._held: set[Any] = set()  # keys engine item layers held at start
+        self._order: Any = None  # the live stack of the mapping's order at start, if any
 
     def _label(self) -> str:
         if self._parsed is not None:
@@ -124,6 +128,7 @@ class DictPatch(Scoped):
                 entry = _STACKS[id(mapping)] = (mapping, [])
             entry[1].append(self)
         self._mapping, self._before, self._written, self._held = mapping, before, written, held
+        self._order = _stack.live_stack(order_key(mapping))
 
     def _revert(self) -> None:
         mapping = self._mapping
@@ -134,19 +139,38 @@ class DictPatch(Scoped):
             above = live[index + 1 :]
             held = _stack.held_items(mapping)
             if not above:
-                for key in held - self._held:  # started on what this patch showed
-                    _stack.rebase_item(mapping, key, self._before)
-                _restore(mapping, self._before, self._held | held)
+                self._restore_as_newest(mapping, held)
             else:
                 self._take_back_own_values(mapping, above, held)
                 self._forget_in_snapshots_above(above)
                 above[0]._before = self._before
                 above[0]._held |= self._held
+                above[0]._order = self._order
             if self in live:
                 live.remove(self)
             if entry is not None and not live:
                 del _STACKS[id(mapping)]
         self._mapping, self._before, self._written, self._held = None, [], {}, set()
+
+    def _restore_as_newest(self, mapping: Any, held: set[Any]) -> None:
+        """Put back the snapshot; the order of the keys is the live order layers' (an
+        adoption's reordering), as they are now: a snapshot taken while some were live
+        holds their order, which goes with the last of them; a stack of them started
+        since takes the snapshot's order as the one before it."""
+        before = self._before
+        order = _stack.live_stack(order_key(mapping))
+        seen = self._order
+        if seen is not None and seen is not order:
+            # every order layer live at the start has ended: the order from before them
+            base = seen.original.value
+            values = dict(before)
+            before = [(key, values[key]) for key in lay_over(base, list(values), set(base))]
+        for key in held - self._held:  # started on what this patch showed
+            _stack.rebase_item(mapping, key, before)
+        _restore(mapping, before, self._held | held)
+        if order is not None:
+            start = tuple(key for key, _ in before) if order is not seen else NOTSET
+            _stack.rebuild(order_key(mapping), start)
 
     def _take_back_own_values(self, mapping: Any, above: list[DictPatch], held: set[Any]) -> None:
         before = dict(self._before)

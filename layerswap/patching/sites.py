@@ -24,9 +24,19 @@ import sys
 import types
 import weakref
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Final
 
-__all__ = ["DELETED", "NOTSET", "ItemSite", "Original", "Site", "make_site"]
+__all__ = [
+    "DELETED",
+    "NOTSET",
+    "ItemSite",
+    "Original",
+    "Site",
+    "item_order",
+    "lay_over",
+    "make_site",
+]
 
 
 class _Sentinel:
@@ -367,10 +377,14 @@ class ItemSite(Site):
         return current is written or (written is DELETED and current is NOTSET)
 
     def snapshot(self) -> Original:
-        keys = list(self.owner)
-        if self.name not in keys:
+        # the keys before it in the order first seen, not only those there now: a key an
+        # older stack removed comes back before it, whichever stack ends first
+        entry = _item_order(self.owner)
+        entry[2] += 1
+        if self.name not in self.owner:
             return Original(None, NOTSET)
-        return Original("item", self.read(), tuple(keys[: keys.index(self.name)]))
+        known = entry[1]
+        return Original("item", self.read(), tuple(known[: known.index(self.name)]))
 
     def write(self, value: Any, original: Original) -> None:
         owner, name = self.owner, self.name
@@ -387,9 +401,75 @@ class ItemSite(Site):
             _mapping_base(self.owner).pop(self.owner, self.name, None)
         else:
             self.write(original.value, original)
+        entry = _ITEM_ORDERS.get(id(self.owner))
+        if entry is not None and entry[0] is self.owner:
+            entry[2] -= 1
+            if entry[2] <= 0:  # its last item stack ended
+                del _ITEM_ORDERS[id(self.owner)]
 
     def describe(self) -> str:
         return f"<{type(self.owner).__qualname__} at {id(self.owner):#x}>[{self.name!r}]"
+
+
+#: per mapping with live item stacks (by id): [the mapping, its keys in the order first
+#: seen, how many stacks]; the keys come in as each stack starts, a new one after the key
+#: before it now
+_ITEM_ORDERS: dict[int, list[Any]] = {}
+
+
+def _item_order(mapping: Any) -> list[Any]:
+    current = list(mapping)
+    entry = _ITEM_ORDERS.get(id(mapping))
+    if entry is None or entry[0] is not mapping:
+        entry = _ITEM_ORDERS[id(mapping)] = [mapping, current, 0]
+        return entry
+    known: list[Any] = entry[1]
+    seen = set(known)
+    for index, name in enumerate(current):
+        if name not in seen:
+            before = current[index - 1] if index else None
+            known.insert(known.index(before) + 1 if before in seen else 0, name)
+            seen.add(name)
+    return entry
+
+
+def item_order(mapping: Any) -> list[Any] | None:
+    """The keys of ``mapping`` in the order its live item stacks first saw them (a key
+    some of them removed included), or None where none is live."""
+    entry = _ITEM_ORDERS.get(id(mapping))
+    return entry[1] if entry is not None and entry[0] is mapping else None
+
+
+_START = object()  # lay_over: before the first key
+
+
+def lay_over(target: Sequence[Hashable], below: Iterable[Hashable], known: set[Any]) -> list[Any]:
+    """``target`` (the keys a change left, in its order; it found ``known``) laid over
+    ``below`` (what is there now in its place, another change's taken out or put in):
+    the keys of ``target`` that the change put in, or that are still ``below``, in the
+    change's order; the keys below that the change did not know (another change's,
+    come in since), each after the key before it below. A key the change knew and left
+    out stays out.
+
+    Example::
+
+        lay_over(["b", "c"], ["a", "b", "x"], {"a", "b"})   # ["b", "x", "c"]
+    """
+    present = set(below)
+    ordered = [key for key in target if key not in known or key in present]
+    placed, targeted = set(ordered), set(target)
+    after: dict[Any, list[Any]] = {}
+    anchor: Any = _START
+    for key in below:
+        if key in placed:
+            anchor = key
+        elif key not in known and key not in targeted:
+            after.setdefault(anchor, []).append(key)
+    result = list(after.get(_START, ()))
+    for key in ordered:
+        result.append(key)
+        result.extend(after.get(key, ()))
+    return result
 
 
 def _mapping_base(mapping: Any) -> Any:

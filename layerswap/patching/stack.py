@@ -33,10 +33,21 @@ from layerswap.errors import (
     TargetReadOnlyError,
     TargetTypeError,
 )
-from layerswap.patching.sites import NOTSET, DictSite, Original, Site
+from layerswap.patching.sites import NOTSET, DictSite, Original, Site, item_order, lay_over
 from layerswap.patching.target import suggest
 
-__all__ = ["LOCK", "Layer", "held_items", "push", "rebase_item", "remove", "stack_depth"]
+__all__ = [
+    "LOCK",
+    "Layer",
+    "held_items",
+    "live_stack",
+    "push",
+    "rebase_item",
+    "rebuild",
+    "remove",
+    "reposition_items",
+    "stack_depth",
+]
 
 LOCK = threading.RLock()
 
@@ -326,6 +337,55 @@ def rebase_item(mapping: Any, key: Any, before: list[tuple[Any, Any]]) -> None:
     else:
         index = keys.index(key)
         stack.original = Original("item", before[index][1], tuple(keys[:index]))
+
+
+def live_stack(key: tuple[int, Any]) -> _Stack | None:
+    """The live stack of the site keyed ``key`` (its ``original`` readable), or None.
+    The caller holds :data:`LOCK`."""
+    return _STACKS.get(key)
+
+
+def rebuild(key: tuple[int, Any], original: Any = NOTSET) -> None:
+    """The live stack keyed ``key`` built again from its value before every layer
+    (``original``: that value replaced first): each factory layer rebuilt around the
+    value below it, and the top's value written. The caller holds :data:`LOCK`."""
+    stack = _STACKS.get(key)
+    if stack is None:
+        return
+    if original is not NOTSET:
+        stack.original = Original(stack.original.container, original, stack.original.position)
+        _REBASES[0] += 1
+    site = stack.site
+    for position, layer in enumerate(stack.layers):
+        if layer.factory is not None and getattr(layer.factory, "rebuild", True):
+            layer.value = layer.factory(site, stack.value_below(position))
+    top = stack.layers[-1]
+    site.write(top.value, stack.original)
+    stack.written = top.value
+    stack.observed = top.value if site.raw_reads else site.read()
+
+
+def reposition_items(mapping: Any, order: tuple[Any, ...]) -> None:
+    """The order ``mapping``'s keys had before every reordering layer, come back: its
+    live item stacks take it as the order their keys were first seen in, and each puts
+    its key back, when it ends, after the keys before it there. The caller holds
+    :data:`LOCK`."""
+    known = item_order(mapping)
+    if known is None:
+        return
+    known[:] = lay_over(order, known, set(order))
+    index = {key: number for number, key in enumerate(known)}
+    own = id(mapping)
+    for (owner, name), stack in _STACKS.items():
+        if (
+            owner == own
+            and type(name) is tuple
+            and name[0] == "item"
+            and stack.site.owner is mapping
+            and stack.original.container == "item"
+            and name[1] in index
+        ):
+            stack.original.position = tuple(known[: index[name[1]]])
 
 
 def position_of(layer: Layer) -> int | None:
