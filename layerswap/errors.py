@@ -14,6 +14,7 @@ __all__ = [
     "ConversionError",
     "LayerswapError",
     "LazyPatchWarning",
+    "NoChangeError",
     "ParallelismError",
     "PatchConflictWarning",
     "PatchDivergenceError",
@@ -148,6 +149,12 @@ class UnsupportedModelError(LayerswapError, TypeError):
 class AdoptionError(LayerswapError):
     """A patch function (``layerswap.adopt``) could not be adopted; its changes were taken
     back."""
+
+
+class NoChangeError(AdoptionError):
+    """A patch function changed nothing layerswap records (the message names it): a patch
+    that quietly did nothing (an argument that turned it off, a name it no longer finds
+    upstream) is refused, not reported adopted and proven."""
 
 
 class UnrecordableChangeError(AdoptionError, RuntimeError):

@@ -615,10 +615,13 @@ def test_submodule_bound_by_an_import_stays(make_module, tmp_path) -> None:
 
     def import_submodule() -> None:
         __import__(f"{package}.modeling")
+        sys.modules[f"{package}.modeling"].X = 2
 
-    with layerswap.adopt(import_submodule, prove=False):
+    with layerswap.adopt(import_submodule, prove=False) as adoption:
         pass
+    assert adoption.changes == [f"{package}.modeling.X: rebound"]
     assert sys.modules[package].modeling is sys.modules[f"{package}.modeling"]
+    assert sys.modules[package].modeling.X == 1
     sys.modules.pop(f"{package}.modeling", None)
 
 
@@ -1004,12 +1007,15 @@ def test_a_given_model_is_patched_after_the_proof_on_a_tiny_copy(model: nn.Modul
     assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
 
 
-def test_prove_true_without_a_family_is_refused() -> None:
-    def nothing() -> None:
-        pass
+def test_prove_true_without_a_family_is_refused(make_module) -> None:
+    module = importlib.import_module(make_module("no_family", "VALUE = 1\n"))
+
+    def no_modeling_module() -> None:
+        module.VALUE = 2
 
     with pytest.raises(AdoptionError, match="config="):
-        layerswap.adopt(nothing, prove=True)
+        layerswap.adopt(no_modeling_module, prove=True)
+    assert module.VALUE == 1
 
 
 # --- verify, layer by layer --------------------------------------------------------------------

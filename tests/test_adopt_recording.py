@@ -20,7 +20,7 @@ from torch import nn
 from transformers.models.llama import modeling_llama
 
 import layerswap
-from layerswap.errors import UnrecordableChangeError
+from layerswap.errors import NoChangeError, UnrecordableChangeError
 
 # --- imports inside the patch function ----------------------------------------------------------
 
@@ -272,3 +272,37 @@ def test_deterministic_algorithms_switched_on_in_a_fresh_process(tmp_path: Path)
     changes, enabled, handled = found
     assert changes == ["torch.are_deterministic_algorithms_enabled(): False -> True"]
     assert not enabled and handled > 0
+
+
+# --- a function that changed nothing ----------------------------------------------------------
+
+
+def noop(model: nn.Module | None = None) -> None:
+    pass
+
+
+@pytest.mark.parametrize("given", ["config", "model", "model unproven", "nothing"])
+def test_a_function_that_changed_nothing_is_refused(given: str) -> None:
+    """It was reported "0 changes, in effect; proven equal to the original": a patch that
+    quietly did nothing passed for one that works."""
+    family = layerswap.get_family("llama")
+    kwargs: dict[str, object] = {
+        "config": {"config": family.tiny_config()},
+        "model": {"model": family.build(family.tiny_config(), seed=0)},
+        "model unproven": {"model": family.build(family.tiny_config(), seed=0), "prove": False},
+        "nothing": {},
+    }[given]
+    with pytest.raises(NoChangeError, match=r"^noop changed nothing layerswap records"):
+        layerswap.adopt(noop, **kwargs)  # type: ignore[arg-type]
+    assert not layerswap.active_patches()
+
+
+def test_a_function_that_only_imports_changed_nothing(make_module) -> None:
+    name = make_module("imported_only", "VALUE = 1\n")
+
+    def only_imports() -> None:
+        importlib.import_module(name)
+
+    with pytest.raises(NoChangeError, match="only_imports"):
+        layerswap.adopt(only_imports, prove=False)
+    assert sys.modules[name].VALUE == 1  # the import stays

@@ -215,6 +215,7 @@ def adopt(
     requires it (:class:`~layerswap.errors.AdoptionError` where none is); ``False`` skips it.
 
     Raises, with every change taken back: the function's own exception;
+    :class:`~layerswap.errors.NoChangeError` (it changed nothing layerswap records);
     :class:`~layerswap.errors.UnrecordableChangeError`;
     :class:`~layerswap.errors.PatchDivergenceError` (naming the first divergent layer);
     :class:`~layerswap.errors.RequirementError` (its kernels need CUDA).
@@ -390,7 +391,7 @@ def _prove_on_copy(
     (:func:`_instance_changes`)."""
     reference = family.build(tiny_config(family, config), seed=0).to(_device())
     candidate = copy.deepcopy(reference)
-    recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate)
+    recording, _ = record(fn, args, {**kwargs, "model": candidate}, model=candidate, empty=True)
     try:
         with exclusive():
             checks = check_patch(

@@ -5,7 +5,8 @@ runs it, finds what it changed (:mod:`layerswap.adoption.changes`) and keeps eac
 an :class:`~layerswap.patching.undo.UndoLog`: :meth:`Recording.undo` takes them back, newest
 first. The function raising half-way takes back what it had done so far and re-raises;
 a change that cannot be taken back (a model's tensor changed in place) takes back the rest
-and raises :class:`~layerswap.errors.UnrecordableChangeError` naming it.
+and raises :class:`~layerswap.errors.UnrecordableChangeError` naming it; a function that
+changed nothing recorded raises :class:`~layerswap.errors.NoChangeError`.
 
 Example::
 
@@ -25,7 +26,7 @@ from typing import Any
 from layerswap.adoption.changes import Change, find_changes
 from layerswap.adoption.importing import SnapshotOnImport
 from layerswap.adoption.snapshot import Snapshot, watched_packages
-from layerswap.errors import PatchConflictWarning, UnrecordableChangeError
+from layerswap.errors import NoChangeError, PatchConflictWarning, UnrecordableChangeError
 from layerswap.patching.undo import UndoLog
 
 __all__ = ["Recording", "exclusive", "record"]
@@ -114,11 +115,14 @@ def record(
     *,
     model: Any = None,
     packages: Sequence[str] = (),
+    empty: bool = False,
 ) -> tuple[Recording, Any]:
     """Run ``fn(*args, **kwargs)`` recording its changes; (the recording, what it returned).
 
     ``model``'s modules are watched too; ``packages`` adds packages whose classes and
     registries are watched (:func:`~layerswap.adoption.snapshot.watched_packages`).
+    ``empty``: a recording of no change is returned, not refused (the proof's run on a
+    copy, which the function may leave as it was where it changed the user's model).
     """
     __tracebackhide__ = True
     name = getattr(fn, "__qualname__", None) or repr(fn)
@@ -150,6 +154,13 @@ def record(
                 + _not_back(failed)
                 + ". A patch function may rebind names, classes and instances' attributes, "
                 "not change a model's weights in place"
+            )
+        if not changes and not empty:
+            raise NoChangeError(
+                f"{name} changed nothing layerswap records: no module, class or instance "
+                "attribute, registry item, sys.modules entry, torch switch or environment "
+                "variable. A patch that did nothing is not adopted: check what it was "
+                "called with, and that it still finds what it patches"
             )
         return Recording(name, changes), result
 
