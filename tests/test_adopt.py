@@ -466,6 +466,39 @@ def test_a_reordering_adoption_and_a_patch_dict_end_in_any_order(first: str, end
     assert _registry_state() == before
 
 
+@pytest.mark.parametrize("last", ["older first", "newer first"])
+def test_a_dict_patch_after_an_ended_adoption_comes_back_whatever_stops_first(last: str) -> None:
+    """An adoption of a registry entry ended while a ``patch_dict`` of the same registry
+    it is older than was live, then a second ``patch_dict`` setting that entry: ended in
+    either order, the entry comes back. The first patch's snapshot held the adoption's
+    value and its hold of the key, and handed both to the second, whose end then left
+    its own value in the registry for good."""
+    before = _registry_state()
+    relu = dict.get(ACT2FN, "relu")
+
+    def sigmoid_relu() -> None:
+        ACT2FN["relu"] = nn.Sigmoid
+
+    sigmoid_relu.__module__ = "transformers.activations"
+    adoption = layerswap.adopt(sigmoid_relu, prove=False)
+    older = layerswap.patch_dict(ACT2FN, {"tanh": nn.Tanh})
+    newer = layerswap.patch_dict(ACT2FN, {"relu": nn.ReLU6})
+    try:
+        older.start()
+        adoption.undo()
+        assert dict.get(ACT2FN, "relu") is relu
+        newer.start()
+        for patch in (older, newer) if last == "older first" else (newer, older):
+            patch.stop()
+    finally:
+        for patch in (older, newer):
+            if patch.is_active:
+                patch.stop()
+        adoption.undo()
+    assert dict.get(ACT2FN, "relu") is relu
+    assert _registry_state() == before
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -60,7 +60,9 @@ class DictPatch(Scoped):
         self._mapping: Any = None
         self._before: list[tuple[Any, Any]] = []  # the snapshot, in insertion order
         self._written: dict[Any, Any] = {}  # what this patch set (DELETED: removed)
-        self._held: set[Any] = set()  # keys engine item layers held at start
+        #: the keys engine item layers held at start, each with its stack: held still
+        #: while that very stack is live (one that ended, then began again, is another)
+        self._held: dict[Any, Any] = {}
         self._order: Any = None  # the live stack of the mapping's order at start, if any
 
     def _label(self) -> str:
@@ -127,7 +129,8 @@ class DictPatch(Scoped):
             if entry is None:
                 entry = _STACKS[id(mapping)] = (mapping, [])
             entry[1].append(self)
-        self._mapping, self._before, self._written, self._held = mapping, before, written, held
+            stacks = {key: _stack.live_stack(_stack.item_key(mapping, key)) for key in held}
+        self._mapping, self._before, self._written, self._held = mapping, before, written, stacks
         self._order = _stack.live_stack(order_key(mapping))
 
     def _revert(self) -> None:
@@ -143,14 +146,14 @@ class DictPatch(Scoped):
             else:
                 self._take_back_own_values(mapping, above, held)
                 self._forget_in_snapshots_above(above)
-                above[0]._before = self._before
-                above[0]._held |= self._held
+                above[0]._before = self._ended_below(mapping, above)
+                above[0]._held.update(self._still_held(mapping))
                 above[0]._order = self._order
             if self in live:
                 live.remove(self)
             if entry is not None and not live:
                 del _STACKS[id(mapping)]
-        self._mapping, self._before, self._written, self._held = None, [], {}, set()
+        self._mapping, self._before, self._written, self._held = None, [], {}, {}
 
     def _restore_as_newest(self, mapping: Any, held: set[Any]) -> None:
         """Put back the snapshot; the order of the keys is the live order layers' (an
@@ -165,12 +168,37 @@ class DictPatch(Scoped):
             base = seen.original.value
             values = dict(before)
             before = [(key, values[key]) for key in lay_over(base, list(values), set(base))]
-        for key in held - self._held:  # started on what this patch showed
+        for key in held - set(self._held):  # started on what this patch showed
             _stack.rebase_item(mapping, key, before)
-        _restore(mapping, before, self._held | held)
+        # a key item layers held at start shows what they left, or hold now
+        _restore(mapping, before, set(self._held) | held)
         if order is not None:
             start = tuple(key for key, _ in before) if order is not seen else NOTSET
             _stack.rebuild(order_key(mapping), start)
+
+    def _still_held(self, mapping: Any) -> dict[Any, Any]:
+        """The keys held at start by item stacks that are live still (the very stacks)."""
+        return {
+            key: stack
+            for key, stack in self._held.items()
+            if _stack.live_stack(_stack.item_key(mapping, key)) is stack
+        }
+
+    def _ended_below(self, mapping: Any, above: list[DictPatch]) -> list[tuple[Any, Any]]:
+        """This patch's snapshot, handed to the one above it as the state before both: a
+        key item layers held at start, and that they have left since, at what they left
+        (the snapshot caught their value): as the first patch above that set it found it,
+        else as it is now."""
+        ended = set(self._held) - set(self._still_held(mapping))
+        if not ended:
+            return self._before
+        found: dict[Any, Any] = {}
+        for key in ended:
+            setter = next((later for later in above if key in later._written), None)
+            found[key] = dict(setter._before).get(key, NOTSET) if setter else _get(mapping, key)
+        kept = [(k, found.get(k, v)) for k, v in self._before if found.get(k, v) is not NOTSET]
+        shown = {key for key, _ in kept}
+        return kept + [(k, v) for k, v in found.items() if k not in shown and v is not NOTSET]
 
     def _take_back_own_values(self, mapping: Any, above: list[DictPatch], held: set[Any]) -> None:
         before = dict(self._before)

@@ -322,12 +322,17 @@ def held_items(mapping: Any) -> set[Any]:
     }
 
 
+def item_key(mapping: Any, key: Any) -> tuple[int, Any]:
+    """The stack key of the item ``mapping[key]`` (:func:`live_stack` reads it)."""
+    return (id(mapping), ("item", key))
+
+
 def rebase_item(mapping: Any, key: Any, before: list[tuple[Any, Any]]) -> None:
     """The item ``mapping[key]``'s stack, started on a value a ``patch_dict`` that is
     ending had put there, takes what ``before`` (that patch's snapshot, in order) held
     for it as its value before every layer: absent, or that value at that place. The
     caller holds :data:`LOCK`."""
-    stack = _STACKS.get((id(mapping), ("item", key)))
+    stack = _STACKS.get(item_key(mapping, key))
     if stack is None:
         return
     _REBASES[0] += 1
