@@ -499,6 +499,50 @@ def test_a_dict_patch_after_an_ended_adoption_comes_back_whatever_stops_first(la
     assert _registry_state() == before
 
 
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_an_adoption_begun_after_another_ended_under_dict_patches_ends_in_any_order(
+    order: tuple[int, ...],
+) -> None:
+    """A registry key an adoption held when a ``patch_dict`` started, that adoption ended,
+    a newer dict patch, then a second adoption of that key: ended in any order, the key
+    comes back (the first patch handed on the second adoption's value as the one before,
+    which its stack then kept), and a key the first adoption removed comes back at its
+    place."""
+    before = _registry_state()
+
+    def setting(key: str, value: Any) -> Any:
+        def change() -> None:
+            if value is None:
+                ACT2FN.pop(key)
+            else:
+                ACT2FN[key] = value
+
+        change.__module__ = "transformers.activations"
+        return change
+
+    first = layerswap.adopt(setting("relu", nn.Sigmoid), prove=False)
+    removed = layerswap.adopt(setting("tanh", None), prove=False)
+    older = layerswap.patch_dict(ACT2FN, {})
+    older.start()
+    first.undo()
+    removed.undo()
+    newer = layerswap.patch_dict(ACT2FN, {"tanh": nn.Identity})
+    newer.start()
+    second = layerswap.adopt(setting("relu", nn.Hardtanh), prove=False)
+    live = [older, newer, second]
+    try:
+        for index in order:
+            thing = live[index]
+            thing.undo() if isinstance(thing, layerswap.Adoption) else thing.stop()
+    finally:
+        for thing in live:
+            if isinstance(thing, layerswap.Adoption):
+                thing.undo()
+            elif thing.is_active:
+                thing.stop()
+    assert _registry_state() == before
+
+
 @pytest.mark.parametrize(
     "case",
     [

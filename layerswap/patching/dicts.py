@@ -193,12 +193,28 @@ class DictPatch(Scoped):
         if not ended:
             return self._before
         found: dict[Any, Any] = {}
+        places: dict[Any, list[Any]] = {}  # the keys before an ended key where it was left
         for key in ended:
             setter = next((later for later in above if key in later._written), None)
-            found[key] = dict(setter._before).get(key, NOTSET) if setter else _get(mapping, key)
+            if setter is not None:
+                found[key] = dict(setter._before).get(key, NOTSET)
+                keys = [k for k, _ in setter._before]
+            else:
+                # a stack started on the key since holds, as its value before it, what
+                # the ended one left; else the key shows that now
+                live = _stack.live_stack(_stack.item_key(mapping, key))
+                found[key] = live.original.value if live is not None else _get(mapping, key)
+                keys = list(iter(mapping))
+            places[key] = keys[: keys.index(key)] if key in keys else keys
         kept = [(k, found.get(k, v)) for k, v in self._before if found.get(k, v) is not NOTSET]
-        shown = {key for key, _ in kept}
-        return kept + [(k, v) for k, v in found.items() if k not in shown and v is not NOTSET]
+        for key, value in found.items():
+            if value is NOTSET or any(k == key for k, _ in kept):
+                continue
+            # at its place: after the last key before it there that is kept here
+            shown = [k for k, _ in kept]
+            after = [shown.index(k) for k in places[key] if k in shown]
+            kept.insert(max(after) + 1 if after else 0, (key, value))
+        return kept
 
     def _take_back_own_values(self, mapping: Any, above: list[DictPatch], held: set[Any]) -> None:
         before = dict(self._before)
