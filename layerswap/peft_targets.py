@@ -252,16 +252,13 @@ def _arm() -> Patch:
     global _GUARD
     from layerswap.peft_io import ADVICE
     from layerswap.placed_loads import ADVICE as LOAD_ADVICE
-    from layerswap.placed_loads import ALIASED
     from layerswap.saving import ADVICE as SAVE_ADVICE
 
     if _GUARD is None:
         # safeguards: restore_all() leaves them on while a swapped model holds them
         _GUARD = safeguard(wrap(INJECT, _check_then_inject, lazy=True), _held)
         _LAYOUT.extend(
-            # a function re-exported by name (accelerate's loading) is wrapped wherever
-            # a module holds it
-            safeguard(wrap(target, advice, lazy=True, aliases=target in ALIASED), _held)
+            safeguard(wrap(target, advice, lazy=True), _held)
             for target, advice in (*ADVICE, *SAVE_ADVICE, *LOAD_ADVICE)
         )
     for patch in (_GUARD, *_LAYOUT):

@@ -18,10 +18,12 @@ own names before that hook can run, and so dropped every tensor a swapped layer 
 - accelerate's ``load_checkpoint_in_model`` with a ``device_map`` (what
   ``load_checkpoint_and_dispatch`` calls): each tensor is placed by its name and
   ``load_state_dict`` never runs, so the original layout's q/k/v were logged as unused and
-  the swapped model kept its own. Around it, each checkpoint file's tensors are joined
-  into the swapped layout as accelerate reads them (a group whose parts lie in two files
-  is joined when the last part comes), and a group the checkpoint gives only in part is
-  refused once the files are read.
+  the swapped model kept its own. Around accelerate's read of each checkpoint file
+  (its ``load_state_dict``, which it looks up at every call, however the caller bound
+  ``load_checkpoint_in_model``), the file's tensors are joined into the swapped layout
+  (a group whose parts lie in two files when the last part comes); a checkpoint giving a
+  joined tensor in part, or a layer in both layouts, is refused before any tensor is
+  placed (from its index, or its one file).
 
 Both are armed with the other checks on how weights leave and enter a swapped model (see
 :mod:`layerswap.peft_targets`) and pass a model without swapped layers straight through.
@@ -36,11 +38,11 @@ Example::
 
 from __future__ import annotations
 
-import contextvars
 import inspect
+import json
 import sys
-from collections.abc import Callable, Iterator, MutableMapping
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
@@ -50,13 +52,12 @@ from layerswap.errors import ConversionError
 from layerswap.state import convert_incoming, layout_hooks
 from layerswap.weights import Converter
 
-__all__ = ["ADVICE", "ALIASED"]
+__all__ = ["ACCELERATE_LOAD_LOCALS", "ADVICE"]
 
 #: where torch matches a full state's names against the model's, then broadcasts or
 #: distributes it, then calls ``load_state_dict`` (``set_model_state_dict``'s model part)
 TORCH_FULL_STATE_TARGET = "torch.distributed.checkpoint.state_dict:_load_model_state_dict"
-#: accelerate's checkpoint loading, and the function it reads each checkpoint file with
-ACCELERATE_LOAD_TARGET = "accelerate.utils.modeling:load_checkpoint_in_model"
+#: the function accelerate's ``load_checkpoint_in_model`` reads each checkpoint file with
 ACCELERATE_READ_TARGET = "accelerate.utils.modeling:load_state_dict"
 
 #: the segments wrappers add to a module's name that the state's names leave out (FSDP1's,
@@ -96,124 +97,165 @@ def _full_state_converted(
     broadcast = bool(getattr(info, "broadcast_from_rank0", False))
     if not (broadcast or getattr(info, "full_state_dict", False)):
         return wrapped(*args, **kwargs)  # each rank loads its own state: the hooks convert
-    if broadcast and dist.is_initialized() and dist.get_rank() != 0:
-        return wrapped(*args, **kwargs)  # handed rank 0's state, converted there
     hooks = layout_hooks(model) if isinstance(model, nn.Module) else []
-    if not hooks or not isinstance(state, MutableMapping):
+    if not hooks:
+        return wrapped(*args, **kwargs)
+    if broadcast and dist.is_initialized() and dist.get_rank() != 0:
+        # handed rank 0's state, converted there; refused with it where rank 0 refuses
+        refusal = _agreed(None)
+        if refusal is not None:
+            raise ConversionError(refusal)
+        return wrapped(*args, **kwargs)
+    if not isinstance(state, MutableMapping):
+        if broadcast and dist.is_initialized():
+            _agreed(None)  # the other ranks wait for rank 0's word
         return wrapped(*args, **kwargs)
     converted = dict(state)
     missing: list[str] = []
-    for name, layer, hook in hooks:
-        prefix = _state_name(model, name)
-        convert_incoming(
-            layer,
-            converted,
-            f"{prefix}." if prefix else "",
-            hook.substitution,
-            hook.config,
-            missing,
-        )
-    if missing and getattr(info, "strict", True):
-        raise ConversionError(
+    refusal = None
+    try:
+        for name, layer, hook in hooks:
+            prefix = _state_name(model, name)
+            convert_incoming(
+                layer,
+                converted,
+                f"{prefix}." if prefix else "",
+                hook.substitution,
+                hook.config,
+                missing,
+            )
+    except ConversionError as exc:  # two layouts for one layer: said on every rank
+        refusal = str(exc)
+    if refusal is None and missing and getattr(info, "strict", True):
+        refusal = (
             f"set_model_state_dict(strict=True): the state gives {len(missing)} tensor(s) "
             f"of a swapped layer in part, {missing[0]!r} missing; nothing was loaded. Give "
             "every part (q/k/v, gate/up together), or load with strict=False to keep the "
             "layer's own values of the parts left out"
         )
+    if broadcast and dist.is_initialized():
+        refusal = _agreed(refusal)
+    if refusal is not None:
+        raise ConversionError(refusal)
     result = wrapped(model, converted, info)
     if missing:
         result.missing_keys.extend(key for key in missing if key not in result.missing_keys)
     return result
 
 
+def _agreed(refusal: str | None) -> str | None:
+    """Rank 0's ``refusal`` on every rank (one collective, before torch's broadcast): a
+    state refused on rank 0 alone would leave the others waiting in that broadcast."""
+    import torch.distributed as dist
+
+    shared = [refusal]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 # --- accelerate: load_checkpoint_in_model with a device_map --------------------------------
 
-#: the swapped model accelerate loads in this context, and the parts of groups read so far
-#: from earlier files (their other parts not read yet)
-_LOADING: contextvars.ContextVar[tuple[nn.Module, dict[str, Any]] | None] = contextvars.ContextVar(
-    "layerswap_placed_load", default=None
-)
+#: the local names of accelerate's ``load_checkpoint_in_model`` read while it reads each
+#: checkpoint file (``load_state_dict``, looked up in its module at every call, so found
+#: however the caller bound ``load_checkpoint_in_model``): the model, the device map,
+#: the files it reads in order, and the index naming every tensor's file
+ACCELERATE_LOAD_LOCALS = ("model", "device_map", "checkpoint_files", "index_filename")
+
+#: parts of joined groups read from a model's earlier checkpoint files, by model (its other
+#: parts not read yet)
+_CARRIED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-@contextmanager
-def _loading(model: nn.Module) -> Iterator[dict[str, Any]]:
-    carried: dict[str, Any] = {}
-    token = _LOADING.set((model, carried))
-    try:
-        yield carried
-    finally:
-        _LOADING.reset(token)
+def _accelerate_load() -> dict[str, Any] | None:
+    """The locals of the accelerate ``load_checkpoint_in_model`` reading a file now."""
+    frame = sys._getframe(2)
+    for _ in range(16):  # the wrappers' frames, then accelerate's own
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "load_checkpoint_in_model" and frame.f_globals.get(
+            "__name__", ""
+        ).startswith("accelerate."):
+            return {name: frame.f_locals.get(name) for name in ACCELERATE_LOAD_LOCALS}
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
-def _checkpoint_placed(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """Around accelerate's ``load_checkpoint_in_model`` (see the module docstring)."""
-    arguments = _arguments(wrapped, args, kwargs)
-    model = None if arguments is None else arguments.get("model")
+def _file_joined(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """Around accelerate's ``load_state_dict`` (one checkpoint file read; see the module
+    docstring): read by a ``load_checkpoint_in_model`` placing tensors into a swapped
+    model by a ``device_map``, the file's original-layout tensors joined into the swapped
+    layers' layout, before any is placed."""
+    loading = _accelerate_load()
+    model = None if loading is None else loading["model"]
     if (
-        arguments is None
-        or arguments.get("device_map") is None
+        loading is None
+        or loading["device_map"] is None
         or not isinstance(model, nn.Module)
         or not layout_hooks(model)
     ):
         return wrapped(*args, **kwargs)  # no device_map: load_state_dict runs, and converts
-    with _loading(model) as carried:
-        result = wrapped(*args, **kwargs)
-    if carried:
-        first = sorted(carried)[0]
-        raise ConversionError(
-            f"load_checkpoint_in_model: the checkpoint gives {first!r} of a swapped layer "
-            f"but not every tensor it is joined with ({len(carried)} part(s) left alone), "
-            "so that joined tensor kept the model's own values; give every part (q/k/v, "
-            "gate/up together)"
-        )
-    return result
-
-
-def _file_joined(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """Around accelerate's ``load_state_dict`` (one checkpoint file read): inside
-    :func:`_checkpoint_placed`, the file's original-layout tensors of the swapped layers
-    joined into their layout (parts whose group is not whole yet carried to the next)."""
+    files = list(loading["checkpoint_files"] or [])
+    current = args[0] if args else kwargs.get("checkpoint_file")
+    if files and current == files[0]:
+        # the first file, before any tensor is placed: the whole checkpoint's names checked
+        _CARRIED[model] = {}
+        if loading["index_filename"] is not None:
+            _check_names(model, _indexed_names(loading["index_filename"]))
     state = wrapped(*args, **kwargs)
-    loading = _LOADING.get()
-    if loading is None:
-        _refuse_unseen_load()
-        return state
     if not isinstance(state, MutableMapping):
         return state
-    model, carried = loading
+    if len(files) <= 1:
+        _check_names(model, list(state))  # the whole checkpoint: refused before placing
+    carried = _CARRIED.setdefault(model, {})
     for name, _, hook in layout_hooks(model):
         prefix = _state_name(model, name)
         _join(state, carried, f"{prefix}." if prefix else "", hook.substitution, hook.config)
+    if not files or current == files[-1]:
+        left = _CARRIED.pop(model, {})
+        if left:  # a file named by no index: parts never joined
+            raise ConversionError(
+                f"load_checkpoint_in_model: the checkpoint gives {sorted(left)[0]!r} of a "
+                "swapped layer but not every tensor it is joined with; give every part"
+            )
     return state
 
 
-def _refuse_unseen_load() -> None:
-    """Raise where this file is read by a ``load_checkpoint_in_model`` whose call
-    :func:`_checkpoint_placed` did not see (bound by name before the first swap: a local
-    name, an attribute), placing tensors into a swapped model by a ``device_map``: its
-    original-layout tensors would be skipped as unused."""
-    frame = sys._getframe(1)
-    for _ in range(16):  # the wrappers' frames, then accelerate's own
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return
-        if frame.f_code.co_name == "load_checkpoint_in_model" and frame.f_globals.get(
-            "__name__", ""
-        ).startswith("accelerate."):
-            break
-    else:
-        return
-    model, device_map = frame.f_locals.get("model"), frame.f_locals.get("device_map")
-    if device_map is None or not isinstance(model, nn.Module) or not layout_hooks(model):
-        return
-    raise ConversionError(
-        "load_checkpoint_in_model with a device_map places each tensor by name, and this "
-        "call was bound before the model was swapped (held under another name), so "
-        "layerswap cannot join the original layout's q/k/v and gate/up into the swapped "
-        "layers' tensors: nothing was loaded. Import it again after the swap (from "
-        "accelerate.utils import load_checkpoint_in_model), load with device_map=None, or "
-        "load with from_pretrained inside layerswap.use()"
-    )
+def _indexed_names(index_filename: Any) -> list[str]:
+    with open(index_filename, encoding="utf-8") as handle:
+        index = json.load(handle)
+    return list(index.get("weight_map", index))
+
+
+def _check_names(model: nn.Module, names: list[str]) -> None:
+    """Raise, before any tensor is placed, where the checkpoint's ``names`` give a joined
+    tensor of a swapped layer of ``model`` in part, or in both layouts."""
+    given = set(names)
+    for name, _, hook in layout_hooks(model):
+        prefix = _state_name(model, name)
+        prefix = f"{prefix}." if prefix else ""
+        converter = hook.substitution.converter
+        for rule in getattr(converter, "rules", ()):
+            if tuple(rule.sources) == tuple(rule.targets):
+                continue
+            sources = [prefix + key for key in rule.sources]
+            present = [key for key in sources if key in given]
+            targets = [prefix + key for key in rule.targets if prefix + key in given]
+            if present and targets:
+                raise ConversionError(
+                    f"load_checkpoint_in_model: the checkpoint gives {prefix.rstrip('.')} "
+                    f"both in the original layout ({present[0]!r}) and in "
+                    f"{hook.substitution.name}'s ({targets[0]!r}); nothing was loaded. Give "
+                    "one layout per layer"
+                )
+            if present and len(present) < len(sources):
+                missing = next(key for key in sources if key not in given)
+                raise ConversionError(
+                    f"load_checkpoint_in_model: the checkpoint gives {present[0]!r} of a "
+                    f"swapped layer but not {missing!r}, which {hook.substitution.name} joins "
+                    "with it into one tensor; nothing was loaded. Give every part (q/k/v, "
+                    "gate/up together)"
+                )
 
 
 def _join(
@@ -264,14 +306,8 @@ def _join(
             state[prefix + target] = result
 
 
-#: the targets a caller reaches through names bound elsewhere (``accelerate.utils``,
-#: ``accelerate.big_modeling``: ``from .utils import load_checkpoint_in_model``), wrapped
-#: in every module that binds them
-ALIASED = frozenset({ACCELERATE_LOAD_TARGET})
-
 #: (target, advice) armed while a swapped model exists
 ADVICE = (
     (TORCH_FULL_STATE_TARGET, _full_state_converted),
-    (ACCELERATE_LOAD_TARGET, _checkpoint_placed),
     (ACCELERATE_READ_TARGET, _file_joined),
 )

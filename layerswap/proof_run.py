@@ -8,7 +8,7 @@ again).
 
 Example::
 
-    verdict = run(layerswap.get("llama.decoder.fused"), model.config, torch.device("cpu"))
+    verdict = run(plan(layerswap.get("llama.decoder.fused"), model.config, Placement()))
     verdict.passed      # True
 """
 

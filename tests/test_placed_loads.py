@@ -56,14 +56,27 @@ def test_accelerate_places_an_original_checkpoint_by_name_into_a_swapped_model(
     torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_accelerate_loading_bound_under_another_name_before_the_swap_is_refused(
+def test_accelerate_loading_bound_under_another_name_before_the_swap_converts_too(
     original_checkpoint: tuple[Path, torch.Tensor],
 ) -> None:
-    path, _ = original_checkpoint
+    path, expected = original_checkpoint
     bound = {"load": accelerate_modeling.load_checkpoint_in_model}  # held before any swap
     model = _swapped(seed=7)
-    with pytest.raises(ConversionError, match="bound before the model was swapped"):
-        bound["load"](model, str(path), device_map={"": "cpu"})
+    bound["load"](model, str(path), device_map={"": "cpu"})
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_accelerate_loading_reads_the_names_layerswap_reads() -> None:
+    """The locals of accelerate's load_checkpoint_in_model read while it reads a file,
+    and the function it reads files with, are there in the installed accelerate."""
+    from accelerate.utils import modeling
+
+    from layerswap.placed_loads import ACCELERATE_LOAD_LOCALS, ADVICE
+
+    code = modeling.load_checkpoint_in_model.__code__
+    assert set(ACCELERATE_LOAD_LOCALS) <= set(code.co_varnames)
+    module, name = ADVICE[-1][0].split(":")
+    assert module == modeling.__name__ and name in code.co_names
 
 
 def test_load_checkpoint_and_dispatch_fills_an_empty_swapped_model(
@@ -91,8 +104,27 @@ def test_a_checkpoint_giving_a_joined_tensor_in_part_is_refused_by_accelerate(
     save_file(tensors, shard, metadata={"format": "pt"})
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     model = _swapped(seed=7)
-    with pytest.raises(ConversionError, match="not every tensor it is joined with"):
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(ConversionError, match=r"k_proj\.weight'.*nothing was loaded"):
         accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map={"": "cpu"})
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_checkpoint_giving_a_layer_in_both_layouts_is_refused_by_accelerate(
+    tmp_path: Path,
+) -> None:
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    state = {key: value.contiguous() for key, value in original.state_dict().items()}
+    swapped = _swapped(seed=0)
+    key = "model.layers.0.self_attn.qkv_proj.weight"
+    state[key] = swapped.state_dict()[key].clone()  # a stray second layout of layer 0
+    state.pop("lm_head.weight", None)  # tied to the embeddings
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = _swapped(seed=7)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(ConversionError, match="both in the original layout"):
+        accelerate_modeling.load_checkpoint_in_model(model, str(tmp_path), device_map={"": "cpu"})
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
 
 
 def test_a_full_state_given_in_part_is_refused_with_strict_and_reported_without() -> None:
@@ -129,6 +161,37 @@ def _broadcast_rank(rank: int, port: int, out: str) -> None:
         )
     finally:
         dist.destroy_process_group()
+
+
+def _broadcast_partial_rank(rank: int, port: int, out: str) -> None:
+    from torch import distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        state: dict[str, Any] = {}
+        if rank == 0:
+            state = dict(tiny_model("llama", seed=0, num_hidden_layers=2).state_dict())
+            del state["model.layers.0.self_attn.v_proj.weight"]
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        try:
+            set_model_state_dict(_swapped(seed=7), state, options=options)
+            said = "loaded"
+        except ConversionError as exc:
+            said = str(exc)
+        (Path(out) / f"rank{rank}.txt").write_text(said)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_state_broadcast_in_part_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Refused on rank 0 alone, the other ranks would wait in torch's broadcast."""
+    run_ranks(_broadcast_partial_rank, (free_port(), str(tmp_path)), nprocs=2, timeout_s=180)
+    for rank in range(2):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "v_proj.weight' missing; nothing was loaded" in said, f"rank {rank}: {said}"
 
 
 @pytest.mark.slow
