@@ -23,6 +23,9 @@ Example::
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,11 @@ import torch
 from layerswap import hf_internals
 
 __all__ = ["ModelConfig"]
+
+#: the config a swap has unwrapped, while it hands the config itself to a step
+_CURRENT: contextvars.ContextVar[ModelConfig | None] = contextvars.ContextVar(
+    "layerswap_model_config", default=None
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,11 +56,26 @@ class ModelConfig:
 
     @classmethod
     def of(cls, config: Any) -> ModelConfig:
-        """``config`` unwrapped (a :class:`ModelConfig` is returned as it is)."""
+        """``config`` unwrapped (a :class:`ModelConfig` is returned as it is, and so is the
+        one :meth:`current` holds for this very config)."""
         if isinstance(config, ModelConfig):
             return config
+        held = _CURRENT.get()
+        if held is not None and held.config is config:
+            return held
         text_object = hf_internals.text_config_object(config)
         return cls(config, hf_internals.torch_dtyped(text_object), text_object)
+
+    @contextmanager
+    def current(self) -> Iterator[ModelConfig]:
+        """Inside, :meth:`of` of this config (``self.config``) is this object: a step handed
+        the model's config itself (a slot's ``prepare``, which another library's slot may
+        override and read as a config) unwraps nothing again."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
 
     @property
     def dtype(self) -> torch.dtype | None:

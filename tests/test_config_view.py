@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 from test_wrappers import tiny_wrapper
+from transformers import PretrainedConfig
 
 import layerswap
 from layerswap import proof
 from layerswap.config_view import ModelConfig
 from layerswap.hf_internals import text_config_of
 from layerswap.model import layer_config
+from layerswap.slots.decoder import DecoderSlot
 
 
 def test_a_model_config_is_read_where_a_config_is_unwrapped() -> None:
@@ -46,3 +49,23 @@ def test_a_swap_unwraps_a_composite_config_once_and_changes_nothing_of_it() -> N
     finally:
         del config.__dict__["get_text_config"]
     assert config.to_dict() == before
+
+
+def test_a_slots_prepare_is_handed_the_models_config_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a slot's ``prepare`` is handed is the model's config, as a slot of another
+    library overriding it reads it, though the swap unwrapped it already."""
+    model = tiny_wrapper("llava")
+    handed: list[object] = []
+    real = DecoderSlot.prepare
+
+    def spy(self: DecoderSlot, sub: object, config: object, placement: object = None) -> None:
+        handed.append(config)
+        real(self, sub, config, placement)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecoderSlot, "prepare", spy)
+    with layerswap.swap(model, "llama.decoder.fused"):
+        pass
+    assert handed and handed[0] is model.config
+    assert isinstance(handed[0], PretrainedConfig)

@@ -375,7 +375,8 @@ class ClassSwapSlot(Slot):
         view = ModelConfig.of(config)  # unwrapped here, once: every step below is handed it
         with SWAP_LOCK:  # refused before the proof runs; never seeing a swap half-applied
             self._checked_plan(model, sub)
-        self.prepare(sub, view, Placement.of(model))
+        with view.current():  # prepare is handed the config itself, unwrapped already
+            self.prepare(sub, config, Placement.of(model))
         changes = UndoLog()
         # planned again and applied as one step: two threads swapping one model cannot
         # both find it unswapped
@@ -476,13 +477,14 @@ class ClassSwapSlot(Slot):
     def prepare(
         self,
         sub: Substitution,
-        config: PreTrainedConfig | ModelConfig,
+        config: PreTrainedConfig,
         placement: Placement | None = None,
     ) -> None:
         """The structure check, then the first-use proof for ``config`` (in the model's
         ``placement``: its dtype too where it is bfloat16 or float16)."""
-        super().prepare(sub, config)
-        ensure_proven(sub, config, placement)
+        view = ModelConfig.of(config)  # a swap's, unwrapped already
+        super().prepare(sub, view)
+        ensure_proven(sub, view, placement)
 
     def coverage(self, parts: ModelParts) -> tuple[tuple[str, ...], tuple[str, ...]]:
         classes = self.candidates(parts.model, parts.family.module)

@@ -402,7 +402,8 @@ class DecoderSlot(Slot):
         layers = decoder_layers(target)
         _refuse_unswappable(target, layers, sub, original_cls)
         # before any layer changes: a drifted contract refuses here
-        self.prepare(sub, view, Placement.of(target))
+        with view.current():  # prepare is handed the config itself, unwrapped already
+            self.prepare(sub, config, Placement.of(target))
         _refuse_edited(layers, sub, original_cls, view.text)
         names = [name for name, _ in layers]
         records: list[_LayerRecord] = []
@@ -418,8 +419,8 @@ class DecoderSlot(Slot):
                 attributes = model_attributes(ancestor, sub, replacement_cls, transforms)
                 for attribute, value in attributes.items():
                     changes.set_attribute(ancestor, attribute, value)
-        # until undo, a new PEFT adapter cannot silently miss fused modules
-        changes.record(hold_peft_targets(target))
+            # until undo, a new PEFT adapter cannot silently miss fused modules
+            changes.record(hold_peft_targets(target))
         return LayerSwapHandle(target, sub, records, changes)
 
     @torch.no_grad()
@@ -506,14 +507,15 @@ class DecoderSlot(Slot):
     def prepare(
         self,
         sub: Substitution,
-        config: PreTrainedConfig | ModelConfig,
+        config: PreTrainedConfig,
         placement: Placement | None = None,
     ) -> None:
         """The call contract and structure, then the first-use proof for ``config`` (in
         the model's ``placement``: its dtype too where it is bfloat16 or float16, on its
         device where the substitution runs there)."""
-        super().prepare(sub, config)
-        ensure_proven(sub, config, placement)
+        view = ModelConfig.of(config)  # a swap's, unwrapped already
+        super().prepare(sub, view)
+        ensure_proven(sub, view, placement)
 
     def check_call(self, sub: Substitution, config: PreTrainedConfig | None) -> None:
         check_layer_call(sub, config)
