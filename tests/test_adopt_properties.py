@@ -38,6 +38,15 @@ def _end(live: Any) -> None:
         live.stop()
 
 
+def _end_all_shuffled(live: list[Any], seed: int) -> None:
+    """End every adoption and patch in ``live``, in an order drawn from ``seed``."""
+    random.Random(seed).shuffle(live)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for thing in live:
+            _end(thing)
+
+
 def _adopt(change: Any, live: list[Any], state: Any) -> None:
     """Adopt ``change`` into ``live``; one that changed nothing (it set what was there,
     popped what was not, moved the last key to the end) is refused, changing nothing."""
@@ -90,11 +99,7 @@ def test_adoptions_and_dict_patches_of_one_registry_end_in_any_order(
             elif live:
                 _end(live.pop(pick % len(live)))
     finally:
-        random.Random(seed).shuffle(live)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for thing in live:
-                _end(thing)
+        _end_all_shuffled(live, seed)
     assert not live_adoptions()
     assert _items() == before
 
@@ -210,11 +215,7 @@ def test_adoptions_of_shared_containers_and_names_end_in_any_order(
             elif kind == "end" and live:
                 _end(live.pop(pick % len(live)))
     finally:
-        random.Random(seed).shuffle(live)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for thing in live:
-                _end(thing)
+        _end_all_shuffled(live, seed)
     assert not live_adoptions()
     assert _shared_state() == before
     assert containers == (SHARED.REGISTRY, SHARED.HOOKS, SHARED.NAMES)
