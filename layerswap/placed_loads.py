@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import ConversionError
-from layerswap.state import convert_incoming, layout_hooks
+from layerswap.state import cast_like, convert_incoming, layout_hooks
 from layerswap.weights import Converter
 
 __all__ = ["ACCELERATE_LOAD_LOCALS", "ADVICE"]
@@ -290,13 +290,8 @@ def _join(
             continue
         tensors = [parts[key] for key in keys]
         like = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-        if like is not None and like.is_floating_point():
-            tensors = [
-                t.to(dtype=like.dtype)
-                if isinstance(t, torch.Tensor) and t.is_floating_point()
-                else t
-                for t in tensors
-            ]
+        if like is not None:  # parts in several dtypes: each in the first one's
+            tensors = cast_like(tensors, like)
         try:
             with torch.no_grad():
                 results = rule.to_replacement(tensors, config)

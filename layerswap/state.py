@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = [
     "LAYER_COPIED",
     "LayoutLoadHook",
+    "cast_like",
+    "convert_incoming",
     "fused_modules",
     "install_load_hook",
     "is_own",
@@ -222,7 +224,7 @@ def convert_incoming(
                 if len({t.dtype for t in tensors if isinstance(t, torch.Tensor)}) > 1:
                     # parts in several dtypes: each cast to the layer's, as torch's copy_
                     # casts each tensor of a plain load
-                    tensors = _cast_like(tensors, current[rule.targets[0]])
+                    tensors = cast_like(tensors, current[rule.targets[0]])
                 results = list(rule.to_replacement(tensors, config))
             else:
                 results = _fill_parts(rule, state_dict, prefix, present, current, config)
@@ -260,7 +262,7 @@ def _fill_parts(
         state_dict.pop(prefix + key) if ok else part.to(device=given[0].device)
         for key, ok, part in zip(rule.sources, present, parts, strict=True)
     ]
-    return list(rule.to_replacement(_cast_like(tensors, current[target]), config))
+    return list(rule.to_replacement(cast_like(tensors, current[target]), config))
 
 
 def is_own(given: Any, own: Any) -> bool:
@@ -282,7 +284,7 @@ def is_own(given: Any, own: Any) -> bool:
     return bool(given.data_ptr() == own.data_ptr() and given.data_ptr() != 0)
 
 
-def _cast_like(tensors: list[Any], like: torch.Tensor) -> list[Any]:
+def cast_like(tensors: list[Any], like: torch.Tensor) -> list[Any]:
     """Floating ``tensors`` in ``like``'s dtype (the others as they are)."""
     return [
         t.to(dtype=like.dtype)
