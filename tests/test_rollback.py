@@ -57,11 +57,13 @@ def test_a_class_swap_rollback_goes_on_past_a_failing_step_and_raises_the_first_
 
     monkeypatch.setattr(class_swap, "_apply", half_way)
     with (
-        pytest.warns(SwapWarning, match="rolling back llama.norm.fused: a step that cannot"),
+        pytest.warns(SwapWarning, match="rolling back llama.norm.fused: a step that cannot") as seen,
         pytest.raises(RuntimeError, match="failed half-way"),
     ):
         layerswap.swap(model, "llama.norm.fused")
     monkeypatch.undo()
+    # the warning names the line that called swap, not a line inside layerswap
+    assert [warning.filename for warning in seen] == [__file__]
     kinds = {type(module).__name__ for module in model.modules()}
     assert "LlamaRMSNorm" in kinds and not any("Fused" in kind for kind in kinds)
     assert not _guarded(model)

@@ -16,7 +16,6 @@ adapter picks between the two by the function, for both faces of the object:
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import types
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any, TypeAlias, TypeVar
 
 from layerswap.patching import safe_wraps
 from layerswap.patching.wraps import delegating_async_generator
+from layerswap.stacklevels import external_stacklevel
 
 __all__ = [
     "Advice",
@@ -45,8 +45,6 @@ Args: TypeAlias = tuple[Any, ...]
 Kwargs: TypeAlias = dict[str, Any]
 
 _CO_COROUTINE = inspect.CO_COROUTINE
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 
 
 def is_async_callable(func: Callable[..., Any]) -> bool:
@@ -75,28 +73,6 @@ def describe(wrapped: Callable[..., Any], instance: Any) -> str:
     return owner.__name__ + "." + getattr(wrapped, "__name__", "<callable>")
 
 
-def external_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the first frame outside layerswap.
-
-    ``nn.Module.__call__`` is passed over too, so a warning from a wrapped
-    ``forward`` points at the line that called the module.
-
-    Counted from the caller of this function, so pass the result straight to
-    ``warnings.warn`` from that caller. Used only when a warning is emitted, so the
-    frame walk costs nothing on the hot path.
-    """
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None and _is_plumbing(frame.f_code.co_filename):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
-
-
-def _is_plumbing(filename: str) -> bool:
-    # nn.Module.__call__ sits between the user's `layer(x)` and a wrapped forward;
-    # a warning pointing into torch's module.py helps nobody.
-    return filename.startswith(_PACKAGE_DIR) or filename.endswith(_MODULE_CALL)
 
 
 def loaded_torch() -> types.ModuleType | None:

@@ -26,9 +26,12 @@ from __future__ import annotations
 import importlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from layerswap.errors import SubstitutionError, SwapWarning
+from layerswap.patching.undo import UndoLog
+from layerswap.stacklevels import external_stacklevel
 from layerswap.substitution import ModelParts, Slot
 
 __all__ = [
@@ -55,15 +58,28 @@ def undo_first(owner: object) -> str:
     )
 
 
-def rolling_back(name: str) -> Callable[[BaseException], None]:
-    """What a swap's rollback is told of a step that fails while it puts the model back
-    after a failure: a :class:`~layerswap.errors.SwapWarning` naming the substitution
-    (the failure that started the rollback stays the one raised)."""
+@contextmanager
+def rolling_back(name: str) -> Iterator[UndoLog]:
+    """A swap's changes, all or nothing: every change recorded in the log it yields is
+    taken back when the block raises (:meth:`UndoLog.all_or_nothing`). A step that fails
+    in turn while the model is put back is a :class:`~layerswap.errors.SwapWarning`
+    naming the substitution and pointing at the caller's line; the failure that started
+    the rollback stays the one raised.
+
+    Example::
+
+        with rolling_back(sub.name) as changes:
+            changes.set_class(model, replacement)
+    """
 
     def warn(failure: BaseException) -> None:
-        warnings.warn(f"rolling back {name}: {failure}", SwapWarning, stacklevel=5)
+        warnings.warn(
+            f"rolling back {name}: {failure}", SwapWarning, stacklevel=external_stacklevel()
+        )
 
-    return warn
+    changes = UndoLog()
+    with changes.all_or_nothing(warn):
+        yield changes
 
 
 #: the builtin slots, imported when first asked for

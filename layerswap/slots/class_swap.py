@@ -377,12 +377,11 @@ class ClassSwapSlot(Slot):
             self._checked_plan(model, sub)
         with view.current():  # prepare is handed the config itself, unwrapped already
             self.prepare(sub, config, Placement.of(model))
-        changes = UndoLog()
         # planned again and applied as one step: two threads swapping one model cannot
         # both find it unswapped
         with SWAP_LOCK:
             plan = self._checked_plan(model, sub)
-            with changes.all_or_nothing(rolling_back(sub.name)):
+            with rolling_back(sub.name) as changes:
                 changes.record(guard(model, sub, view, proven=True))
                 _apply(plan, changes)
         return self.handle_class(model, sub, plan, changes, self)

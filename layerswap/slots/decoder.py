@@ -23,7 +23,6 @@ import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,12 +31,12 @@ from torch import nn
 from layerswap import hf_internals, zero3
 from layerswap.adapter_layers import is_adapter_layer
 from layerswap.config_view import ModelConfig
+from layerswap.decoder_handle import LayerRecord, LayerSwapHandle
 from layerswap.errors import (
     ParallelismError,
     SubstitutionError,
     UnknownSubstitutionError,
 )
-from layerswap.handle import SwapHandle
 from layerswap.layer_edits import layer_edit
 from layerswap.layers import convert_back, convert_layer, layer_index, normal_tensors
 from layerswap.loading import (
@@ -56,7 +55,6 @@ from layerswap.model import (
 )
 from layerswap.parallel import refuse_foreign_styles
 from layerswap.patching import patch, wrap
-from layerswap.patching.undo import UndoLog
 from layerswap.peft_targets import hold as hold_peft_targets
 from layerswap.placement import Placement
 from layerswap.placement_guard import guard
@@ -90,19 +88,6 @@ _HELD: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 # --- per-layer work ---------------------------------------------------------------------
-
-
-@dataclass
-class _LayerRecord:
-    name: str
-    parent: nn.Module
-    key: str
-    original: nn.Module
-    replacement: nn.Module | None  # None once undone (its storage is released)
-    replacement_cls: type[nn.Module]
-    owner: nn.Module | None  # the PreTrainedModel whose forward records hidden states
-    name_in_owner: str
-    capture_installed: bool  # whether transformers had hooked the owner at swap time
 
 
 def _carry_state(original: nn.Module, replacement: nn.Module) -> None:
@@ -141,7 +126,7 @@ def _swap_layer(
     position: int,
     sub: Substitution,
     config: PreTrainedConfig,
-) -> _LayerRecord:
+) -> LayerRecord:
     parent, key = locate(root, name)
     partitioned = next((p for p in layer.parameters() if zero3.is_partitioned(p)), None)
     # a ZeRO-3 layer is converted from its gathered tensors; the replacement's new ones
@@ -170,13 +155,13 @@ def _swap_layer(
     parent._modules[key] = replacement
     _HELD.add(replacement)
     _release(layer, replacement)
-    return _LayerRecord(
+    return LayerRecord(
         name, parent, key, layer, replacement, type(replacement), owner, name_in_owner, installed
     )
 
 
 @normal_tensors
-def _restore_layer(record: _LayerRecord, sub: Substitution, config: PreTrainedConfig) -> None:
+def _restore_layer(record: LayerRecord, sub: Substitution, config: PreTrainedConfig) -> None:
     replacement = record.replacement
     assert replacement is not None, "restored twice"
     shared = {id(param) for param in replacement.parameters()}
@@ -214,71 +199,6 @@ def _swap_left_out(layers: list[tuple[str, nn.Module]], family: Family) -> tuple
                     part for part in (name, family.feed_forward.attribute, inner) if part
                 ), owner
     return None
-
-
-class LayerSwapHandle(SwapHandle):
-    """A decoder-slot swap in effect: the swapped layers, and the way back.
-
-    ``undo()`` puts the original layer objects back and converts the weights back
-    into their own ``Parameter`` objects (bitwise); a second ``undo()`` does
-    nothing. As a context manager the swap is undone on exit, on any exception too.
-
-    Example::
-
-        with layerswap.swap(model, backend="fused") as handle:
-            print(handle.report())
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        substitution: Substitution,
-        records: list[_LayerRecord],
-        changes: UndoLog,
-    ) -> None:
-        self.model = model
-        self.substitution = substitution
-        self._records = records
-        self._changes = changes
-        self._active = True
-
-    @property
-    def swapped(self) -> list[tuple[str, type[nn.Module], type[nn.Module]]]:
-        """(qualified module name, original class, replacement class) per swapped layer."""
-        return [
-            (record.name, type(record.original), record.replacement_cls) for record in self._records
-        ]
-
-    def undo(self) -> None:
-        """Put the original layers and weights back (a no-op when already undone)."""
-        if not self._active:
-            return
-        pending = [record for record in self._records if record.replacement is not None]
-        for record in pending:
-            if record.parent._modules.get(record.key) is not record.replacement:
-                raise SubstitutionError(
-                    f"cannot undo {self.substitution.name}: layer {record.name!r} is no longer "
-                    f"the swapped {record.replacement_cls.__name__} (it was replaced since)"
-                )
-        # layer by layer, releasing each replacement: memory stays near one extra layer
-        self._changes.undo()
-        self._active = False
-
-    def report(self) -> str:
-        """A readable summary: the substitution and every swapped layer."""
-        state = "active" if self._active else "undone"
-        lines = [f"{self.substitution.name}: {len(self._records)} layers swapped ({state})"]
-        width = max((len(record.name) for record in self._records), default=0)
-        for name, original, replacement in self.swapped:
-            lines.append(f"  {name:<{width}}  {original.__name__} -> {replacement.__name__}")
-        return "\n".join(lines)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __repr__(self) -> str:
-        state = "active" if self._active else "undone"
-        return f"<SwapHandle {self.substitution.name}: {len(self._records)} layers, {state}>"
 
 
 def _refuse_unswappable(
@@ -406,9 +326,8 @@ class DecoderSlot(Slot):
             self.prepare(sub, config, Placement.of(target))
         _refuse_edited(layers, sub, original_cls, view.text)
         names = [name for name, _ in layers]
-        records: list[_LayerRecord] = []
-        changes = UndoLog()
-        with changes.all_or_nothing(rolling_back(sub.name)):
+        records: list[LayerRecord] = []
+        with rolling_back(sub.name) as changes:
             changes.record(guard(target, sub, view, proven=True))
             for position, (name, layer) in enumerate(layers):
                 record = _swap_layer(target, name, layer, position, sub, view.text)

@@ -172,8 +172,7 @@ class HeadSlot(Slot):
         """Give ``model`` (an exact ``*ForCausalLM`` of ``sub``'s family) ``sub``'s head."""
         original = type(model)
         replacement = _check_swappable(model, sub)
-        changes = UndoLog()
-        with changes.all_or_nothing(rolling_back(sub.name)):
+        with rolling_back(sub.name) as changes:
             changes.record(guard(model, sub, model.config, proven=True))
             changes.set_attribute(model, _HEAD_BY, sub.name)
             changes.set_class(model, replacement)
