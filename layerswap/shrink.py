@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from layerswap import zero3
-from layerswap.model import layer_config
+from layerswap.hf_internals import text_config_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -141,7 +141,7 @@ def shrunk_config(
     if family.composite:
         wrapper = family.config_type()
         text = _shrunk_text(
-            original, tiny_config.get_text_config(), layer_config(config), keep_layers
+            original, tiny_config.get_text_config(), text_config_of(config), keep_layers
         )
         return wrapper(**{**family.tiny, "text_config": text.to_dict()})
     return _shrunk_text(original, tiny_config, config, keep_layers)
@@ -328,7 +328,7 @@ def position_thresholds(config: PreTrainedConfig) -> dict[str, int]:
 
         position_thresholds(MistralConfig(sliding_window=4096))   # {'sliding_window': 4096}
     """
-    text = layer_config(config)
+    text = text_config_of(config)
     found: dict[str, int] = {}
     for name in POSITION_FIELDS:
         value = getattr(text, name, None)
@@ -399,7 +399,7 @@ def _kinds(original: type[nn.Module] | None, config: PreTrainedConfig) -> list[s
     if original is None:
         return None
     try:
-        text = layer_config(config)
+        text = text_config_of(config)
         with zero3.outside_partitioning(), torch.device("meta"):
             return [_kind(original(text, index)) for index in range(text.num_hidden_layers)]
     except Exception:  # a layer that cannot be built on meta: the caller keeps every layer
@@ -462,7 +462,7 @@ def proof_config(
     """
     if config is not None:
         try:
-            shrunk = shrunk_config(family, layer_config(config), keep_layers=keep_layers)
+            shrunk = shrunk_config(family, text_config_of(config), keep_layers=keep_layers)
             return shrunk, "shrunk"
         except Exception:
             pass
@@ -477,12 +477,12 @@ def family_like(family: Family, config: PreTrainedConfig) -> PreTrainedConfig | 
 
         family_like(family, model.config)     # the tiny config, attn_implementation="eager"
     """
-    text = layer_config(config)
+    text = text_config_of(config)
     chosen = {name: getattr(text, name, None) for name in CODE_PATHS}
     if all(value is None for value in chosen.values()):
         return None
     tiny = family.tiny_config()
     for name, value in chosen.items():
         if value is not None:
-            setattr(layer_config(tiny), name, value)
+            setattr(text_config_of(tiny), name, value)
     return tiny
