@@ -25,8 +25,7 @@ from torch import nn
 
 from layerswap.errors import ConversionError, LayerswapError
 from layerswap.model import decoder_layers, layer_config, locate, mark_substitution
-from layerswap.packed_optim import track_packed_layer
-from layerswap.packed_state import install_packed_state_hooks
+from layerswap.packed_optim import watch_packed_layer
 from layerswap.state import install_load_hook
 from layerswap.substitution import Substitution
 from layerswap.weights import is_extra_state
@@ -155,8 +154,7 @@ def adopt_layer(layer: nn.Module, substitution: Substitution, config: PreTrained
     """
     mark_substitution(layer, substitution)
     install_load_hook(layer, substitution, config)
-    install_packed_state_hooks(layer, substitution, config)
-    track_packed_layer(layer)
+    watch_packed_layer(layer, substitution, config)
 
 
 @normal_tensors

@@ -36,16 +36,27 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Mapping
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from layerswap.errors import ConversionError, ParallelismError
-from layerswap.packed_state import PackedStateHook, fused_global, packed_local, packed_shard
+from layerswap.packed_state import (
+    PackedStateHook,
+    fused_global,
+    install_packed_state_hooks,
+    packed_local,
+    packed_shard,
+)
 
-__all__ = ["track_packed_layer", "watch_optimizer"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from layerswap.substitution import Substitution
+
+__all__ = ["track_packed_layer", "watch_optimizer", "watch_packed_layer"]
 
 
 class _Watch:
@@ -74,11 +85,26 @@ class _Watch:
 _WATCH = _Watch()
 
 
+def watch_packed_layer(
+    layer: nn.Module, substitution: Substitution, config: PreTrainedConfig
+) -> None:
+    """Give replacement ``layer`` the state hooks of its packed parameters
+    (:func:`~layerswap.packed_state.install_packed_state_hooks`) and watch their
+    optimizers (none when it packs none); idempotent. ``config``: the layer's (text)
+    config."""
+    if not install_packed_state_hooks(layer, substitution, config):
+        return
+    _WATCH.layers.add(layer)
+    if _WATCH.handle is None:
+        _WATCH.handle = register_optimizer_step_pre_hook(_WATCH)
+
+
 def track_packed_layer(layer: nn.Module) -> None:
     """Watch the optimizers of ``layer``'s packed parameters (none when it packs none).
 
-    Called for each replacement layer after
-    :func:`~layerswap.packed_state.install_packed_state_hooks`; idempotent.
+    For a layer given its packed state hooks by
+    :func:`~layerswap.packed_state.install_packed_state_hooks` alone
+    (:func:`watch_packed_layer` gives them and watches); idempotent.
     """
     if not any(isinstance(hook, PackedStateHook) for hook in layer._state_dict_hooks.values()):
         return

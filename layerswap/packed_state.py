@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,12 +87,13 @@ def packed_shard(tensor: Any) -> shards.Shard | None:
     return shard
 
 
+@dataclass(eq=False)
 class PackedStateHook:
     """``state_dict`` post-hook of one replacement layer: packed shards become Shard(0) of
     the fused layout (see the module doc). Picklable and copyable with its module."""
 
-    def __init__(self, sizes: Mapping[str, list[int]]) -> None:
-        self.sizes = dict(sizes)
+    #: layer-relative key of each packed parameter -> its parts' extents (:func:`packed_sizes`)
+    sizes: dict[str, list[int]]
 
     def __call__(
         self,
@@ -114,12 +116,13 @@ class PackedStateHook:
         return f"<PackedStateHook {sorted(self.sizes)}>"
 
 
+@dataclass(eq=False)
 class PackedLoadHook:
     """``load_state_dict`` pre-hook of one replacement layer: what is given for a packed
     sharded parameter is read as the fused layout and packed for this rank."""
 
-    def __init__(self, sizes: Mapping[str, list[int]]) -> None:
-        self.sizes = dict(sizes)
+    #: as :attr:`PackedStateHook.sizes`
+    sizes: dict[str, list[int]]
 
     def __call__(
         self,
@@ -151,20 +154,22 @@ class PackedLoadHook:
 
 def install_packed_state_hooks(
     layer: nn.Module, substitution: Substitution, config: PreTrainedConfig
-) -> None:
-    """Give ``layer`` the state hooks of its packed parameters (none when it packs none).
+) -> bool:
+    """Give ``layer`` the state hooks of its packed parameters (none when it packs none);
+    whether it has them.
 
     Idempotent. Inert unless the layer is sharded with tensor parallelism: each hook
     looks at the parameters' placements when it runs.
     """
     sizes = packed_sizes(substitution, config)
     if not sizes:
-        return
+        return False
     for hook in layer._state_dict_hooks.values():
         if isinstance(hook, PackedStateHook):
-            return
+            return True
     layer.register_state_dict_post_hook(PackedStateHook(sizes))  # type: ignore[no-untyped-call]
-    layer.register_load_state_dict_pre_hook(PackedLoadHook(sizes))  # type: ignore[no-untyped-call]
+    layer.register_load_state_dict_pre_hook(PackedLoadHook(dict(sizes)))  # type: ignore[no-untyped-call]
+    return True
 
 
 # --- the two conversions --------------------------------------------------------------------

@@ -73,8 +73,6 @@ def describe(wrapped: Callable[..., Any], instance: Any) -> str:
     return owner.__name__ + "." + getattr(wrapped, "__name__", "<callable>")
 
 
-
-
 def loaded_torch() -> types.ModuleType | None:
     """``torch`` if something already imported it, else ``None``.
 
