@@ -23,7 +23,10 @@ own names before that hook can run, and so dropped every tensor a swapped layer 
   ``load_checkpoint_in_model``), the file's tensors are joined into the swapped layout
   (a group whose parts lie in two files when the last part comes); a checkpoint giving a
   joined tensor in part, or a layer in both layouts, is refused before any tensor is
-  placed (from its index, or its one file).
+  placed (from its index, or its one file). Without a ``device_map`` the files are joined
+  the same way before each is loaded: the conversion on load would take them, but a
+  group given in part was left out whole (the original loads the parts it is given) and
+  accelerate logged every original-layout tensor as unused.
 
 Both are armed with the other checks on how weights leave and enter a swapped model (see
 :mod:`layerswap.peft_targets`) and pass a model without swapped layers straight through.
@@ -183,18 +186,15 @@ def _accelerate_load() -> dict[str, Any] | None:
 
 def _file_joined(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """Around accelerate's ``load_state_dict`` (one checkpoint file read; see the module
-    docstring): read by a ``load_checkpoint_in_model`` placing tensors into a swapped
-    model by a ``device_map``, the file's original-layout tensors joined into the swapped
-    layers' layout, before any is placed."""
+    docstring): read by a ``load_checkpoint_in_model`` loading a swapped model, the file's
+    original-layout tensors joined into the swapped layers' layout, before any is placed
+    (by a ``device_map``) or loaded (without one: accelerate then finds every tensor of
+    the file used, and a joined tensor given in part is refused rather than left out)."""
     loading = _accelerate_load()
     model = None if loading is None else loading["model"]
-    if (
-        loading is None
-        or loading["device_map"] is None
-        or not isinstance(model, nn.Module)
-        or not layout_hooks(model)
-    ):
-        return wrapped(*args, **kwargs)  # no device_map: load_state_dict runs, and converts
+    if loading is None or not isinstance(model, nn.Module) or not layout_hooks(model):
+        return wrapped(*args, **kwargs)
+    placed = loading["device_map"] is not None
     files = list(loading["checkpoint_files"] or [])
     current = args[0] if args else kwargs.get("checkpoint_file")
     if files and current == files[0]:
@@ -210,7 +210,9 @@ def _file_joined(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     carried = _CARRIED.setdefault(model, {})
     for name, _, hook in layout_hooks(model):
         prefix = _state_name(model, name)
-        _join(state, carried, f"{prefix}." if prefix else "", hook.substitution, hook.config)
+        _join(
+            state, carried, f"{prefix}." if prefix else "", hook.substitution, hook.config, placed
+        )
     if not files or current == files[-1]:
         left = _CARRIED.pop(model, {})
         if left:  # a file named by no index: parts never joined
@@ -264,11 +266,16 @@ def _join(
     prefix: str,
     substitution: Any,
     config: Any,
+    placed: bool,
 ) -> None:
     """Each of ``substitution``'s rules whose parts ``state`` and ``carried`` hold whole:
-    converted in ``state`` (the parts of one not whole yet moved to ``carried``)."""
+    converted in ``state`` (the parts of one not whole yet moved to ``carried``).
+    ``placed``: accelerate places the tensors one by one (a ``device_map``), so a layer
+    converted as a whole cannot be; without one its load hook converts it."""
     converter = substitution.converter
     if not isinstance(converter, Converter):
+        if not placed:
+            return
         given = [key for key in state if key.startswith(prefix)]
         if given:
             raise ConversionError(

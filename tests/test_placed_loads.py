@@ -5,6 +5,7 @@ swapped model, on every rank and with a ``device_map``, or is refused."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,26 @@ def original_checkpoint(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     return tmp_path, _logits(original)
 
 
+#: accelerate places tensors one by one with a device map, and loads each file's state
+#: into the model without one
+DEVICE_MAPS = pytest.mark.parametrize("device_map", [{"": "cpu"}, None], ids=["placed", "loaded"])
+
+
+@DEVICE_MAPS
 def test_accelerate_places_an_original_checkpoint_by_name_into_a_swapped_model(
     original_checkpoint: tuple[Path, torch.Tensor],
+    device_map: dict[str, str] | None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     path, expected = original_checkpoint
     model = _swapped(seed=7)
     assert not torch.equal(_logits(model), expected)
     # as a script calls it: a module's name, bound before or after the swap
-    accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map={"": "cpu"})
+    with caplog.at_level(logging.WARNING, logger="accelerate"):
+        accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map=device_map)
     torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    # every tensor of the checkpoint was used: accelerate says none was left out
+    assert "were not used" not in caplog.text
 
 
 def test_accelerate_loading_bound_under_another_name_before_the_swap_converts_too(
@@ -92,8 +104,9 @@ def test_load_checkpoint_and_dispatch_fills_an_empty_swapped_model(
     torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
+@DEVICE_MAPS
 def test_a_checkpoint_giving_a_joined_tensor_in_part_is_refused_by_accelerate(
-    original_checkpoint: tuple[Path, torch.Tensor],
+    original_checkpoint: tuple[Path, torch.Tensor], device_map: dict[str, str] | None
 ) -> None:
     path, _ = original_checkpoint
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -106,12 +119,13 @@ def test_a_checkpoint_giving_a_joined_tensor_in_part_is_refused_by_accelerate(
     model = _swapped(seed=7)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     with pytest.raises(ConversionError, match=r"k_proj\.weight'.*nothing was loaded"):
-        accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map={"": "cpu"})
+        accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map=device_map)
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
 
 
+@DEVICE_MAPS
 def test_a_checkpoint_giving_a_layer_in_both_layouts_is_refused_by_accelerate(
-    tmp_path: Path,
+    tmp_path: Path, device_map: dict[str, str] | None
 ) -> None:
     original = tiny_model("llama", seed=0, num_hidden_layers=2)
     state = {key: value.contiguous() for key, value in original.state_dict().items()}
@@ -123,7 +137,7 @@ def test_a_checkpoint_giving_a_layer_in_both_layouts_is_refused_by_accelerate(
     model = _swapped(seed=7)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     with pytest.raises(ConversionError, match="both in the original layout"):
-        accelerate_modeling.load_checkpoint_in_model(model, str(tmp_path), device_map={"": "cpu"})
+        accelerate_modeling.load_checkpoint_in_model(model, str(tmp_path), device_map=device_map)
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
 
 
