@@ -239,8 +239,11 @@ def guard() -> Patch:
     """The check on PEFT's injection, armed (started) if it was not. Idempotent, thread-safe.
 
     Arms with it the advice of :mod:`layerswap.peft_io` (PEFT's save and load in the
-    original layout), of :mod:`layerswap.saving` (``save_pretrained`` checked) and of
-    :mod:`layerswap.placed_loads` (torch's and accelerate's loads by name converted). Held by every swap (:func:`hold`); see the module docstring. Example::
+    original layout), of :mod:`layerswap.saving` (``save_pretrained`` checked), of
+    :mod:`layerswap.placed_loads` (torch's and accelerate's loads by name converted) and of
+    :mod:`layerswap.dcp_loads` (``torch.distributed.checkpoint`` reading an original
+    layout into the joined tensors). Held by every swap (:func:`hold`); see the module
+    docstring. Example::
 
         layerswap.peft_targets.guard().stop()   # PEFT's injection as it was
     """
@@ -250,6 +253,7 @@ def guard() -> Patch:
 
 def _arm() -> Patch:
     global _GUARD
+    from layerswap.dcp_loads import ADVICE as DCP_ADVICE
     from layerswap.peft_io import ADVICE
     from layerswap.placed_loads import ADVICE as LOAD_ADVICE
     from layerswap.saving import ADVICE as SAVE_ADVICE
@@ -259,7 +263,7 @@ def _arm() -> Patch:
         _GUARD = safeguard(wrap(INJECT, _check_then_inject, lazy=True), _held)
         _LAYOUT.extend(
             safeguard(wrap(target, advice, lazy=True), _held)
-            for target, advice in (*ADVICE, *SAVE_ADVICE, *LOAD_ADVICE)
+            for target, advice in (*ADVICE, *SAVE_ADVICE, *LOAD_ADVICE, *DCP_ADVICE)
         )
     for patch in (_GUARD, *_LAYOUT):
         if not patch.is_active:

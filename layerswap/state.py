@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -55,12 +56,19 @@ __all__ = [
     "is_own",
     "layer_state_hooks",
     "layout_hooks",
+    "live_layout_hooks",
 ]
 
 
 #: called with each replacement layer made by copying or unpickling one: what a swap arms
 #: for its layers (:func:`layerswap.peft_targets.hold_while_alive` registers itself here)
 LAYER_COPIED: list[Callable[[nn.Module], None]] = []
+
+#: every replacement layer given a load hook, and every copy of one, while it lives: the
+#: layouts a load that matches names before ``load_state_dict`` runs may meet
+#: (:mod:`layerswap.dcp_loads`)
+_LIVE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+LAYER_COPIED.append(_LIVE.add)
 
 
 class LayoutLoadHook:
@@ -108,6 +116,18 @@ def layout_hooks(model: nn.Module) -> list[tuple[str, nn.Module, LayoutLoadHook]
     return found
 
 
+def live_layout_hooks() -> list[LayoutLoadHook]:
+    """The load hooks of the replacement layers alive in this process, one per
+    substitution and config (layers made or copied by any swap, still swapped or not)."""
+    found: dict[tuple[int, int], LayoutLoadHook] = {}
+    for layer in list(_LIVE):
+        for wrapped in layer._load_state_dict_pre_hooks.values():
+            hook = getattr(wrapped, "hook", wrapped)
+            if isinstance(hook, LayoutLoadHook):
+                found.setdefault((id(hook.substitution), id(hook.config)), hook)
+    return list(found.values())
+
+
 @contextlib.contextmanager
 def layer_state_hooks(
     model: nn.Module, make: Callable[[LayoutLoadHook], Callable[..., None]]
@@ -138,6 +158,7 @@ def install_load_hook(
 
     Idempotent: a layer that has one already keeps it.
     """
+    _LIVE.add(layer)
     for hook in layer._load_state_dict_pre_hooks.values():
         if isinstance(getattr(hook, "hook", None), LayoutLoadHook):
             return

@@ -1,0 +1,272 @@
+"""``torch.distributed.checkpoint`` loads of an original-layout checkpoint into a swapped
+model: each joined tensor read part by part from the checkpoint, or refused.
+
+``dcp.load(state, checkpoint_id=...)`` reads into the tensors of ``state`` (a swapped
+model's ``state_dict()``) by their names, before any ``load_state_dict`` runs, where a
+swapped layer converts q/k/v and gate/up. A checkpoint written from the original model
+has no ``qkv_proj`` or ``gate_up_proj``: DCP raised about the missing key, or, with
+``DefaultLoadPlanner(allow_partial_load=True)``, skipped every joined tensor without a
+word, and the swapped model kept its own while the rest loaded.
+
+Around DCP's load plan (``create_default_local_load_plan``, which every
+``DefaultLoadPlanner`` builds its reads with), a key of the state that the checkpoint
+lacks is read in the original layout instead where it names a joined tensor of a swapped
+layer alive in this process (a rule target of its converter, under the same prefix, or
+followed by an optimizer's ``.exp_avg``) and the checkpoint's metadata lists its original
+parts there: each part is read straight into its rows of the joined tensor (a view:
+nothing is copied twice, and the state's tensor holds the joined values when
+``load_state_dict`` is called, as torch's documentation asks). A number for the whole
+tensor (an optimizer's ``step``) is read from the first part. A part the checkpoint lacks
+is what any missing key is: DCP raises naming it, or, with ``allow_partial_load``, its
+rows keep the tensor's own values. A joined tensor that cannot be read that way is
+refused with a :class:`~layerswap.errors.ConversionError` before any tensor is read, the
+model and the state unchanged: a sharded one (a ``DTensor``: a rank's rows of a part are
+no view of its shard), one a rule computes (``Custom``), parts of another shape than its
+rows. DCP reports a planning error inside its own ``CheckpointException``; around its load
+(``_load_state_dict``) the refusal is raised as itself, on every rank.
+
+A state without such keys, a checkpoint in the swapped layout, a checkpoint lacking a
+whole layer or the ``lm_head`` and a model without swapped layers load as they did. A
+layer whose converter has no rules (converted as a whole) is not recognised.
+
+Example::
+
+    layerswap.swap(model, "llama.decoder.fused")
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id="original-dcp")   # q/k/v read into qkv_proj
+    model.load_state_dict(state)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerswap.errors import ConversionError
+from layerswap.state import live_layout_hooks
+from layerswap.weights import Concat, Converter, Rename, describe, is_extra_state
+
+__all__ = ["ADVICE", "DCP_LOAD_TARGET", "DCP_PLAN_TARGET"]
+
+#: where every ``DefaultLoadPlanner`` matches the state's names against the checkpoint's
+#: metadata and makes its reads (called with ``state_dict``, ``metadata``, ``strict``)
+DCP_PLAN_TARGET = "torch.distributed.checkpoint.default_planner:create_default_local_load_plan"
+#: what ``dcp.load`` plans and reads with: a planning error comes out of it inside a
+#: ``CheckpointException``
+DCP_LOAD_TARGET = "torch.distributed.checkpoint.state_dict_loader:_load_state_dict"
+
+_TO_DO = (
+    "Load it into the original model and swap that (layerswap.swap), or into a model "
+    "built inside layerswap.use() with from_pretrained from a save_pretrained checkpoint"
+)
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """One rule of a live swapped layer that makes a tensor the original layout lacks."""
+
+    rule: Any
+    sizes: tuple[int, ...] | None
+    """Each part's extent along the rule's dim (a ``Concat``), for that layer's config."""
+    substitution: str
+
+
+def _joined_by_target() -> dict[str, list[_Joined]]:
+    """Layer-relative key -> the rules of live swapped layers that make it."""
+    from layerswap import hf_internals
+
+    found: dict[str, list[_Joined]] = {}
+    for hook in live_layout_hooks():
+        converter = hook.substitution.converter
+        if not isinstance(converter, Converter):
+            continue  # a layer converted as a whole: its keys are not known here
+        config = hf_internals.text_config_of(hook.config)
+        for rule in converter.rules:
+            if tuple(rule.sources) == tuple(rule.targets):
+                continue
+            sizes = tuple(rule.part_sizes(config)) if isinstance(rule, Concat) else None
+            joined = _Joined(rule, sizes, hook.substitution.name)
+            for target in rule.targets:
+                if joined not in found.setdefault(target, []):
+                    found[target].append(joined)
+    return found
+
+
+def _plain(value: Any) -> bool:
+    return type(value) in (torch.Tensor, nn.Parameter)
+
+
+def _at(key: str, target: str) -> tuple[str, str] | None:
+    """``(prefix, suffix)`` where ``key`` is ``prefix + target + suffix`` along dotted
+    names (the suffix an optimizer's: ``.exp_avg``), or None."""
+    if key == target or key.startswith(target + "."):
+        return "", key[len(target) :]
+    at = key.rfind("." + target)
+    end = at + 1 + len(target)
+    if at < 0 or (end < len(key) and key[end] != "."):
+        return None
+    return key[: at + 1], key[end:]
+
+
+def _part_views(
+    key: str, value: Any, place: tuple[str, str], joined: _Joined, saved: Mapping[str, Any]
+) -> dict[str, torch.Tensor] | str:
+    """Each original part's key -> its rows of ``value`` (the joined tensor ``key``), or
+    why the checkpoint's parts (``saved``: its metadata) do not fill them."""
+    rule = joined.rule
+    sources = [place[0] + source + place[1] for source in rule.sources]
+    if value.dim() == 0 and place[1]:
+        # one number for the joined tensor (an optimizer's step count): the first part's
+        sources = [next(source for source in sources if source in saved)]
+        parts: list[torch.Tensor] = [value]
+    elif isinstance(rule, Rename):
+        parts = [value]
+    elif joined.sizes is not None and value.dim() > rule.dim:
+        if value.shape[rule.dim] != sum(joined.sizes):
+            return (
+                f"{key!r} is {tuple(value.shape)}, and {joined.substitution} joins "
+                f"{' + '.join(map(str, joined.sizes))} rows into it"
+            )
+        parts = list(torch.split(value, list(joined.sizes), dim=rule.dim))
+    else:
+        return f"{key!r} is {tuple(value.shape)}"
+    views: dict[str, torch.Tensor] = {}
+    for source, part in zip(sources, parts, strict=True):
+        size = getattr(saved.get(source), "size", None)
+        if source in saved and (size is None or tuple(size) != tuple(part.shape)):
+            shown = "not a tensor" if size is None else f"{tuple(size)}"
+            return (
+                f"the checkpoint's {source!r} is {shown}, where {key!r} "
+                f"{tuple(value.shape)} takes {tuple(part.shape)}"
+            )
+        views[source] = part
+    return views
+
+
+def _refusal(key: str, value: Any, joined: _Joined, held: list[str]) -> str:
+    """Why ``key``'s original parts (``held`` by the checkpoint) cannot be read into it."""
+    start = (
+        f"dcp.load: the checkpoint holds {held[0]!r}, in the original layout, which "
+        f"{joined.substitution} joins into {key!r}"
+    )
+    if not isinstance(joined.rule, (Concat, Rename)):
+        return (
+            f"{start} with {describe(joined.rule)}, a computation: DCP reads each tensor "
+            f"into place and cannot run it. Nothing was read. {_TO_DO}"
+        )
+    placements = getattr(value, "placements", None)
+    shown = f"a DTensor {tuple(placements)}" if placements is not None else type(value).__name__
+    return (
+        f"{start}; here that tensor is {shown}, whose rows DCP cannot read part by part. "
+        "Nothing was read. Load the checkpoint into an unsharded swapped model "
+        "(state = model.state_dict(); dcp.load(state, ...); model.load_state_dict(state)) "
+        "and dcp.save that, then load the swapped-layout checkpoint here; or "
+        f"{_TO_DO[0].lower()}{_TO_DO[1:]}"
+    )
+
+
+def _parts_to_read(
+    state: Mapping[str, Any], saved: Mapping[str, Any]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Joined key of ``state`` the checkpoint (``saved``: its metadata) lacks -> its
+    original parts' keys and views (see the module docstring)."""
+    skipped = [key for key in state if key not in saved and not is_extra_state(key)]
+    by_target = _joined_by_target() if skipped else {}
+    found = {}
+    for key in skipped:
+        views = _parts_of(key, state[key], saved, by_target)
+        if views is not None:
+            found[key] = views
+    return found
+
+
+def _parts_of(
+    key: str, value: Any, saved: Mapping[str, Any], by_target: Mapping[str, list[_Joined]]
+) -> dict[str, torch.Tensor] | None:
+    """``key``'s original parts' keys and views, where the checkpoint holds any; raises
+    :class:`ConversionError` where it holds some that cannot be read into ``value``."""
+    if not isinstance(value, torch.Tensor):
+        return None  # a setting (an optimizer's lr): no tensor to read into, as before
+    misfit = None
+    for target, candidates in by_target.items():
+        place = _at(key, target)
+        if place is None:
+            continue
+        for joined in candidates:
+            sources = [place[0] + source + place[1] for source in joined.rule.sources]
+            held = [source for source in sources if source in saved]
+            if not held:
+                continue
+            if not isinstance(joined.rule, (Concat, Rename)) or not _plain(value):
+                raise ConversionError(_refusal(key, value, joined, held))
+            views = _part_views(key, value, place, joined, saved)
+            if isinstance(views, dict):
+                return views
+            misfit = misfit or (held[0], views)
+    if misfit is not None:
+        raise ConversionError(
+            f"dcp.load: the checkpoint holds {misfit[0]!r}, an original-layout part of "
+            f"{key!r}, but its parts do not make that tensor: {misfit[1]}. Nothing was "
+            "read; is the checkpoint of another configuration?"
+        )
+    return None
+
+
+def _arguments(wrapped: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any] | None:
+    import inspect
+
+    try:
+        return dict(inspect.signature(wrapped).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None  # a call the function refuses itself: its error, not ours
+
+
+def _parts_planned(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """Around DCP's ``create_default_local_load_plan`` (see the module docstring): the
+    state's joined tensors the checkpoint lacks planned as their original parts."""
+    arguments = _arguments(wrapped, args, kwargs)
+    if arguments is None:
+        return wrapped(*args, **kwargs)
+    state, metadata = arguments.get("state_dict"), arguments.get("metadata")
+    saved = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(state, MutableMapping) or not isinstance(saved, Mapping):
+        return wrapped(*args, **kwargs)
+    parts = _parts_to_read(state, saved)
+    if not parts:
+        return wrapped(*args, **kwargs)
+    planned = {key: value for key, value in state.items() if key not in parts}
+    for views in parts.values():
+        planned.update(views)
+    arguments["state_dict"] = planned
+    plan = wrapped(**arguments)
+    # the planner looks each read's destination up in its own state, by the part's name
+    for views in parts.values():
+        state.update(views)
+    return plan
+
+
+def _refusal_raised(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """Around DCP's ``_load_state_dict``: a refusal of :func:`_parts_planned`, which DCP
+    wraps in a ``CheckpointException`` with the rank it came from, raised as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return wrapped(*args, **kwargs)
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", None) or {}
+        for rank in sorted(failures):
+            failure = failures[rank][0] if isinstance(failures[rank], tuple) else None
+            if isinstance(failure, ConversionError) and str(failure).startswith("dcp.load: "):
+                raise ConversionError(str(failure)) from exc
+        raise
+
+
+#: (target, advice) armed while a swapped model exists
+ADVICE = (
+    (DCP_PLAN_TARGET, _parts_planned),
+    (DCP_LOAD_TARGET, _refusal_raised),
+)

@@ -1,0 +1,289 @@
+"""A ``torch.distributed.checkpoint`` checkpoint of an original model, loaded into a swapped
+model (:mod:`layerswap.dcp_loads`): the original layout's parts are read into the joined
+tensors, or the load is refused before any tensor is read. One process, no process group.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from models import tiny_model
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+import layerswap
+from layerswap.errors import ConversionError
+
+FUSED = "llama.decoder.fused"
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7, 100, 4]])
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _swapped(seed: int) -> torch.nn.Module:
+    model = tiny_model("llama", seed=seed, num_hidden_layers=2)
+    layerswap.swap(model, FUSED)
+    return model
+
+
+def _save(state: dict[str, torch.Tensor], path: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: one process", as intended
+        dcp.save(state, checkpoint_id=path)
+    return path
+
+
+def _load(state: dict[str, torch.Tensor], path: Path, *, partial: bool = True) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=partial))
+
+
+@pytest.fixture
+def original(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    model = tiny_model("llama", seed=0, num_hidden_layers=2)
+    return _save(model.state_dict(), tmp_path / "original"), _logits(model)
+
+
+def test_an_original_dcp_checkpoint_loads_whole_into_a_swapped_model(
+    original: tuple[Path, torch.Tensor],
+) -> None:
+    path, expected = original
+    model = _swapped(seed=7)
+    assert not torch.allclose(_logits(model), expected)
+    state = model.state_dict()
+    _load(state, path)
+    model.load_state_dict(state)
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_original_dcp_checkpoint_loads_with_the_default_planner_too(
+    original: tuple[Path, torch.Tensor],
+) -> None:
+    """DCP raised about the missing qkv_proj; now nothing is missing."""
+    path, expected = original
+    model = _swapped(seed=7)
+    state = model.state_dict()
+    _load(state, path, partial=False)
+    model.load_state_dict(state)
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_copies_of_the_state_and_a_nested_state_load_the_original_layout(
+    original: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    path, expected = original
+    model = _swapped(seed=7)
+    copies = {key: value.clone() for key, value in model.state_dict().items()}
+    _load(copies, path)
+    model.load_state_dict(copies)
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+    nested_path = tmp_path / "nested"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": tiny_model("llama", seed=0, num_hidden_layers=2).state_dict()},
+            checkpoint_id=nested_path,
+        )
+    model = _swapped(seed=7)
+    nested = {"model": model.state_dict()}
+    _load(nested, nested_path)  # type: ignore[arg-type]
+    model.load_state_dict(nested["model"])
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_of_some_layers_loads_them_and_keeps_the_rest(tmp_path: Path) -> None:
+    """A legitimately partial checkpoint (layer 0 and no lm_head): what it holds is read,
+    joined; the rest keeps the model's own values, as any partial load does."""
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    state = {
+        key: value
+        for key, value in original.state_dict().items()
+        if not key.startswith(("model.layers.1.", "lm_head."))
+    }
+    path = _save(state, tmp_path / "layer0")
+    model = _swapped(seed=7)
+    own = {key: value.clone() for key, value in model.state_dict().items()}
+    loaded = model.state_dict()
+    _load(loaded, path)
+    model.load_state_dict(loaded)
+    after = model.state_dict()
+    attention = "model.layers.0.self_attn."
+    joined = torch.cat([state[f"{attention}{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(after[QKV], joined)
+    mlp = "model.layers.0.mlp."
+    joined = torch.cat([state[f"{mlp}gate_proj.weight"], state[f"{mlp}up_proj.weight"]])
+    assert torch.equal(after[f"{mlp}gate_up_proj.weight"], joined)
+    for key, value in after.items():
+        if key.startswith(("model.layers.1.", "lm_head.")):
+            assert torch.equal(value, own[key]), key
+
+
+def test_a_part_the_checkpoint_lacks_is_named_or_keeps_its_rows(tmp_path: Path) -> None:
+    """A joined tensor given in part: without allow_partial_load DCP names the missing
+    part (not the joined tensor); with it, the given parts are read and the missing one's
+    rows keep the model's own values."""
+    original = tiny_model("llama", seed=0, num_hidden_layers=2).state_dict()
+    state = {
+        key: value
+        for key, value in original.items()
+        if not key.endswith("0.self_attn.v_proj.weight")
+    }
+    path = _save(state, tmp_path / "no-v")
+    model = _swapped(seed=7)
+    own = model.state_dict()[QKV].clone()
+    with pytest.raises(BaseException, match=r"layers\.0\.self_attn\.v_proj\.weight"):
+        _load(model.state_dict(), path, partial=False)
+    loaded = model.state_dict()
+    _load(loaded, path)
+    model.load_state_dict(loaded)
+    q, k = (original[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qk")
+    rows = q.shape[0] + k.shape[0]
+    after = model.state_dict()[QKV]
+    assert torch.equal(after[:rows], torch.cat([q, k]))
+    assert torch.equal(after[rows:], own[rows:])
+
+
+def test_parts_of_another_shape_are_refused_before_anything_is_read(tmp_path: Path) -> None:
+    state = dict(tiny_model("llama", seed=0, num_hidden_layers=2).state_dict())
+    key = "model.layers.1.self_attn.k_proj.weight"
+    state[key] = state[key][:-4].clone()  # a checkpoint of another configuration
+    path = _save(state, tmp_path / "other")
+    model = _swapped(seed=7)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    loaded = model.state_dict()
+    with pytest.raises(ConversionError, match=r"k_proj\.weight' is \(28, 128\).*Nothing was read"):
+        _load(loaded, path)
+    assert list(loaded) == list(before)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_model_and_optimizer_checkpoint_of_the_original_resumes_the_swapped_model(
+    tmp_path: Path,
+) -> None:
+    """AdamW's moments of q/k/v are read into the joined tensor's, its step count from q's:
+    the swapped model's next step is the original's."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7]])
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.detach())
+
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    adamw = torch.optim.AdamW(original.parameters(), lr=1e-2)
+    step(original, adamw)
+    state = {"model": original.state_dict(), "optim": get_optimizer_state_dict(original, adamw)}
+    path = _save(state, tmp_path / "trained")  # type: ignore[arg-type]
+    model = _swapped(seed=7)
+    resumed = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, resumed)}
+    _load(state, path, partial=False)  # type: ignore[arg-type]
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, resumed, state["optim"])
+    moments = resumed.state[model.get_parameter(QKV)]["exp_avg"]
+    attention = "model.layers.0.self_attn."
+    expected = torch.cat(
+        [
+            adamw.state[original.get_parameter(f"{attention}{p}_proj.weight")]["exp_avg"]
+            for p in "qkv"
+        ]
+    )
+    assert torch.equal(moments, expected)
+    assert step(model, resumed) == pytest.approx(step(original, adamw), rel=1e-5)
+    assert step(model, resumed) == pytest.approx(step(original, adamw), rel=1e-4)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A process group of this process alone (a DTensor needs a mesh)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_joined_tensor_is_refused_before_anything_is_read(
+    original: tuple[Path, torch.Tensor], one_rank: None
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    path, _ = original
+    model = _swapped(seed=7)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    state = model.state_dict()
+    mesh = init_device_mesh("cpu", (1,))
+    state[QKV] = DTensor.from_local(state[QKV], mesh, [Shard(0)])
+    keys = list(state)
+    with pytest.raises(ConversionError, match=r"qkv_proj\.weight'; here that tensor is a DTensor"):
+        _load(state, path)
+    assert list(state) == keys
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_swapped_layout_checkpoint_and_a_model_without_swapped_layers_load_as_before(
+    original: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    path, expected = original
+    swapped = _swapped(seed=0)
+    swapped_path = _save(swapped.state_dict(), tmp_path / "swapped")
+    model = _swapped(seed=7)
+    state = model.state_dict()
+    _load(state, swapped_path, partial=False)
+    model.load_state_dict(state)
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    # an original model beside the swapped ones: its own layout, nothing joined or added
+    plain = tiny_model("llama", seed=7, num_hidden_layers=2)
+    state = plain.state_dict()
+    keys = list(state)
+    _load(state, path, partial=False)
+    assert list(state) == keys
+    plain.load_state_dict(state)
+    torch.testing.assert_close(_logits(plain), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dcp_loading_has_the_names_layerswap_advises() -> None:
+    """The functions layerswap advises are there in the installed torch, called as read."""
+    import inspect
+
+    from torch.distributed.checkpoint import default_planner, state_dict_loader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from layerswap.dcp_loads import ADVICE, DCP_LOAD_TARGET, DCP_PLAN_TARGET
+
+    assert [target for target, _ in ADVICE] == [DCP_PLAN_TARGET, DCP_LOAD_TARGET]
+    module, name = DCP_PLAN_TARGET.split(":")
+    assert module == default_planner.__name__
+    assert list(inspect.signature(getattr(default_planner, name)).parameters)[:3] == [
+        "state_dict",
+        "metadata",
+        "strict",
+    ]
+    # the planner looks it up in its module when it plans: advice on the name reaches it
+    assert name in default_planner.DefaultLoadPlanner.create_local_plan.__code__.co_names
+    module, name = DCP_LOAD_TARGET.split(":")
+    assert module == state_dict_loader.__name__
+    assert name in inspect.unwrap(state_dict_loader.load).__code__.co_names
+    assert "planner" in inspect.signature(getattr(state_dict_loader, name)).parameters
+    assert isinstance(CheckpointException.failures, property)
