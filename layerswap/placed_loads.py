@@ -162,7 +162,13 @@ def _agreed(refusal: str | None) -> str | None:
 #: checkpoint file (``load_state_dict``, looked up in its module at every call, so found
 #: however the caller bound ``load_checkpoint_in_model``): the model, the device map,
 #: the files it reads in order, and the index naming every tensor's file
-ACCELERATE_LOAD_LOCALS = ("model", "device_map", "checkpoint_files", "index_filename")
+ACCELERATE_LOAD_LOCALS = (
+    "model",
+    "device_map",
+    "checkpoint_files",
+    "index_filename",
+    "broadcast_from_rank0",
+)
 
 #: parts of joined groups read from a model's earlier checkpoint files, by model (its other
 #: parts not read yet)
@@ -194,6 +200,37 @@ def _file_joined(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: 
     model = None if loading is None else loading["model"]
     if loading is None or not isinstance(model, nn.Module) or not layout_hooks(model):
         return wrapped(*args, **kwargs)
+    try:
+        return _read_joined(wrapped, args, kwargs, loading, model)
+    except ConversionError as exc:
+        if not _broadcast(loading):
+            raise
+        # without a device_map, broadcast_from_rank0: rank 0 alone reads the files, and the
+        # other ranks wait for its word in set_model_state_dict (_full_state_converted):
+        # a refusal here must reach them, or they wait there for good
+        raise ConversionError(_agreed(str(exc)) or str(exc)) from exc
+
+
+def _broadcast(loading: dict[str, Any]) -> bool:
+    """Whether accelerate loads for a ``set_model_state_dict`` broadcast from rank 0."""
+    import torch.distributed as dist
+
+    return bool(
+        loading["device_map"] is None
+        and loading["broadcast_from_rank0"]
+        and dist.is_available()
+        and dist.is_initialized()
+    )
+
+
+def _read_joined(
+    wrapped: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    loading: dict[str, Any],
+    model: nn.Module,
+) -> Any:
+    """:func:`_file_joined`'s work: the file read, checked and joined."""
     placed = loading["device_map"] is not None
     files = list(loading["checkpoint_files"] or [])
     current = args[0] if args else kwargs.get("checkpoint_file")

@@ -215,3 +215,43 @@ def test_every_rank_loads_an_original_state_broadcast_from_rank_0(tmp_path: Path
         report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert report["difference"] < 1e-5, f"rank {rank} kept its own fused tensors"
         assert not report["result"].missing_keys and not report["result"].unexpected_keys
+
+
+def _accelerate_broadcast_partial_rank(rank: int, port: int, path: str, out: str) -> None:
+    from torch import distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = _swapped(seed=7)
+        try:
+            accelerate_modeling.load_checkpoint_in_model(model, path, broadcast_from_rank0=True)
+            said = "loaded"
+        except ConversionError as exc:
+            said = str(exc)
+        (Path(out) / f"rank{rank}.txt").write_text(said)
+        dist.barrier()  # rank 0 stays until every rank has its word
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_accelerate_broadcasting_a_checkpoint_in_part_is_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Without a device_map, broadcast_from_rank0: rank 0 alone reads the files; a refusal
+    there was rank 0's alone, and the other ranks waited for its word in
+    set_model_state_dict."""
+    state = {
+        key: value.contiguous()
+        for key, value in tiny_model("llama", seed=0, num_hidden_layers=2).state_dict().items()
+    }
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    save_file(state, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    args = (free_port(), str(checkpoint), str(tmp_path))
+    run_ranks(_accelerate_broadcast_partial_rank, args, nprocs=2, timeout_s=120)
+    for rank in range(2):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "not 'model.layers.1.self_attn.k_proj.weight'" in said, f"rank {rank}: {said}"
