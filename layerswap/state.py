@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,17 @@ LAYER_COPIED: list[Callable[[nn.Module], None]] = []
 #: layouts a load that matches names before ``load_state_dict`` runs may meet
 #: (:mod:`layerswap.dcp_loads`)
 _LIVE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-LAYER_COPIED.append(_LIVE.add)
+#: held while ``_LIVE`` is added to or read: a set one thread adds to (a swap, a copy) while
+#: another iterates it (a ``dcp.load``'s plan) raises "Set changed size during iteration"
+_LIVE_LOCK = threading.Lock()
+
+
+def _live(layer: nn.Module) -> None:
+    with _LIVE_LOCK:
+        _LIVE.add(layer)
+
+
+LAYER_COPIED.append(_live)
 
 
 class LayoutLoadHook:
@@ -120,7 +131,9 @@ def live_layout_hooks() -> list[LayoutLoadHook]:
     """The load hooks of the replacement layers alive in this process, one per
     substitution and config (layers made or copied by any swap, still swapped or not)."""
     found: dict[tuple[int, int], LayoutLoadHook] = {}
-    for layer in list(_LIVE):
+    with _LIVE_LOCK:
+        layers = list(_LIVE)
+    for layer in layers:
         for wrapped in layer._load_state_dict_pre_hooks.values():
             hook = getattr(wrapped, "hook", wrapped)
             if isinstance(hook, LayoutLoadHook):
@@ -158,7 +171,7 @@ def install_load_hook(
 
     Idempotent: a layer that has one already keeps it.
     """
-    _LIVE.add(layer)
+    _live(layer)
     for hook in layer._load_state_dict_pre_hooks.values():
         if isinstance(getattr(hook, "hook", None), LayoutLoadHook):
             return

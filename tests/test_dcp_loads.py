@@ -287,3 +287,39 @@ def test_dcp_loading_has_the_names_layerswap_advises() -> None:
     assert name in inspect.unwrap(state_dict_loader.load).__code__.co_names
     assert "planner" in inspect.signature(getattr(state_dict_loader, name)).parameters
     assert isinstance(CheckpointException.failures, property)
+
+
+def test_the_live_layouts_are_read_while_another_thread_swaps() -> None:
+    """A dcp.load's plan reads the live swapped layers while other threads swap and copy
+    (each adds a layer): it read a set changing size under it."""
+    import sys
+    import threading
+
+    from layerswap import state
+
+    hook = state.layout_hooks(_swapped(seed=7))[0][2]
+    layers = [torch.nn.Module() for _ in range(2000)]  # a big swapped model's layers
+    for layer in layers:
+        state.install_load_hook(layer, hook.substitution, hook.config)
+    stop = threading.Event()
+
+    def swapping() -> None:
+        made = []
+        while not stop.is_set():
+            layer = torch.nn.Module()
+            state.install_load_hook(layer, hook.substitution, hook.config)
+            made.append(layer)
+            if len(made) > 50:
+                made.clear()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=swapping)
+    thread.start()
+    try:
+        for _ in range(200):
+            assert state.live_layout_hooks()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
