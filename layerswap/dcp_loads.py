@@ -16,7 +16,10 @@ followed by an optimizer's ``.exp_avg``) and the checkpoint's metadata lists its
 parts there: each part is read straight into its rows of the joined tensor (a view:
 nothing is copied twice, and the state's tensor holds the joined values when
 ``load_state_dict`` is called, as torch's documentation asks). A number for the whole
-tensor (an optimizer's ``step``) is read from the first part. A part the checkpoint lacks
+tensor (an optimizer's ``step``) is read from the first part, and so is an entry of
+its optimizer state that is no tensor (a flattened optimizer state's
+``param_groups.<name>.lr``, from which torch rebuilds the group): read whole, into the
+joined tensor's entry. A part the checkpoint lacks
 is what any missing key is: DCP raises naming it, or, with ``allow_partial_load``, its
 rows keep the tensor's own values. A joined tensor that cannot be read that way is
 refused with a :class:`~layerswap.errors.ConversionError` before any tensor is read, the
@@ -39,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -190,7 +194,7 @@ def _parts_of(
     """``key``'s original parts' keys and views, where the checkpoint holds any; raises
     :class:`ConversionError` where it holds some that cannot be read into ``value``."""
     if not isinstance(value, torch.Tensor):
-        return None  # a setting (an optimizer's lr): no tensor to read into, as before
+        return _entry_of(key, saved, by_target)
     misfit = None
     for target, candidates in by_target.items():
         place = _at(key, target)
@@ -213,6 +217,25 @@ def _parts_of(
             f"{key!r}, but its parts do not make that tensor: {misfit[1]}. Nothing was "
             "read; is the checkpoint of another configuration?"
         )
+    return None
+
+
+def _entry_of(
+    key: str, saved: Mapping[str, Any], by_target: Mapping[str, list[_Joined]]
+) -> dict[str, Any] | None:
+    """For a value of ``key`` that is no tensor, an entry of a joined tensor's optimizer
+    state (a flattened optimizer state's ``param_groups.<name>.lr``, a ``step`` kept as a
+    number): the first original part's entry the checkpoint holds, which is read in its
+    place (:func:`_parts_planned`); or None."""
+    for target, candidates in by_target.items():
+        place = _at(key, target)
+        if place is None or not place[1]:
+            continue  # the joined tensor itself, not an entry of its optimizer state
+        for joined in candidates:
+            for source in joined.rule.sources:
+                name = place[0] + source + place[1]
+                if name in saved and getattr(saved[name], "size", None) is None:
+                    return {name: None}
     return None
 
 
@@ -239,13 +262,39 @@ def _parts_planned(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     if not parts:
         return wrapped(*args, **kwargs)
     planned = {key: value for key, value in state.items() if key not in parts}
-    for views in parts.values():
-        planned.update(views)
+    # an entry that is no tensor is read whole, by the planner's load_bytes, into the
+    # destination its read names: the joined tensor's entry, where the part's was read
+    entries = {
+        source: key
+        for key, views in parts.items()
+        if not isinstance(state[key], torch.Tensor)
+        for source in views
+    }
+    for key, views in parts.items():
+        planned.update(
+            views if isinstance(state[key], torch.Tensor) else dict.fromkeys(views, state[key])
+        )
     arguments["state_dict"] = planned
     plan = wrapped(**arguments)
+    if entries:
+        plan = dataclasses.replace(
+            plan,
+            items=[
+                dataclasses.replace(
+                    item,
+                    dest_index=dataclasses.replace(
+                        item.dest_index, fqn=entries[item.dest_index.fqn]
+                    ),
+                )
+                if item.dest_index.fqn in entries
+                else item
+                for item in plan.items
+            ],
+        )
     # the planner looks each read's destination up in its own state, by the part's name
-    for views in parts.values():
-        state.update(views)
+    for key, views in parts.items():
+        if isinstance(state[key], torch.Tensor):
+            state.update(views)
     return plan
 
 

@@ -323,3 +323,61 @@ def test_the_live_layouts_are_read_while_another_thread_swaps() -> None:
         stop.set()
         thread.join()
         sys.setswitchinterval(interval)
+
+
+def test_a_flattened_optimizer_checkpoint_of_the_original_resumes_each_group(
+    tmp_path: Path,
+) -> None:
+    """An optimizer state flattened as torchtitan saves it
+    (flatten_optimizer_state_dict=True) names each group's settings per parameter
+    (``param_groups.<name>.lr``: numbers, not tensors) and torch rebuilds a group from its
+    first parameter's: the joined tensor's were missing (DCP raised), or, with
+    allow_partial_load, kept the new optimizer's lr for a group it leads."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7]])
+
+    def groups(model: torch.nn.Module) -> list[dict[str, object]]:
+        named = list(model.named_parameters())
+        return [
+            {"params": [p for n, p in named if "self_attn" in n], "lr": 1e-2},
+            {"params": [p for n, p in named if "self_attn" not in n], "lr": 1e-3},
+        ]
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.detach())
+
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    adamw = torch.optim.AdamW(groups(original))
+    step(original, adamw)
+    for group in adamw.param_groups:
+        group["lr"] /= 2  # as a scheduler moves it
+    state = {
+        "model": original.state_dict(),
+        "optim": get_optimizer_state_dict(original, adamw, options=flat),
+    }
+    path = _save(state, tmp_path / "trained")  # type: ignore[arg-type]
+    for partial in (False, True):
+        model = _swapped(seed=7)
+        resumed = torch.optim.AdamW(groups(model))
+        state = {
+            "model": model.state_dict(),
+            "optim": get_optimizer_state_dict(model, resumed, options=flat),
+        }
+        _load(state, path, partial=partial)  # type: ignore[arg-type]
+        model.load_state_dict(state["model"])
+        set_optimizer_state_dict(model, resumed, state["optim"], options=flat)
+        assert [g["lr"] for g in resumed.param_groups] == [5e-3, 5e-4], partial
+    copy = torch.optim.AdamW(groups(original))
+    copy.load_state_dict(adamw.state_dict())
+    assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-5)
+    assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-4)
