@@ -57,7 +57,9 @@ def test_a_class_swap_rollback_goes_on_past_a_failing_step_and_raises_the_first_
 
     monkeypatch.setattr(class_swap, "_apply", half_way)
     with (
-        pytest.warns(SwapWarning, match="rolling back llama.norm.fused: a step that cannot") as seen,
+        pytest.warns(
+            SwapWarning, match="rolling back llama.norm.fused: a step that cannot"
+        ) as seen,
         pytest.raises(RuntimeError, match="failed half-way"),
     ):
         layerswap.swap(model, "llama.norm.fused")
