@@ -19,7 +19,9 @@ nothing is copied twice, and the state's tensor holds the joined values when
 tensor (an optimizer's ``step``) is read from the first part, and so is an entry of
 its optimizer state that is no tensor (a flattened optimizer state's
 ``param_groups.<name>.lr``, from which torch rebuilds the group): read whole, into the
-joined tensor's entry. A part the checkpoint lacks
+joined tensor's entry. The lists of parameter names in a nested optimizer state's
+``param_groups`` are read with the joined tensor's name in place of its parts' (torch
+matches the checkpoint's groups to the optimizer's by these names). A part the checkpoint lacks
 is what any missing key is: DCP raises naming it, or, with ``allow_partial_load``, its
 rows keep the tensor's own values. A joined tensor that cannot be read that way is
 refused with a :class:`~layerswap.errors.ConversionError` before any tensor is read, the
@@ -43,7 +45,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,13 +300,63 @@ def _parts_planned(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs
     return plan
 
 
+def _group_lists(node: Any) -> Iterator[list[Any]]:
+    """Every ``params`` list of an optimizer state's ``param_groups`` (names of parameters)
+    in a nested state, in place."""
+    if not isinstance(node, Mapping):
+        return
+    groups = node.get("param_groups")
+    if isinstance(groups, list):
+        for group in groups:
+            if isinstance(group, MutableMapping) and isinstance(group.get("params"), list):
+                yield group["params"]
+    for value in node.values():
+        if isinstance(value, Mapping):
+            yield from _group_lists(value)
+
+
+def _joined_name(name: str, known: set[str], by_target: Mapping[str, list[_Joined]]) -> str:
+    """``name``, or the joined tensor's name where ``name`` is an original part of a live
+    swapped layer's joined tensor that ``known`` (the state's own names) holds."""
+    for target, candidates in by_target.items():
+        for joined in candidates:
+            for source in joined.rule.sources:
+                place = _at(name, source)
+                if place is not None and not place[1] and place[0] + target in known:
+                    return place[0] + target
+    return name
+
+
+def _groups_renamed(state: Any, known: set[str]) -> None:
+    """The ``param_groups`` a nested optimizer state read from the checkpoint name, put in
+    the swapped layout: torch matches a group to the optimizer's by these names, and a
+    group of joined tensors alone matched none (``KeyError: 'lr'``)."""
+    by_target: dict[str, list[_Joined]] | None = None
+    for names in _group_lists(state):
+        if all(name in known or not isinstance(name, str) for name in names):
+            continue
+        by_target = _joined_by_target() if by_target is None else by_target
+        renamed = [
+            _joined_name(name, known, by_target) if isinstance(name, str) else name
+            for name in names
+        ]
+        names[:] = list(dict.fromkeys(renamed))
+
+
 def _refusal_raised(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """Around DCP's ``_load_state_dict``: a refusal of :func:`_parts_planned`, which DCP
-    wraps in a ``CheckpointException`` with the rank it came from, raised as itself."""
+    wraps in a ``CheckpointException`` with the rank it came from, raised as itself; the
+    optimizer param groups read named in the swapped layout (:func:`_groups_renamed`)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    arguments = _arguments(wrapped, args, kwargs) or {}
+    state = arguments.get("state_dict")
+    known = {name for names in _group_lists(state) for name in names if isinstance(name, str)}
     try:
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        if known:
+            _groups_renamed(state, known)
+        return result
     except CheckpointException as exc:
         failures = getattr(exc, "failures", None) or {}
         for rank in sorted(failures):

@@ -381,3 +381,53 @@ def test_a_flattened_optimizer_checkpoint_of_the_original_resumes_each_group(
     copy.load_state_dict(adamw.state_dict())
     assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-5)
     assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-4)
+
+
+def test_an_optimizer_group_of_joined_tensors_alone_resumes_from_a_nested_state(
+    tmp_path: Path,
+) -> None:
+    """A nested optimizer state (get_optimizer_state_dict's default) names each group's
+    parameters in a list, which DCP reads from the checkpoint: in the original layout.
+    torch matches a group to the optimizer's by those names, and a group of q/k/v alone
+    matched none of the swapped model's (``KeyError: 'lr'``); the list read is named in
+    the swapped layout, so the group resumes with the checkpoint's settings."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7]])
+
+    def groups(model: torch.nn.Module, attention: tuple[str, ...]) -> list[dict[str, object]]:
+        named = list(model.named_parameters())
+        joined = [p for n, p in named if any(part in n for part in attention)]
+        rest = [p for n, p in named if not any(part in n for part in attention)]
+        return [{"params": joined, "lr": 1e-2}, {"params": rest, "lr": 1e-3}]
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.detach())
+
+    parts = ("q_proj", "k_proj", "v_proj")
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    adamw = torch.optim.AdamW(groups(original, parts))
+    step(original, adamw)
+    for group in adamw.param_groups:
+        group["lr"] /= 2  # as a scheduler moves it
+    state = {"model": original.state_dict(), "optim": get_optimizer_state_dict(original, adamw)}
+    path = _save(state, tmp_path / "trained")  # type: ignore[arg-type]
+    for partial in (False, True):
+        model = _swapped(seed=7)
+        resumed = torch.optim.AdamW(groups(model, ("qkv_proj",)))
+        state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, resumed)}
+        _load(state, path, partial=partial)  # type: ignore[arg-type]
+        model.load_state_dict(state["model"])
+        set_optimizer_state_dict(model, resumed, state["optim"])
+        assert [g["lr"] for g in resumed.param_groups] == [5e-3, 5e-4], partial
+    copy = torch.optim.AdamW(groups(original, parts))
+    copy.load_state_dict(adamw.state_dict())
+    assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-5)
+    assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-4)
