@@ -30,6 +30,10 @@ no view of its shard), one a rule computes (``Custom``), parts of another shape 
 rows. DCP reports a planning error inside its own ``CheckpointException``; around its load
 (``_load_state_dict``) the refusal is raised as itself, on every rank.
 
+The other way round, a key of the state that the checkpoint lacks, an original part of a
+live swapped layer's joined tensor which the checkpoint holds (a swapped model's checkpoint
+loaded into an original model), is refused the same way: DCP would skip it.
+
 A state without such keys, a checkpoint in the swapped layout, a checkpoint lacking a
 whole layer or the ``lm_head`` and a model without swapped layers load as they did. A
 layer whose converter has no rules (converted as a whole) is not recognised.
@@ -187,7 +191,31 @@ def _parts_to_read(
         views = _parts_of(key, state[key], saved, by_target)
         if views is not None:
             found[key] = views
+        else:
+            _refuse_swapped_layout(key, saved, by_target)
     return found
+
+
+def _refuse_swapped_layout(
+    key: str, saved: Mapping[str, Any], by_target: Mapping[str, list[_Joined]]
+) -> None:
+    """:class:`ConversionError` where ``key``, an original part the checkpoint lacks, is
+    there joined in a live swapped layer's layout: a swapped model's checkpoint loaded into
+    an original model, whose parts DCP would skip (``allow_partial_load``) or miss."""
+    for target, candidates in by_target.items():
+        for joined in candidates:
+            for source in joined.rule.sources:
+                place = _at(key, source)
+                held = None if place is None else place[0] + target + place[1]
+                if held is not None and held in saved:
+                    raise ConversionError(
+                        f"dcp.load: this state names {key!r}, in the original layout, and the "
+                        f"checkpoint holds {held!r}, {joined.substitution}'s layout: DCP would "
+                        "miss the part (or skip it, with allow_partial_load). Nothing was read. "
+                        f"Load the checkpoint into a model swapped by {joined.substitution} "
+                        "(layerswap.swap; its undo gives back original layers holding the "
+                        "weights), or write it from that model with save_pretrained"
+                    )
 
 
 def _parts_of(

@@ -263,6 +263,25 @@ def test_a_swapped_layout_checkpoint_and_a_model_without_swapped_layers_load_as_
     torch.testing.assert_close(_logits(plain), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_swapped_models_checkpoint_into_an_original_model_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint in the swapped layout names qkv_proj where an original model's state
+    names q/k/v: DCP missed them, or with allow_partial_load skipped them without a word
+    while the rest loaded. Refused before anything is read, with either planner."""
+    swapped = _swapped(seed=0)
+    path = _save(swapped.state_dict(), tmp_path / "swapped")
+    plain = tiny_model("llama", seed=7, num_hidden_layers=2)
+    for partial in (True, False):
+        state = plain.state_dict()
+        before = {key: value.clone() for key, value in state.items()}
+        with pytest.raises(
+            ConversionError, match=r"holds '.*(qkv|gate_up)_proj\.weight'.*Nothing was read"
+        ):
+            _load(state, path, partial=partial)
+        assert all(torch.equal(before[key], value) for key, value in state.items())
+
+
 def test_dcp_loading_has_the_names_layerswap_advises() -> None:
     """The functions layerswap advises are there in the installed torch, called as read."""
     import inspect
