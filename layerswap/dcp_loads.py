@@ -21,7 +21,9 @@ its optimizer state that is no tensor (a flattened optimizer state's
 ``param_groups.<name>.lr``, from which torch rebuilds the group): read whole, into the
 joined tensor's entry. The lists of parameter names in a nested optimizer state's
 ``param_groups`` are read with the joined tensor's name in place of its parts' (torch
-matches the checkpoint's groups to the optimizer's by these names). A part the checkpoint lacks
+matches the checkpoint's groups to the optimizer's by these names); a checkpoint whose
+optimizer puts the parts of one joined tensor in groups of different settings is refused
+first, its groups read alone: the joined tensor has one group. A part the checkpoint lacks
 is what any missing key is: DCP raises naming it, or, with ``allow_partial_load``, its
 rows keep the tensor's own values. A joined tensor that cannot be read that way is
 refused with a :class:`~layerswap.errors.ConversionError` before any tensor is read, the
@@ -48,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -371,14 +374,112 @@ def _groups_renamed(state: Any, known: set[str]) -> None:
         names[:] = list(dict.fromkeys(renamed))
 
 
+#: a read of the checkpoint's param group settings, made by :func:`_refuse_split_groups`
+#: itself: not checked again
+_READING_GROUPS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "layerswap_dcp_reading_groups", default=False
+)
+
+
+def _group_settings(storage_reader: Any, by_target: Mapping[str, list[_Joined]]) -> dict[str, Any]:
+    """The checkpoint's optimizer param group entries (numbers and lists, no tensors),
+    read alone from ``storage_reader``; empty where it has none or no joined tensor's part
+    is among their names."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    saved = storage_reader.read_metadata().state_dict_metadata
+    entries = [
+        key
+        for key, value in saved.items()
+        if ".param_groups." in f".{key}" and isinstance(value, BytesStorageMetadata)
+    ]
+    sources = {
+        source
+        for candidates in by_target.values()
+        for joined in candidates
+        for source in joined.rule.sources
+    }
+    # a nested state's groups name their parameters in a list; a flattened one's, in keys
+    if not any(
+        key.endswith(".params") or any(source in key for source in sources) for key in entries
+    ):
+        return {}
+    read: dict[str, Any] = dict.fromkeys(entries)
+    token = _READING_GROUPS.set(True)
+    try:
+        load(read, storage_reader=storage_reader, no_dist=True)
+    finally:
+        _READING_GROUPS.reset(token)
+    return read
+
+
+def _part_groups(read: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Parameter name -> its group's settings, from the entries :func:`_group_settings`
+    read: a nested state's (``...param_groups.<i>.params`` and ``.<setting>``) or a
+    flattened one's (``...param_groups.<name>.<setting>``)."""
+    found: dict[str, dict[str, Any]] = {}
+    for key, names in read.items():
+        if not key.endswith(".params") or not isinstance(names, list):
+            continue
+        group = key[: -len("params")]
+        settings = {k[len(group) :]: v for k, v in read.items() if k.startswith(group) and k != key}
+        for name in names:
+            found[str(name)] = settings
+    for key, value in read.items():
+        head, _, setting = key.rpartition(".")
+        at = head.find("param_groups.")
+        if at < 0 or setting == "params" or head[at + len("param_groups.") :].isdigit():
+            continue
+        found.setdefault(head[at + len("param_groups.") :], {})[setting] = value
+    return found
+
+
+def _refuse_split_groups(storage_reader: Any) -> None:
+    """:class:`ConversionError`, before anything is read, where the checkpoint's optimizer
+    puts the original parts of one joined tensor (q and k/v) in groups of different
+    settings (another ``lr``): the joined tensor has one group, so it could only resume
+    with one part's settings."""
+    by_target = _joined_by_target()
+    if not by_target:
+        return
+    groups = _part_groups(_group_settings(storage_reader, by_target))
+    if not groups:
+        return
+    for target, candidates in by_target.items():
+        for joined in candidates:
+            for name, settings in groups.items():
+                place = _at(name, joined.rule.sources[0])
+                if place is None or place[1]:
+                    continue
+                for source in joined.rule.sources[1:]:
+                    other = groups.get(place[0] + source)
+                    if other is not None and other != settings:
+                        differ = sorted(k for k in settings if settings.get(k) != other.get(k))
+                        raise ConversionError(
+                            f"dcp.load: the checkpoint's optimizer puts {name!r} and "
+                            f"{place[0] + source!r} in param groups of different settings "
+                            f"({', '.join(differ)}), and {joined.substitution} joins them into "
+                            f"{place[0] + target!r}, which has one group: it could resume with "
+                            "one part's settings only. Nothing was read. Resume the original "
+                            "model, or give the parts one group before saving"
+                        )
+
+
 def _refusal_raised(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """Around DCP's ``_load_state_dict``: a refusal of :func:`_parts_planned`, which DCP
-    wraps in a ``CheckpointException`` with the rank it came from, raised as itself; the
-    optimizer param groups read named in the swapped layout (:func:`_groups_renamed`)."""
+    wraps in a ``CheckpointException`` with the rank it came from, raised as itself; parts
+    of one joined tensor in optimizer groups of different settings refused first
+    (:func:`_refuse_split_groups`); the optimizer param groups read named in the swapped
+    layout (:func:`_groups_renamed`)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if _READING_GROUPS.get():
+        return wrapped(*args, **kwargs)
     arguments = _arguments(wrapped, args, kwargs) or {}
     state = arguments.get("state_dict")
+    if arguments.get("storage_reader") is not None:
+        _refuse_split_groups(arguments["storage_reader"])
     known = {name for names in _group_lists(state) for name in names if isinstance(name, str)}
     try:
         result = wrapped(*args, **kwargs)

@@ -450,3 +450,41 @@ def test_an_optimizer_group_of_joined_tensors_alone_resumes_from_a_nested_state(
     copy.load_state_dict(adamw.state_dict())
     assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-5)
     assert step(model, resumed) == pytest.approx(step(original, copy), rel=1e-4)
+
+
+def test_parts_of_one_joined_tensor_in_groups_of_other_settings_are_refused(
+    tmp_path: Path,
+) -> None:
+    """The original's optimizer trains q at another lr than k and v; the swapped model's
+    qkv_proj has one group, so it could only resume with one part's lr (it took q's for
+    all three, without a word). Refused before anything is read, nested or flattened."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7]])
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    named = list(original.named_parameters())
+    adamw = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if "q_proj" in n], "lr": 1e-2},
+            {"params": [p for n, p in named if "q_proj" not in n], "lr": 1e-3},
+        ]
+    )
+    original(input_ids=ids, labels=ids).loss.backward()
+    adamw.step()
+    for flat in (False, True):
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        state = {
+            "model": original.state_dict(),
+            "optim": get_optimizer_state_dict(original, adamw, options=options),
+        }
+        path = _save(state, tmp_path / f"split-{flat}")  # type: ignore[arg-type]
+        model = _swapped(seed=7)
+        resumed = torch.optim.AdamW(model.parameters(), lr=1.0)
+        state = {
+            "model": model.state_dict(),
+            "optim": get_optimizer_state_dict(model, resumed, options=options),
+        }
+        before = {key: value.clone() for key, value in state["model"].items()}
+        with pytest.raises(ConversionError, match=r"groups of different settings \(lr\)"):
+            _load(state, path)  # type: ignore[arg-type]
+        assert all(torch.equal(before[key], value) for key, value in state["model"].items())
