@@ -385,14 +385,15 @@ def _group_settings(storage_reader: Any, by_target: Mapping[str, list[_Joined]])
     """The checkpoint's optimizer param group entries (numbers and lists, no tensors),
     read alone from ``storage_reader``; empty where it has none or no joined tensor's part
     is among their names."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import load
 
     saved = storage_reader.read_metadata().state_dict_metadata
     entries = [
         key
         for key, value in saved.items()
-        if ".param_groups." in f".{key}" and isinstance(value, BytesStorageMetadata)
+        if ".param_groups." in f".{key}"
+        and isinstance(value, (BytesStorageMetadata, TensorStorageMetadata))
     ]
     sources = {
         source
@@ -405,7 +406,14 @@ def _group_settings(storage_reader: Any, by_target: Mapping[str, list[_Joined]])
         key.endswith(".params") or any(source in key for source in sources) for key in entries
     ):
         return {}
-    read: dict[str, Any] = dict.fromkeys(entries)
+    read: dict[str, Any] = {
+        key: (
+            torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+            if isinstance(saved[key], TensorStorageMetadata)
+            else None
+        )
+        for key in entries
+    }
     token = _READING_GROUPS.set(True)
     try:
         load(read, storage_reader=storage_reader, no_dist=True)
@@ -435,13 +443,51 @@ def _part_groups(read: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def _refuse_split_groups(storage_reader: Any) -> None:
+def _group_names(node: Any, path: str = "") -> Iterator[str]:
+    """The parameter names the ``param_groups`` of an optimizer state in ``node`` (the
+    state being loaded) name: a nested state's lists, a flattened one's keys
+    (``param_groups.<name>.<setting>``)."""
+    if not isinstance(node, Mapping):
+        return
+    for names in _group_lists(node) if not path else ():
+        yield from (name for name in names if isinstance(name, str))
+    for key, value in node.items():
+        full = f"{path}.{key}" if path else str(key)
+        at = full.find("param_groups.")
+        if at >= 0 and (at == 0 or full[at - 1] == "."):
+            name = full[at + len("param_groups.") :].rpartition(".")[0]
+            if name and not name.split(".")[0].isdigit():
+                yield name
+        if isinstance(value, Mapping):
+            yield from _group_names(value, full)
+
+
+def _same(one: Any, other: Any) -> bool:
+    """Whether two param group settings are equal: tensors by value, lists and tuples
+    item by item."""
+    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
+        return (
+            isinstance(one, torch.Tensor)
+            and isinstance(other, torch.Tensor)
+            and torch.equal(one.detach().cpu(), other.detach().cpu())
+        )
+    if isinstance(one, (list, tuple)) and isinstance(other, (list, tuple)):
+        return len(one) == len(other) and all(map(_same, one, other))
+    return bool(one == other)
+
+
+def _refuse_split_groups(storage_reader: Any, state: Any) -> None:
     """:class:`ConversionError`, before anything is read, where the checkpoint's optimizer
     puts the original parts of one joined tensor (q and k/v) in groups of different
-    settings (another ``lr``): the joined tensor has one group, so it could only resume
-    with one part's settings."""
+    settings (another ``lr``) and ``state`` (the state being loaded) has an optimizer
+    group of that joined tensor: it has one group, so it could only resume with one
+    part's settings. A state without one (a model's alone, or an original model's
+    optimizer) reads nothing here."""
     by_target = _joined_by_target()
     if not by_target:
+        return
+    wanted = set(_group_names(state))
+    if not any(_at(name, target) for name in wanted for target in by_target):
         return
     groups = _part_groups(_group_settings(storage_reader, by_target))
     if not groups:
@@ -450,12 +496,16 @@ def _refuse_split_groups(storage_reader: Any) -> None:
         for joined in candidates:
             for name, settings in groups.items():
                 place = _at(name, joined.rule.sources[0])
-                if place is None or place[1]:
+                if place is None or place[1] or place[0] + target not in wanted:
                     continue
                 for source in joined.rule.sources[1:]:
                     other = groups.get(place[0] + source)
-                    if other is not None and other != settings:
-                        differ = sorted(k for k in settings if settings.get(k) != other.get(k))
+                    differ = sorted(
+                        k
+                        for k in {*settings, *(other or {})}
+                        if other is not None and not _same(settings.get(k), other.get(k))
+                    )
+                    if differ:
                         raise ConversionError(
                             f"dcp.load: the checkpoint's optimizer puts {name!r} and "
                             f"{place[0] + source!r} in param groups of different settings "
@@ -479,7 +529,7 @@ def _refusal_raised(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
     arguments = _arguments(wrapped, args, kwargs) or {}
     state = arguments.get("state_dict")
     if arguments.get("storage_reader") is not None:
-        _refuse_split_groups(arguments["storage_reader"])
+        _refuse_split_groups(arguments["storage_reader"], state)
     known = {name for names in _group_lists(state) for name in names if isinstance(name, str)}
     try:
         result = wrapped(*args, **kwargs)

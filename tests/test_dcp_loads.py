@@ -488,3 +488,81 @@ def test_parts_of_one_joined_tensor_in_groups_of_other_settings_are_refused(
         with pytest.raises(ConversionError, match=r"groups of different settings \(lr\)"):
             _load(state, path)  # type: ignore[arg-type]
         assert all(torch.equal(before[key], value) for key, value in state["model"].items())
+
+
+def test_loads_that_read_no_joined_tensors_group_are_not_refused_for_split_groups(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint whose optimizer trains q at another lr than k and v: the swapped
+    model's weights alone, and an original model with its own optimizer, load from it
+    while a swapped model lives (both were refused: neither reads a joined tensor's
+    group)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def split(model: torch.nn.Module) -> list[dict[str, object]]:
+        named = list(model.named_parameters())
+        return [
+            {"params": [p for n, p in named if "q_proj" in n], "lr": 1e-2},
+            {"params": [p for n, p in named if "q_proj" not in n], "lr": 1e-3},
+        ]
+
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7]])
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    adamw = torch.optim.AdamW(split(original))
+    original(input_ids=ids, labels=ids).loss.backward()
+    adamw.step()
+    state = {"model": original.state_dict(), "optim": get_optimizer_state_dict(original, adamw)}
+    path = _save(state, tmp_path / "split")  # type: ignore[arg-type]
+    expected = _logits(original)
+
+    model = _swapped(seed=7)
+    weights = {"model": model.state_dict()}
+    _load(weights, path, partial=False)  # type: ignore[arg-type]
+    model.load_state_dict(weights["model"])
+    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+
+    other = tiny_model("llama", seed=3, num_hidden_layers=2)
+    resumed = torch.optim.AdamW(split(other))
+    state = {"model": other.state_dict(), "optim": get_optimizer_state_dict(other, resumed)}
+    _load(state, path, partial=False)  # type: ignore[arg-type]
+    other.load_state_dict(state["model"])
+    set_optimizer_state_dict(other, resumed, state["optim"])
+    assert [g["lr"] for g in resumed.param_groups] == [1e-2, 1e-3]
+
+
+def test_parts_in_groups_of_other_tensor_settings_are_refused(tmp_path: Path) -> None:
+    """A tensor lr is saved as a tensor, not with the groups' other settings: q at
+    tensor(1e-2) and k/v at tensor(1e-3) resumed with one part's lr, without a word."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7]])
+    original = tiny_model("llama", seed=0, num_hidden_layers=2)
+    named = list(original.named_parameters())
+    adamw = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if "q_proj" in n], "lr": torch.tensor(1e-2)},
+            {"params": [p for n, p in named if "q_proj" not in n], "lr": torch.tensor(1e-3)},
+        ]
+    )
+    original(input_ids=ids, labels=ids).loss.backward()
+    adamw.step()
+    for flat in (False, True):
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        state = {
+            "model": original.state_dict(),
+            "optim": get_optimizer_state_dict(original, adamw, options=options),
+        }
+        path = _save(state, tmp_path / f"tensor-{flat}")  # type: ignore[arg-type]
+        model = _swapped(seed=7)
+        resumed = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1.0))
+        state = {
+            "model": model.state_dict(),
+            "optim": get_optimizer_state_dict(model, resumed, options=options),
+        }
+        before = {key: value.clone() for key, value in state["model"].items()}
+        with pytest.raises(ConversionError, match=r"groups of different settings \(lr\)"):
+            _load(state, path)  # type: ignore[arg-type]
+        assert all(torch.equal(before[key], value) for key, value in state["model"].items())
