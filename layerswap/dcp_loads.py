@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import ConversionError
+from layerswap.patching.wrap import bound_arguments
 from layerswap.state import live_layout_hooks
 from layerswap.weights import Concat, Converter, Rename, describe, is_extra_state
 
@@ -272,19 +273,10 @@ def _entry_of(
     return None
 
 
-def _arguments(wrapped: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any] | None:
-    import inspect
-
-    try:
-        return dict(inspect.signature(wrapped).bind(*args, **kwargs).arguments)
-    except TypeError:
-        return None  # a call the function refuses itself: its error, not ours
-
-
 def _parts_planned(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """Around DCP's ``create_default_local_load_plan`` (see the module docstring): the
     state's joined tensors the checkpoint lacks planned as their original parts."""
-    arguments = _arguments(wrapped, args, kwargs)
+    arguments = bound_arguments(wrapped, args, kwargs)
     if arguments is None:
         return wrapped(*args, **kwargs)
     state, metadata = arguments.get("state_dict"), arguments.get("metadata")
@@ -526,7 +518,7 @@ def _refusal_raised(wrapped: Callable[..., Any], instance: Any, args: Any, kwarg
 
     if _READING_GROUPS.get():
         return wrapped(*args, **kwargs)
-    arguments = _arguments(wrapped, args, kwargs) or {}
+    arguments = bound_arguments(wrapped, args, kwargs) or {}
     state = arguments.get("state_dict")
     if arguments.get("storage_reader") is not None:
         _refuse_split_groups(arguments["storage_reader"], state)

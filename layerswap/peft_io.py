@@ -40,7 +40,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import inspect
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,6 +56,7 @@ from layerswap.adapters import (
     write_adapter,
 )
 from layerswap.model import unwrap
+from layerswap.patching.wrap import bound_arguments
 
 __all__ = ["ADVICE"]
 
@@ -65,19 +65,12 @@ LOAD = "peft.peft_model:PeftModel.load_adapter"
 FROM_PRETRAINED = "peft.peft_model:PeftModel.from_pretrained"
 
 
-def _bind(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    try:
-        return inspect.signature(wrapped).bind(*args, **kwargs).arguments
-    except TypeError:
-        return None  # a call PEFT itself refuses: its error, not ours
-
-
 def _save_in_original_layout(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Around ``PeftModel.save_pretrained``: PEFT saves, then each adapter is rewritten."""
     result = wrapped(*args, **kwargs)
-    arguments = _bind(wrapped, args, kwargs)
+    arguments = bound_arguments(wrapped, args, kwargs)
     if arguments is None or not arguments.get("is_main_process", True):
         return result
     groups = fused_groups(unwrap(instance, peft=True))
@@ -125,7 +118,7 @@ def _load_converted(
 ) -> Any:
     """Around ``PeftModel.from_pretrained`` and ``.load_adapter``: an original-layout
     adapter on a swapped model loads from a converted copy."""
-    arguments = _bind(wrapped, args, kwargs)
+    arguments = bound_arguments(wrapped, args, kwargs)
     if arguments is None:
         return wrapped(*args, **kwargs)
     model = arguments.get("model", instance)

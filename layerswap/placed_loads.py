@@ -41,7 +41,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import weakref
@@ -52,6 +51,7 @@ import torch
 from torch import nn
 
 from layerswap.errors import ConversionError
+from layerswap.patching.wrap import bound_arguments
 from layerswap.state import cast_like, convert_incoming, layout_hooks
 from layerswap.weights import Converter
 
@@ -77,13 +77,6 @@ def _state_name(model: nn.Module, name: str) -> str:
     return ".".join(parts)
 
 
-def _arguments(wrapped: Callable[..., Any], args: Any, kwargs: Any) -> dict[str, Any] | None:
-    try:
-        return dict(inspect.signature(wrapped).bind(*args, **kwargs).arguments)
-    except TypeError:
-        return None  # a call the function refuses itself: its error, not ours
-
-
 # --- torch: set_model_state_dict with a full state -----------------------------------------
 
 
@@ -93,7 +86,7 @@ def _full_state_converted(
     """Around torch's ``_load_model_state_dict`` (see the module docstring)."""
     import torch.distributed as dist
 
-    arguments = _arguments(wrapped, args, kwargs)
+    arguments = bound_arguments(wrapped, args, kwargs)
     if arguments is None:
         return wrapped(*args, **kwargs)
     model, state, info = arguments["model"], arguments["state_dict"], arguments["info"]

@@ -45,9 +45,28 @@ from layerswap.patching.sites import NOTSET, Site
 from layerswap.patching.target import ParsedTarget
 from layerswap.patching.wraps import delegating_async_generator, forwarder, safe_update_wrapper
 
-__all__ = ["Advice", "wrap"]
+__all__ = ["Advice", "bound_arguments", "wrap"]
 
 Advice = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def bound_arguments(
+    wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The arguments of a call advice sees, by parameter name; ``None`` where ``wrapped``
+    would refuse the call itself (its error is the one to raise, not the advice's).
+
+    Example::
+
+        def advice(wrapped, instance, args, kwargs):
+            arguments = bound_arguments(wrapped, args, kwargs)
+            if arguments is None:
+                return wrapped(*args, **kwargs)
+    """
+    try:
+        return dict(inspect.signature(wrapped).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None
 
 
 def _advice_of(wrapper: Any) -> Advice:
