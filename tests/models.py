@@ -170,3 +170,21 @@ def tokens(vocab_size: int, shape: tuple[int, int] = (2, 10), seed: int = 0) -> 
     """Random token ids (no padding)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab_size, shape, generator=generator)
+
+
+def prompt_logits(model: torch.nn.Module) -> torch.Tensor:
+    """``model``'s logits for one fixed prompt, in eval mode, without grad."""
+    ids = torch.tensor([[1, 5, 9, 22, 3, 7, 100, 4]])
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits  # type: ignore[no-any-return]
+
+
+def swapped_llama(seed: int) -> PreTrainedModel:
+    """A two-layer tiny llama from ``seed`` with its decoder layers swapped by the fused
+    backend (llama.decoder.fused)."""
+    import layerswap
+
+    model = tiny_model("llama", seed=seed, num_hidden_layers=2)
+    layerswap.swap(model, "llama.decoder.fused")
+    return model

@@ -13,27 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from models import tiny_model
+from models import prompt_logits, swapped_llama, tiny_model
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-import layerswap
 from layerswap.errors import ConversionError
 
-FUSED = "llama.decoder.fused"
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.tensor([[1, 5, 9, 22, 3, 7, 100, 4]])
-    model.eval()
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def _swapped(seed: int) -> torch.nn.Module:
-    model = tiny_model("llama", seed=seed, num_hidden_layers=2)
-    layerswap.swap(model, FUSED)
-    return model
 
 
 def _save(state: dict[str, torch.Tensor], path: Path) -> Path:
@@ -64,19 +49,19 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
 @pytest.fixture
 def original(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     model = tiny_model("llama", seed=0, num_hidden_layers=2)
-    return _save(model.state_dict(), tmp_path / "original"), _logits(model)
+    return _save(model.state_dict(), tmp_path / "original"), prompt_logits(model)
 
 
 def test_an_original_dcp_checkpoint_loads_whole_into_a_swapped_model(
     original: tuple[Path, torch.Tensor],
 ) -> None:
     path, expected = original
-    model = _swapped(seed=7)
-    assert not torch.allclose(_logits(model), expected)
+    model = swapped_llama(seed=7)
+    assert not torch.allclose(prompt_logits(model), expected)
     state = model.state_dict()
     _load(state, path)
     model.load_state_dict(state)
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_original_dcp_checkpoint_loads_with_the_default_planner_too(
@@ -84,22 +69,22 @@ def test_an_original_dcp_checkpoint_loads_with_the_default_planner_too(
 ) -> None:
     """DCP raised about the missing qkv_proj; now nothing is missing."""
     path, expected = original
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     state = model.state_dict()
     _load(state, path, partial=False)
     model.load_state_dict(state)
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_copies_of_the_state_and_a_nested_state_load_the_original_layout(
     original: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:
     path, expected = original
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     copies = {key: value.clone() for key, value in model.state_dict().items()}
     _load(copies, path)
     model.load_state_dict(copies)
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
 
     nested_path = tmp_path / "nested"
     with warnings.catch_warnings():
@@ -108,11 +93,11 @@ def test_copies_of_the_state_and_a_nested_state_load_the_original_layout(
             {"model": tiny_model("llama", seed=0, num_hidden_layers=2).state_dict()},
             checkpoint_id=nested_path,
         )
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     nested = {"model": model.state_dict()}
     _load(nested, nested_path)  # type: ignore[arg-type]
     model.load_state_dict(nested["model"])
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_checkpoint_of_some_layers_loads_them_and_keeps_the_rest(tmp_path: Path) -> None:
@@ -125,7 +110,7 @@ def test_a_checkpoint_of_some_layers_loads_them_and_keeps_the_rest(tmp_path: Pat
         if not key.startswith(("model.layers.1.", "lm_head."))
     }
     path = _save(state, tmp_path / "layer0")
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     own = {key: value.clone() for key, value in model.state_dict().items()}
     loaded = model.state_dict()
     _load(loaded, path)
@@ -153,7 +138,7 @@ def test_a_part_the_checkpoint_lacks_is_named_or_keeps_its_rows(tmp_path: Path) 
         if not key.endswith("0.self_attn.v_proj.weight")
     }
     path = _save(state, tmp_path / "no-v")
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     own = model.state_dict()[QKV].clone()
     with pytest.raises(BaseException, match=r"layers\.0\.self_attn\.v_proj\.weight"):
         _load(model.state_dict(), path, partial=False)
@@ -172,7 +157,7 @@ def test_parts_of_another_shape_are_refused_before_anything_is_read(tmp_path: Pa
     key = "model.layers.1.self_attn.k_proj.weight"
     state[key] = state[key][:-4].clone()  # a checkpoint of another configuration
     path = _save(state, tmp_path / "other")
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     loaded = model.state_dict()
     with pytest.raises(ConversionError, match=r"k_proj\.weight' is \(28, 128\).*Nothing was read"):
@@ -196,7 +181,7 @@ def test_a_model_and_optimizer_checkpoint_of_the_original_resumes_the_swapped_mo
     _step(original, adamw)
     state = {"model": original.state_dict(), "optim": get_optimizer_state_dict(original, adamw)}
     path = _save(state, tmp_path / "trained")  # type: ignore[arg-type]
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     resumed = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, resumed)}
     _load(state, path, partial=False)  # type: ignore[arg-type]
@@ -234,7 +219,7 @@ def test_a_sharded_joined_tensor_is_refused_before_anything_is_read(
     from torch.distributed.tensor import DTensor, Shard
 
     path, _ = original
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     state = model.state_dict()
     mesh = init_device_mesh("cpu", (1,))
@@ -250,13 +235,13 @@ def test_a_swapped_layout_checkpoint_and_a_model_without_swapped_layers_load_as_
     original: tuple[Path, torch.Tensor], tmp_path: Path
 ) -> None:
     path, expected = original
-    swapped = _swapped(seed=0)
+    swapped = swapped_llama(seed=0)
     swapped_path = _save(swapped.state_dict(), tmp_path / "swapped")
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     state = model.state_dict()
     _load(state, swapped_path, partial=False)
     model.load_state_dict(state)
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
     # an original model beside the swapped ones: its own layout, nothing joined or added
     plain = tiny_model("llama", seed=7, num_hidden_layers=2)
     state = plain.state_dict()
@@ -264,7 +249,7 @@ def test_a_swapped_layout_checkpoint_and_a_model_without_swapped_layers_load_as_
     _load(state, path, partial=False)
     assert list(state) == keys
     plain.load_state_dict(state)
-    torch.testing.assert_close(_logits(plain), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(plain), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_swapped_models_checkpoint_into_an_original_model_is_refused(
@@ -273,7 +258,7 @@ def test_a_swapped_models_checkpoint_into_an_original_model_is_refused(
     """A checkpoint in the swapped layout names qkv_proj where an original model's state
     names q/k/v: DCP missed them, or with allow_partial_load skipped them without a word
     while the rest loaded. Refused before anything is read, with either planner."""
-    swapped = _swapped(seed=0)
+    swapped = swapped_llama(seed=0)
     path = _save(swapped.state_dict(), tmp_path / "swapped")
     plain = tiny_model("llama", seed=7, num_hidden_layers=2)
     for partial in (True, False):
@@ -320,7 +305,7 @@ def test_the_live_layouts_are_read_while_another_thread_swaps() -> None:
 
     from layerswap import state
 
-    hook = state.layout_hooks(_swapped(seed=7))[0][2]
+    hook = state.layout_hooks(swapped_llama(seed=7))[0][2]
     layers = [torch.nn.Module() for _ in range(2000)]  # a big swapped model's layers
     for layer in layers:
         state.install_load_hook(layer, hook.substitution, hook.config)
@@ -382,7 +367,7 @@ def test_a_flattened_optimizer_checkpoint_of_the_original_resumes_each_group(
     }
     path = _save(state, tmp_path / "trained")  # type: ignore[arg-type]
     for partial in (False, True):
-        model = _swapped(seed=7)
+        model = swapped_llama(seed=7)
         resumed = torch.optim.AdamW(groups(model))
         state = {
             "model": model.state_dict(),
@@ -426,7 +411,7 @@ def test_an_optimizer_group_of_joined_tensors_alone_resumes_from_a_nested_state(
     state = {"model": original.state_dict(), "optim": get_optimizer_state_dict(original, adamw)}
     path = _save(state, tmp_path / "trained")  # type: ignore[arg-type]
     for partial in (False, True):
-        model = _swapped(seed=7)
+        model = swapped_llama(seed=7)
         resumed = torch.optim.AdamW(groups(model, ("qkv_proj",)))
         state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, resumed)}
         _load(state, path, partial=partial)  # type: ignore[arg-type]
@@ -465,7 +450,7 @@ def test_parts_of_one_joined_tensor_in_groups_of_other_settings_are_refused(
             "optim": get_optimizer_state_dict(original, adamw, options=options),
         }
         path = _save(state, tmp_path / f"split-{flat}")  # type: ignore[arg-type]
-        model = _swapped(seed=7)
+        model = swapped_llama(seed=7)
         resumed = torch.optim.AdamW(model.parameters(), lr=lr(1.0))
         state = {
             "model": model.state_dict(),
@@ -501,13 +486,13 @@ def test_loads_that_read_no_joined_tensors_group_are_not_refused_for_split_group
     _step(original, adamw)
     state = {"model": original.state_dict(), "optim": get_optimizer_state_dict(original, adamw)}
     path = _save(state, tmp_path / "split")  # type: ignore[arg-type]
-    expected = _logits(original)
+    expected = prompt_logits(original)
 
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     weights = {"model": model.state_dict()}
     _load(weights, path, partial=False)  # type: ignore[arg-type]
     model.load_state_dict(weights["model"])
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
 
     other = tiny_model("llama", seed=3, num_hidden_layers=2)
     resumed = torch.optim.AdamW(split(other))

@@ -13,7 +13,7 @@ from typing import Any
 import accelerate.utils as accelerate_modeling
 import pytest
 import torch
-from models import tiny_config, tiny_model
+from models import prompt_logits, swapped_llama, tiny_config, tiny_model
 from ranks import free_port, run_ranks
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
@@ -24,26 +24,13 @@ from layerswap.errors import ConversionError
 FUSED = "llama.decoder.fused"
 
 
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = torch.tensor([[1, 5, 9, 22, 3, 7, 100, 4]])
-    model.eval()
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def _swapped(seed: int) -> torch.nn.Module:
-    model = tiny_model("llama", seed=seed, num_hidden_layers=2)
-    layerswap.swap(model, FUSED)
-    return model
-
-
 @pytest.fixture
 def original_checkpoint(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     original = tiny_model("llama", seed=0, num_hidden_layers=2)
     # shards of a few tensors each: a layer's q, k and v fall in different files
     original.save_pretrained(tmp_path, max_shard_size="40KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
-    return tmp_path, _logits(original)
+    return tmp_path, prompt_logits(original)
 
 
 #: accelerate places tensors one by one with a device map, and loads each file's state
@@ -58,12 +45,12 @@ def test_accelerate_places_an_original_checkpoint_by_name_into_a_swapped_model(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     path, expected = original_checkpoint
-    model = _swapped(seed=7)
-    assert not torch.equal(_logits(model), expected)
+    model = swapped_llama(seed=7)
+    assert not torch.equal(prompt_logits(model), expected)
     # as a script calls it: a module's name, bound before or after the swap
     with caplog.at_level(logging.WARNING, logger="accelerate"):
         accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map=device_map)
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
     # every tensor of the checkpoint was used: accelerate says none was left out
     assert "were not used" not in caplog.text
 
@@ -73,9 +60,9 @@ def test_accelerate_loading_bound_under_another_name_before_the_swap_converts_to
 ) -> None:
     path, expected = original_checkpoint
     bound = {"load": accelerate_modeling.load_checkpoint_in_model}  # held before any swap
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     bound["load"](model, str(path), device_map={"": "cpu"})
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_accelerate_loading_reads_the_names_layerswap_reads() -> None:
@@ -101,7 +88,7 @@ def test_load_checkpoint_and_dispatch_fills_an_empty_swapped_model(
         model = LlamaForCausalLM(tiny_config("llama", num_hidden_layers=2))
     model = load_checkpoint_and_dispatch(model, str(path), device_map="auto")
     model.model.rotary_emb.__init__(model.config)  # a buffer init_empty_weights left empty
-    torch.testing.assert_close(_logits(model), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt_logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
 @DEVICE_MAPS
@@ -116,7 +103,7 @@ def test_a_checkpoint_giving_a_joined_tensor_in_part_is_refused_by_accelerate(
     del tensors[key]
     save_file(tensors, shard, metadata={"format": "pt"})
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     with pytest.raises(ConversionError, match=r"k_proj\.weight'.*nothing was loaded"):
         accelerate_modeling.load_checkpoint_in_model(model, str(path), device_map=device_map)
@@ -129,12 +116,12 @@ def test_a_checkpoint_giving_a_layer_in_both_layouts_is_refused_by_accelerate(
 ) -> None:
     original = tiny_model("llama", seed=0, num_hidden_layers=2)
     state = {key: value.contiguous() for key, value in original.state_dict().items()}
-    swapped = _swapped(seed=0)
+    swapped = swapped_llama(seed=0)
     key = "model.layers.0.self_attn.qkv_proj.weight"
     state[key] = swapped.state_dict()[key].clone()  # a stray second layout of layer 0
     state.pop("lm_head.weight", None)  # tied to the embeddings
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     with pytest.raises(ConversionError, match="both in the original layout"):
         accelerate_modeling.load_checkpoint_in_model(model, str(tmp_path), device_map=device_map)
@@ -146,7 +133,7 @@ def test_a_full_state_given_in_part_is_refused_with_strict_and_reported_without(
 
     state = tiny_model("llama", seed=0, num_hidden_layers=2).state_dict()
     del state["model.layers.0.self_attn.v_proj.weight"]
-    model = _swapped(seed=7)
+    model = swapped_llama(seed=7)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     with pytest.raises(ConversionError, match=r"v_proj\.weight' missing; nothing was loaded"):
         set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
@@ -166,11 +153,14 @@ def _broadcast_rank(rank: int, port: int, out: str) -> None:
     try:
         original = tiny_model("llama", seed=0, num_hidden_layers=2)
         state: dict[str, Any] = dict(original.state_dict()) if rank == 0 else {}
-        model = _swapped(seed=7)
+        model = swapped_llama(seed=7)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         result = set_model_state_dict(model, state, options=options)
         torch.save(
-            {"difference": (_logits(model) - _logits(original)).abs().max(), "result": result},
+            {
+                "difference": (prompt_logits(model) - prompt_logits(original)).abs().max(),
+                "result": result,
+            },
             f"{out}/rank{rank}.pt",
         )
     finally:
@@ -190,7 +180,7 @@ def _broadcast_partial_rank(rank: int, port: int, out: str) -> None:
             del state["model.layers.0.self_attn.v_proj.weight"]
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         try:
-            set_model_state_dict(_swapped(seed=7), state, options=options)
+            set_model_state_dict(swapped_llama(seed=7), state, options=options)
             said = "loaded"
         except ConversionError as exc:
             said = str(exc)
@@ -223,7 +213,7 @@ def _accelerate_broadcast_partial_rank(rank: int, port: int, path: str, out: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        model = _swapped(seed=7)
+        model = swapped_llama(seed=7)
         try:
             accelerate_modeling.load_checkpoint_in_model(model, path, broadcast_from_rank0=True)
             said = "loaded"
